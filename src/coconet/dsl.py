@@ -1,0 +1,539 @@
+"""The coconet DSL: what users write.
+
+A ``Tensor`` is a handle on an IR node. Declaring one (``Tensor("g", float32, [N], Local)``) makes
+a program input; every operator and function below builds a new node, checking layouts, shapes and
+dtypes at once and pointing errors at the line that wrote the op::
+
+    N = Dim("N")
+    g = Tensor("g", float32, [N], Local)          # this rank's gradient
+    w = Tensor("w", float32, [N], Replicated)     # the weights, the same on every rank
+    lr = Scalar("lr")                             # a runtime scalar, not a constant
+    g_sum = all_reduce(g)                         # Local -> Replicated
+    program = Program("sgd", [g, w, lr], [update(w, w - lr * g_sum)])
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+from typing import Any
+
+from coconet.errors import DSLError, DTypeError, capture_loc
+from coconet.ir.node import Node, make_node
+from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.types import Dim, DType, Layout, Replicated, Size, TensorType
+
+__all__ = [
+    "Scalar",
+    "Tensor",
+    "abs",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "cast",
+    "dropout",
+    "eq",
+    "exp",
+    "ge",
+    "gelu",
+    "gt",
+    "le",
+    "log",
+    "lt",
+    "matmul",
+    "max",
+    "maximum",
+    "minimum",
+    "ne",
+    "neg",
+    "norm",
+    "pow",
+    "reduce",
+    "reduce_scatter",
+    "relu",
+    "rsqrt",
+    "scatter",
+    "send",
+    "sqrt",
+    "sum",
+    "update",
+    "where",
+]
+
+Number = int | float
+
+
+class Tensor:
+    """A value of a coconet program: an input when declared, the result of an op otherwise.
+
+    ``shape`` is the global (logical) shape; ``layout`` says how it is spread over the ranks.
+    """
+
+    __slots__ = ("node",)
+
+    def __init__(
+        self,
+        name: str,
+        dtype: DType,
+        shape: Sequence[Size],
+        layout: Layout = Replicated,
+    ) -> None:
+        loc = capture_loc()
+        if not isinstance(name, str) or not name.isidentifier():
+            raise DSLError(
+                f"a tensor name must be an identifier, got {name!r}", op="Tensor", loc=loc
+            )
+        if not isinstance(dtype, DType):
+            raise DSLError(
+                f"dtype must be a coconet DType, got {dtype!r}",
+                op="Tensor",
+                loc=loc,
+                hint="use coconet.float32, float16, bfloat16, int32 or int64",
+            )
+        for s in shape:
+            ok = isinstance(s, Dim) or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)
+            if not ok:
+                raise DSLError(
+                    f"{name}: sizes are ints >= 0 or Dims, got {s!r}", op="Tensor", loc=loc
+                )
+        if not isinstance(layout, Layout):
+            raise DSLError(
+                f"{name}: layout must be Local, Replicated or Sliced(dim), got {layout!r}",
+                op="Tensor",
+                loc=loc,
+            )
+        shape = tuple(shape)
+        if layout.is_sliced and not -len(shape) <= layout.dim < len(shape):
+            raise DSLError(
+                f"{name}: Sliced(dim={layout.dim}) but the tensor has rank {len(shape)}",
+                op="Tensor",
+                loc=loc,
+                hint="slice one of the tensor's dims",
+            )
+        if layout.is_sliced and layout.dim < 0:
+            layout = Layout(layout.kind, layout.dim % len(shape), layout.axis)
+        attrs = {"dtype": dtype, "shape": shape, "layout": layout}
+        self.node = make_node(Op.INPUT, (), attrs, name=name, loc=loc)
+
+    @classmethod
+    def _wrap(cls, node: Node) -> Tensor:
+        t = object.__new__(cls)
+        t.node = node
+        return t
+
+    # -- what it is -----------------------------------------------------------------------------
+
+    @property
+    def type(self) -> TensorType:
+        return self.node.type
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.type.dtype
+
+    @property
+    def shape(self) -> tuple[Size, ...]:
+        return self.node.type.shape
+
+    @property
+    def layout(self) -> Layout:
+        return self.node.type.layout
+
+    @property
+    def name(self) -> str | None:
+        return self.node.name
+
+    def named(self, name: str) -> Tensor:
+        """The same value, with a name that printing, schedules and errors use."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise DSLError(f"a value name must be an identifier, got {name!r}", loc=capture_loc())
+        if self.node.op is Op.INPUT:
+            raise DSLError("inputs are named where they are declared", loc=capture_loc())
+        return Tensor._wrap(self.node.renamed(name))
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.node.describe()})"
+
+    def __bool__(self) -> bool:
+        raise DSLError(
+            "a coconet Tensor has no truth value while the program is being built",
+            loc=capture_loc(),
+            hint="use where(cond, a, b) for a data-dependent choice",
+        )
+
+    __hash__ = object.__hash__
+
+    # -- operators ------------------------------------------------------------------------------
+
+    def __add__(self, o):
+        return _binary(Op.ADD, self, o)
+
+    def __radd__(self, o):
+        return _binary(Op.ADD, o, self)
+
+    def __sub__(self, o):
+        return _binary(Op.SUB, self, o)
+
+    def __rsub__(self, o):
+        return _binary(Op.SUB, o, self)
+
+    def __mul__(self, o):
+        return _binary(Op.MUL, self, o)
+
+    def __rmul__(self, o):
+        return _binary(Op.MUL, o, self)
+
+    def __truediv__(self, o):
+        return _binary(Op.DIV, self, o)
+
+    def __rtruediv__(self, o):
+        return _binary(Op.DIV, o, self)
+
+    def __pow__(self, o):
+        return _binary(Op.POW, self, o)
+
+    def __rpow__(self, o):
+        return _binary(Op.POW, o, self)
+
+    def __neg__(self):
+        return _unary(Op.NEG, self)
+
+    def __lt__(self, o):
+        return _binary(Op.LT, self, o)
+
+    def __le__(self, o):
+        return _binary(Op.LE, self, o)
+
+    def __gt__(self, o):
+        return _binary(Op.GT, self, o)
+
+    def __ge__(self, o):
+        return _binary(Op.GE, self, o)
+
+    def __matmul__(self, o):
+        return matmul(self, o)
+
+    # -- method forms of reductions -------------------------------------------------------------
+
+    def sum(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return _reduction(Op.SUM, self, dim, keepdim)
+
+    def max(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return _reduction(Op.MAX, self, dim, keepdim)
+
+    def norm(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return _reduction(Op.NORM, self, dim, keepdim)
+
+
+def Scalar(name: str, dtype: DType = DType.float32) -> Tensor:  # noqa: N802 - a declaration
+    """A runtime scalar input (learning rate, beta, step): Replicated, shape ``[]``."""
+    t = Tensor.__new__(Tensor)
+    Tensor.__init__(t, name, dtype, (), Replicated)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# building nodes
+
+
+def _node(x: Any, like: Node | None, op: Op) -> Node:
+    if isinstance(x, Tensor):
+        return x.node
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise DSLError(
+            f"operands must be coconet Tensors or Python numbers, got {type(x).__name__}",
+            op=str(op),
+            loc=capture_loc(),
+        )
+    dtype = DType.float32
+    if like is not None:
+        if like.type.dtype.is_float or isinstance(x, int):
+            dtype = like.type.dtype
+        if dtype is DType.bool:
+            dtype = DType.int64
+    if isinstance(x, float) and not dtype.is_float:
+        raise DTypeError(
+            f"the constant {x!r} is a float but the tensor is {dtype.value}",
+            op=str(op),
+            loc=capture_loc(),
+            hint="cast(...) the tensor to a float dtype",
+        )
+    return make_node(Op.CONST, (), {"value": x, "dtype": dtype}, loc=capture_loc())
+
+
+def _wrap(op: Op, inputs: tuple[Node, ...], **attrs: Any) -> Tensor:
+    name = attrs.pop("name", None)
+    return Tensor._wrap(make_node(op, inputs, attrs, name=name, loc=capture_loc()))
+
+
+def _binary(op: Op, a: Any, b: Any) -> Tensor:
+    la = a.node if isinstance(a, Tensor) else None
+    lb = b.node if isinstance(b, Tensor) else None
+    if la is None and lb is None:
+        raise DSLError(
+            "at least one operand must be a coconet Tensor", op=str(op), loc=capture_loc()
+        )
+    return _wrap(op, (_node(a, lb, op), _node(b, la, op)))
+
+
+def _unary(op: Op, x: Any, **attrs: Any) -> Tensor:
+    return _wrap(op, (_node(x, None, op),), **attrs)
+
+
+def _reduction(op: Op, x: Tensor, dim: int | None, keepdim: bool) -> Tensor:
+    if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool)):
+        raise DSLError(f"dim must be an int or None, got {dim!r}", op=str(op), loc=capture_loc())
+    return _wrap(op, (_node(x, None, op),), dim=dim, keepdim=bool(keepdim))
+
+
+def _check_axis(op: str, axis: Any) -> None:
+    if axis is not None and not isinstance(axis, str):
+        raise DSLError(
+            f"axis must be a mesh axis name or None, got {axis!r}", op=op, loc=capture_loc()
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# computation
+
+
+def neg(x: Tensor) -> Tensor:
+    return _unary(Op.NEG, x)
+
+
+def sqrt(x: Tensor) -> Tensor:
+    return _unary(Op.SQRT, x)
+
+
+def rsqrt(x: Tensor) -> Tensor:
+    return _unary(Op.RSQRT, x)
+
+
+def exp(x: Tensor) -> Tensor:
+    return _unary(Op.EXP, x)
+
+
+def log(x: Tensor) -> Tensor:
+    return _unary(Op.LOG, x)
+
+
+def abs(x: Tensor) -> Tensor:  # noqa: A001 - the DSL's name for it
+    return _unary(Op.ABS, x)
+
+
+def relu(x: Tensor) -> Tensor:
+    return _unary(Op.RELU, x)
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GELU with the exact erf form (``torch.nn.functional.gelu``'s default)."""
+    return _unary(Op.GELU, x)
+
+
+def cast(x: Tensor, dtype: DType) -> Tensor:
+    if not isinstance(dtype, DType):
+        raise DSLError(f"cast takes a coconet DType, got {dtype!r}", op="cast", loc=capture_loc())
+    return _unary(Op.CAST, x, dtype=dtype)
+
+
+def pow(x: Any, exponent: Any) -> Tensor:  # noqa: A001
+    return _binary(Op.POW, x, exponent)
+
+
+def maximum(a: Any, b: Any) -> Tensor:
+    return _binary(Op.MAXIMUM, a, b)
+
+
+def minimum(a: Any, b: Any) -> Tensor:
+    return _binary(Op.MINIMUM, a, b)
+
+
+def lt(a: Any, b: Any) -> Tensor:
+    return _binary(Op.LT, a, b)
+
+
+def le(a: Any, b: Any) -> Tensor:
+    return _binary(Op.LE, a, b)
+
+
+def gt(a: Any, b: Any) -> Tensor:
+    return _binary(Op.GT, a, b)
+
+
+def ge(a: Any, b: Any) -> Tensor:
+    return _binary(Op.GE, a, b)
+
+
+def eq(a: Any, b: Any) -> Tensor:
+    return _binary(Op.EQ, a, b)
+
+
+def ne(a: Any, b: Any) -> Tensor:
+    return _binary(Op.NE, a, b)
+
+
+def where(cond: Tensor, a: Any, b: Any) -> Tensor:
+    """``a`` where ``cond`` holds, else ``b`` (CoCoNet's Ite)."""
+    like = a.node if isinstance(a, Tensor) else b.node if isinstance(b, Tensor) else None
+    return _wrap(
+        Op.WHERE, (_node(cond, None, Op.WHERE), _node(a, like, Op.WHERE), _node(b, like, Op.WHERE))
+    )
+
+
+def dropout(x: Tensor, p: float, seed: Any = 0, step: Any = 0) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
+
+    The mask is a counter-based hash of (seed, step, the element's global index), so it is the same
+    however the tensor is sliced or chunked. ``seed`` and ``step`` are int scalars or Python ints.
+    """
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise DSLError(
+            f"dropout's p must be a Python number, got {p!r}", op="dropout", loc=capture_loc()
+        )
+    int_like = make_node(Op.CONST, (), {"value": 0, "dtype": DType.int64})
+    return _wrap(
+        Op.DROPOUT,
+        (
+            _node(x, None, Op.DROPOUT),
+            _node(seed, int_like, Op.DROPOUT),
+            _node(step, int_like, Op.DROPOUT),
+        ),
+        p=float(p),
+    )
+
+
+def _sum(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Sum over all elements, or over ``dim``. Over a sliced dim it gives Local partial sums."""
+    return _reduction(Op.SUM, x, dim, keepdim)
+
+
+def _max(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Maximum over all elements, or over ``dim``."""
+    return _reduction(Op.MAX, x, dim, keepdim)
+
+
+def norm(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """The L2 norm over all elements, or over ``dim``."""
+    return _reduction(Op.NORM, x, dim, keepdim)
+
+
+def matmul(x: Tensor, w: Tensor) -> Tensor:
+    """``x[..., K] @ w[K, N]``."""
+    return _wrap(Op.MATMUL, (_node(x, None, Op.MATMUL), _node(w, None, Op.MATMUL)))
+
+
+sum = _sum  # noqa: A001 - the DSL's reduction; builtins.sum is still builtins.sum
+max = _max  # noqa: A001
+
+# ---------------------------------------------------------------------------------------------
+# communication
+
+
+def _reduce_op(op: Any, who: str) -> ReduceOp:
+    if not isinstance(op, ReduceOp):
+        raise DSLError(
+            f"op= must be a ReduceOp, got {op!r}",
+            op=who,
+            loc=capture_loc(),
+            hint="ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN or ReduceOp.PROD",
+        )
+    return op
+
+
+def all_reduce(
+    x: Tensor, op: ReduceOp = ReduceOp.SUM, axis: str | None = None, name: str | None = None
+) -> Tensor:
+    """Reduce the Local values of every rank of ``axis``; each rank gets the result (Replicated)."""
+    _check_axis("all_reduce", axis)
+    return _wrap(
+        Op.ALL_REDUCE,
+        (_node(x, None, Op.ALL_REDUCE),),
+        reduce_op=_reduce_op(op, "all_reduce"),
+        axis=axis,
+        name=name,
+    )
+
+
+def reduce_scatter(
+    x: Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    axis: str | None = None,
+    dim: int = 0,
+    name: str | None = None,
+) -> Tensor:
+    """Reduce the Local values of ``axis``; rank i keeps the i-th part along ``dim`` (Sliced)."""
+    _check_axis("reduce_scatter", axis)
+    return _wrap(
+        Op.REDUCE_SCATTER,
+        (_node(x, None, Op.REDUCE_SCATTER),),
+        reduce_op=_reduce_op(op, "reduce_scatter"),
+        axis=axis,
+        dim=dim,
+        name=name,
+    )
+
+
+def all_gather(x: Tensor, axis: str | None = None, name: str | None = None) -> Tensor:
+    """Concatenate the slices of a Sliced value on every rank of its axis (Replicated)."""
+    _check_axis("all_gather", axis)
+    if axis is None and isinstance(x, Tensor) and x.layout.is_sliced:
+        axis = x.layout.axis
+    return _wrap(Op.ALL_GATHER, (_node(x, None, Op.ALL_GATHER),), axis=axis, name=name)
+
+
+def broadcast(x: Tensor, root: int = 0, axis: str | None = None, name: str | None = None) -> Tensor:
+    """Every rank of ``axis`` gets the value of its ``root``-th rank (Replicated)."""
+    _check_axis("broadcast", axis)
+    return _wrap(Op.BROADCAST, (_node(x, None, Op.BROADCAST),), root=root, axis=axis, name=name)
+
+
+def reduce(
+    x: Tensor,
+    root: int = 0,
+    op: ReduceOp = ReduceOp.SUM,
+    axis: str | None = None,
+    name: str | None = None,
+) -> Tensor:
+    """The ``root``-th rank of ``axis`` gets the reduction; the other ranks hold zeros (Local)."""
+    _check_axis("reduce", axis)
+    return _wrap(
+        Op.REDUCE,
+        (_node(x, None, Op.REDUCE),),
+        root=root,
+        reduce_op=_reduce_op(op, "reduce"),
+        axis=axis,
+        name=name,
+    )
+
+
+def send(x: Tensor, axis: str, name: str | None = None) -> Tensor:
+    """Point-to-point along a mesh axis: the result on rank i of ``axis`` is rank i-1's ``x``.
+
+    This is a pipeline boundary: each stage sends to the next and receives from the previous.
+    The first rank of the axis receives nothing and holds zeros.
+    """
+    if not isinstance(axis, str):
+        raise DSLError(
+            "send needs the mesh axis to send along, e.g. send(x, axis='pp')",
+            op="send",
+            loc=capture_loc(),
+        )
+    return _wrap(Op.SEND, (_node(x, None, Op.SEND),), axis=axis, name=name)
+
+
+def scatter(x: Tensor, dim: int = 0, axis: str | None = None, name: str | None = None) -> Tensor:
+    """This rank's slice of a Replicated value along ``dim`` (no communication)."""
+    _check_axis("scatter", axis)
+    return _wrap(Op.SCATTER, (_node(x, None, Op.SCATTER),), dim=dim, axis=axis, name=name)
+
+
+def update(target: Tensor, value: Any) -> Tensor:
+    """The new value of the input ``target``, applied only when the whole step has succeeded."""
+    if not isinstance(target, Tensor):
+        raise DSLError(
+            "update's first operand must be a coconet input Tensor", op="update", loc=capture_loc()
+        )
+    return _wrap(Op.UPDATE, (target.node, _node(value, target.node, Op.UPDATE)))
+
+
+_ = builtins  # the module shadows sum/max/abs/pow on purpose; builtins stays reachable

@@ -1,0 +1,127 @@
+"""The exceptions coconet raises, and the source location each one points at.
+
+Every user-facing error is a ``CoconetError``. Errors about a program carry the op that failed, the
+values involved, the user's own file and line (captured when the op was written) and a hint that
+says what to do. They are plain exceptions: nothing here uses ``assert``.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from dataclasses import dataclass
+
+__all__ = [
+    "CodegenError",
+    "CoconetError",
+    "DSLError",
+    "DTypeError",
+    "LayoutError",
+    "RuntimeFault",
+    "ScheduleError",
+    "ShapeError",
+    "SimulationError",
+    "SourceLoc",
+    "capture_loc",
+]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class SourceLoc:
+    """A place in the user's code: where a DSL op was written."""
+
+    filename: str
+    lineno: int
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno}"
+
+    def source_line(self) -> str:
+        return linecache.getline(self.filename, self.lineno).strip()
+
+
+def capture_loc() -> SourceLoc | None:
+    """The innermost stack frame outside the coconet package: the user's line.
+
+    Frames of coconet itself are skipped so that an error raised deep inside a rule still points
+    at the line the user wrote (``m1 = b1 * m + g``), not at coconet's internals.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(_PACKAGE_DIR + os.sep):
+            return SourceLoc(frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+class CoconetError(Exception):
+    """Base of every error coconet raises on purpose.
+
+    ``op`` names the operation, ``loc`` is the user's line, ``details`` lists the values involved
+    (one per line) and ``hint`` says what to do about it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        loc: SourceLoc | None = None,
+        details: tuple[str, ...] | list[str] = (),
+        hint: str | None = None,
+    ) -> None:
+        self.message = message
+        self.op = op
+        self.loc = loc
+        self.details = tuple(details)
+        self.hint = hint
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        head = f"{self.op}: {self.message}" if self.op else self.message
+        lines = [head]
+        if self.loc is not None:
+            lines.append(f"  at {self.loc}")
+            src = self.loc.source_line()
+            if src:
+                lines.append(f"    {src}")
+        lines.extend(f"  {d}" for d in self.details)
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
+
+
+class DSLError(CoconetError):
+    """A program that cannot be built: misuse of the DSL."""
+
+
+class LayoutError(DSLError):
+    """Operands whose layouts (Local, Replicated, Sliced) cannot be combined by this op."""
+
+
+class ShapeError(DSLError):
+    """Operands whose shapes do not fit this op."""
+
+
+class DTypeError(DSLError):
+    """Operands whose element types do not fit this op."""
+
+
+class ScheduleError(CoconetError):
+    """A schedule primitive that cannot be applied to this program, and why."""
+
+
+class SimulationError(CoconetError):
+    """Inputs given to the simulator that do not fit the program."""
+
+
+class CodegenError(CoconetError):
+    """A program or schedule the compiler cannot turn into code."""
+
+
+class RuntimeFault(CoconetError):
+    """A distributed step that failed: a dead or stalled rank, mismatched programs, bad inputs."""

@@ -1,0 +1,94 @@
+"""The op enum of the IR, its named groups, and the reduction operators of collectives."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "BINARY",
+    "COLLECTIVES",
+    "COMMUNICATION",
+    "COMPARISONS",
+    "COMPUTATION",
+    "LEAVES",
+    "POINTWISE",
+    "REDUCTIONS",
+    "UNARY",
+    "Op",
+    "ReduceOp",
+]
+
+
+class Op(enum.Enum):
+    # leaves
+    INPUT = "input"
+    CONST = "const"
+    # pointwise, one operand
+    NEG = "neg"
+    SQRT = "sqrt"
+    RSQRT = "rsqrt"
+    EXP = "exp"
+    LOG = "log"
+    ABS = "abs"
+    RELU = "relu"
+    GELU = "gelu"
+    CAST = "cast"
+    DROPOUT = "dropout"  # operands: x, seed, step (the mask is keyed by seed, step, element index)
+    # pointwise, two operands
+    ADD = "add"
+    SUB = "sub"
+    MUL = "mul"
+    DIV = "div"
+    POW = "pow"
+    MAXIMUM = "maximum"
+    MINIMUM = "minimum"
+    LT = "lt"
+    LE = "le"
+    GT = "gt"
+    GE = "ge"
+    EQ = "eq"
+    NE = "ne"
+    # pointwise, three operands (CoCoNet's Ite)
+    WHERE = "where"
+    # reductions over all elements or one dim
+    SUM = "sum"
+    MAX = "max"
+    NORM = "norm"
+    MATMUL = "matmul"
+    # communication
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    SEND = "send"  # point-to-point along a mesh axis: stage i receives stage i-1's value
+    # this rank's slice of a replicated value (no communication)
+    SCATTER = "scatter"
+    # the new value of an input tensor, applied when the whole step has succeeded
+    UPDATE = "update"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+LEAVES = frozenset({Op.INPUT, Op.CONST})
+UNARY = frozenset(
+    {Op.NEG, Op.SQRT, Op.RSQRT, Op.EXP, Op.LOG, Op.ABS, Op.RELU, Op.GELU, Op.CAST, Op.DROPOUT}
+)
+COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAXIMUM, Op.MINIMUM}) | COMPARISONS
+POINTWISE = UNARY | BINARY | {Op.WHERE}
+REDUCTIONS = frozenset({Op.SUM, Op.MAX, Op.NORM})
+COMPUTATION = POINTWISE | REDUCTIONS | {Op.MATMUL}
+COLLECTIVES = frozenset({Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER, Op.BROADCAST, Op.REDUCE})
+COMMUNICATION = COLLECTIVES | {Op.SEND}

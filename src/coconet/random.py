@@ -1,0 +1,82 @@
+"""Counter-based randomness: a value per (seed, step, global element index), nothing stateful.
+
+Because the random number of an element depends only on its global index, a dropout mask is the
+same whether the tensor is whole, sliced over ranks or processed chunk by chunk. That is what lets
+schedules be checked against the unscheduled program. The hash is a few rounds of xor-shift and
+multiply kept inside 31 bits, so every intermediate fits in int64 without overflow on any backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["dropout_mask", "global_index", "uniform"]
+
+_M31 = (1 << 31) - 1
+_MUL = 0x45D9F3B  # < 2**31: a 31-bit value times it stays below 2**62
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(3):
+        x = ((x ^ (x >> 16)) * _MUL) & _M31
+    return x ^ (x >> 16)
+
+
+def _key(seed: int, step: int) -> int:
+    """A 31-bit key from the seed and the step (host-side integer hashing)."""
+    k = torch.tensor([(seed & _M31) ^ ((seed >> 31) & _M31)], dtype=torch.int64)
+    k = _mix(k)
+    k = _mix(k ^ ((step & _M31) ^ ((step >> 31) & _M31)))
+    return int(k.item())
+
+
+def uniform(seed: int, step: int, index: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in [0, 1), float64, one per element of the int64 ``index`` tensor."""
+    x = (index ^ (index >> 31)) & _M31
+    x = _mix(x ^ _key(int(seed), int(step)))
+    return x.to(torch.float64) / float(1 << 31)
+
+
+def global_index(
+    global_shape: tuple[int, ...],
+    local_shape: tuple[int, ...],
+    offsets: tuple[int, ...] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Row-major global index of each element of a block of a tensor.
+
+    The block has ``local_shape`` and starts at ``offsets`` (one per dim) in a tensor of
+    ``global_shape``; with no offsets it is the whole tensor.
+    """
+    offsets = offsets or tuple(0 for _ in global_shape)
+    idx = torch.zeros(local_shape, dtype=torch.int64, device=device)
+    stride = 1
+    for d in reversed(range(len(global_shape))):
+        ar = torch.arange(offsets[d], offsets[d] + local_shape[d], dtype=torch.int64, device=device)
+        view = [1] * len(local_shape)
+        view[d] = local_shape[d]
+        idx = idx + ar.view(view) * stride
+        stride *= global_shape[d]
+    return idx
+
+
+def dropout_mask(
+    seed: int,
+    step: int,
+    p: float,
+    global_shape: tuple[int, ...],
+    local_shape: tuple[int, ...] | None = None,
+    offsets: tuple[int, ...] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The boolean keep-mask coconet's dropout uses (True = keep) for a block of a tensor.
+
+    Use it to build plain-PyTorch references: ``x * dropout_mask(...) / (1 - p)`` equals
+    coconet's ``dropout(x, p, seed, step)``.
+    """
+    local_shape = tuple(global_shape) if local_shape is None else local_shape
+    if math.prod(local_shape) == 0:
+        return torch.ones(local_shape, dtype=torch.bool, device=device)
+    return uniform(seed, step, global_index(tuple(global_shape), local_shape, offsets, device)) >= p

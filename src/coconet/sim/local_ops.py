@@ -1,0 +1,85 @@
+"""What each computation op does to one rank's tensors (plain torch), and how values reduce.
+
+The simulator applies these per virtual rank; generated code calls the same functions, so there is
+one definition of each op's local meaning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from coconet.ir.ops import Op, ReduceOp
+from coconet.random import dropout_mask
+
+__all__ = ["POINTWISE", "apply_dropout", "combine", "reduce_values", "reduction"]
+
+POINTWISE: dict[Op, Callable[..., torch.Tensor]] = {
+    Op.NEG: torch.neg,
+    Op.SQRT: torch.sqrt,
+    Op.RSQRT: torch.rsqrt,
+    Op.EXP: torch.exp,
+    Op.LOG: torch.log,
+    Op.ABS: torch.abs,
+    Op.RELU: torch.relu,
+    Op.GELU: F.gelu,
+    Op.ADD: torch.add,
+    Op.SUB: torch.sub,
+    Op.MUL: torch.mul,
+    Op.DIV: torch.div,
+    Op.POW: torch.pow,
+    Op.MAXIMUM: torch.maximum,
+    Op.MINIMUM: torch.minimum,
+    Op.LT: torch.lt,
+    Op.LE: torch.le,
+    Op.GT: torch.gt,
+    Op.GE: torch.ge,
+    Op.EQ: torch.eq,
+    Op.NE: torch.ne,
+    Op.WHERE: torch.where,
+}
+
+
+def apply_dropout(
+    x: torch.Tensor,
+    p: float,
+    seed: int,
+    step: int,
+    global_shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+) -> torch.Tensor:
+    """Dropout of the block ``x`` that starts at ``offsets`` in a tensor of ``global_shape``."""
+    if p == 0.0:
+        return x.clone()
+    keep = dropout_mask(seed, step, p, global_shape, tuple(x.shape), offsets, x.device)
+    return torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def reduction(op: Op, x: torch.Tensor, dim: int | None, keepdim: bool) -> torch.Tensor:
+    dims = tuple(range(x.dim())) if dim is None else (dim,)
+    if op is Op.SUM:
+        return torch.sum(x, dim=dims, keepdim=keepdim) if x.dim() else x.clone()
+    if op is Op.MAX:
+        return torch.amax(x, dim=dims, keepdim=keepdim) if x.dim() else x.clone()
+    return torch.linalg.vector_norm(x, dim=dims if x.dim() else None, keepdim=keepdim)
+
+
+def combine(op: ReduceOp, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if op is ReduceOp.SUM:
+        return a + b
+    if op is ReduceOp.MAX:
+        return torch.maximum(a, b)
+    if op is ReduceOp.MIN:
+        return torch.minimum(a, b)
+    return a * b
+
+
+def reduce_values(op: ReduceOp, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Reduce in rank order: the order the simulator defines (and re-associated schedules match
+    within a stated tolerance)."""
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc = combine(op, acc, v)
+    return acc

@@ -1,0 +1,348 @@
+"""The reference interpreter: any Program on N virtual ranks, in one process.
+
+Each value is a list of per-rank torch tensors. Computation runs per rank with the local meaning
+of each op (``local_ops``); communication moves and reduces those tensors between the virtual
+ranks of each mesh group, in rank order. This interpreter defines what a coconet program means;
+schedules, generated code and the distributed runtime are all checked against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from coconet.errors import SimulationError
+from coconet.ir.mesh import Mesh
+from coconet.ir.node import Node
+from coconet.ir.ops import COLLECTIVES, POINTWISE, REDUCTIONS, Op
+from coconet.ir.program import Program
+from coconet.ir.types import Dim, Layout, Shape, slice_bounds
+from coconet.sim import local_ops
+
+__all__ = ["SimResult", "simulate"]
+
+PerRank = list[torch.Tensor]
+
+
+@dataclass
+class SimResult:
+    """What a simulated step produced: per-rank outputs and the new values of updated inputs."""
+
+    program: Program
+    mesh: Mesh
+    sizes: dict[str, int]
+    outputs: dict[str, PerRank] = field(default_factory=dict)
+    updates: dict[str, PerRank] = field(default_factory=dict)
+
+    def output(self, name: str) -> torch.Tensor | PerRank:
+        """An output as one tensor when its layout allows (whole-world Replicated or Sliced),
+        else the per-rank list."""
+        return self._assemble(self.program.node(name), self.outputs[name])
+
+    def updated(self, name: str) -> torch.Tensor | PerRank:
+        """The new value of input ``name``, assembled like ``output``."""
+        return self._assemble(self.program.input(name), self.updates[name])
+
+    def _assemble(self, node: Node, values: PerRank) -> torch.Tensor | PerRank:
+        lay = node.type.layout
+        if lay.axis is not None or lay.is_local:
+            return values
+        if lay.is_replicated:
+            return values[0]
+        return torch.cat(values, dim=lay.dim)
+
+
+def simulate(
+    program: Program,
+    inputs: Mapping[str, Any],
+    world: int | Mesh,
+) -> SimResult:
+    """Run ``program`` on ``world`` virtual ranks (an int, or a Mesh with named axes).
+
+    ``inputs`` maps each input's name to a value:
+
+    - a tensor or Python number: the logical (global) value. Replicated inputs go to every rank,
+      Sliced inputs are cut into per-rank slices, Local inputs are copied to every rank;
+    - a list with one tensor per rank: exactly what each rank holds (for Sliced inputs, the
+      rank's slice).
+
+    The caller's tensors are never modified; updates come back in ``SimResult.updates``.
+    """
+    mesh = _as_mesh(program, world)
+    sim = _Simulator(program, mesh)
+    sim.bind_inputs(inputs)
+    return sim.run()
+
+
+def _as_mesh(program: Program, world: int | Mesh) -> Mesh:
+    if isinstance(world, Mesh):
+        mesh = world
+    elif isinstance(world, int) and not isinstance(world, bool) and world >= 1:
+        mesh = Mesh.world(world)
+    else:
+        raise SimulationError(f"world must be a positive int or a Mesh, got {world!r}")
+    missing = program.mesh_axes - set(mesh.names)
+    if missing:
+        raise SimulationError(
+            f"program {program.name} uses mesh axes {sorted(missing)} that {mesh} does not have",
+            hint="pass world=Mesh("
+            + ", ".join(f"{a}=..." for a in sorted(program.mesh_axes))
+            + ")",
+        )
+    return mesh
+
+
+class _Simulator:
+    def __init__(self, program: Program, mesh: Mesh) -> None:
+        self.program = program
+        self.mesh = mesh
+        self.world = mesh.size
+        self.sizes: dict[str, int] = {}
+        self.values: dict[str, PerRank] = {}
+
+    # -- sizes ----------------------------------------------------------------------------------
+
+    def shape(self, shape: Shape) -> tuple[int, ...]:
+        return tuple(self.sizes[s.name] if isinstance(s, Dim) else s for s in shape)
+
+    def slice_range(self, layout: Layout, global_size: int, rank: int) -> tuple[int, int]:
+        parts = self.mesh.axis_size(layout.axis)
+        return slice_bounds(global_size, parts, self.mesh.index_in(rank, layout.axis))
+
+    def offsets(self, node: Node, rank: int) -> tuple[int, ...]:
+        """Where rank's block of ``node`` starts in the global tensor."""
+        gshape = self.shape(node.type.shape)
+        offs = [0] * len(gshape)
+        lay = node.type.layout
+        if lay.is_sliced:
+            offs[lay.dim] = self.slice_range(lay, gshape[lay.dim], rank)[0]
+        return tuple(offs)
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def bind_inputs(self, given: Mapping[str, Any]) -> None:
+        names = {n.name for n in self.program.inputs}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise SimulationError(
+                f"program {self.program.name} has no inputs named {unknown}",
+                hint=f"its inputs are {sorted(names)}",
+            )
+        for node in self.program.inputs:
+            if node.name not in given:
+                raise SimulationError(
+                    f"input {node.name!r} ({node.type}) is missing",
+                    hint=f"pass {node.name}=... to simulate()",
+                )
+            self.values[node.name] = self._bind(node, given[node.name])
+
+    def _bind(self, node: Node, value: Any) -> PerRank:
+        ty = node.type
+        per_rank = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+        if per_rank:
+            if len(value) != self.world:
+                raise SimulationError(
+                    f"input {node.name!r}: got {len(value)} per-rank values for {self.world} ranks"
+                )
+            tensors = [self._tensor(node, v) for v in value]
+        else:
+            tensors = [self._tensor(node, value)]
+        lay = ty.layout
+        if lay.is_sliced and per_rank:
+            # The global size along the sliced dim is the sum of the parts of a group.
+            group = self.mesh.group_of(0, lay.axis)
+            full = list(tensors[0].shape)
+            full[lay.dim] = sum(tensors[r].shape[lay.dim] for r in group)
+            self._bind_shape(node, tuple(full))
+            gsize = full[lay.dim]
+            for r, t in enumerate(tensors):
+                lo, hi = self.slice_range(lay, gsize, r)
+                expect = list(full)
+                expect[lay.dim] = hi - lo
+                if list(t.shape) != expect:
+                    raise SimulationError(
+                        f"input {node.name!r} ({ty}): rank {r} holds shape {list(t.shape)}, its "
+                        f"slice of the global shape {full} is {expect}",
+                        hint="pass the global tensor instead and let the simulator slice it",
+                    )
+            return [t.clone() for t in tensors]
+        for t in tensors:
+            self._bind_shape(node, tuple(t.shape))
+        if not per_rank:
+            tensors = tensors * self.world
+        if lay.is_sliced:
+            gsize = tensors[0].shape[lay.dim]
+            out = []
+            for r, t in enumerate(tensors):
+                lo, hi = self.slice_range(lay, gsize, r)
+                out.append(t.narrow(lay.dim, lo, hi - lo).clone())
+            return out
+        if lay.is_replicated and per_rank:
+            for group in self.mesh.groups(lay.axis):
+                for r in group[1:]:
+                    if not torch.equal(tensors[r], tensors[group[0]]):
+                        raise SimulationError(
+                            f"input {node.name!r} is {lay} but ranks {group[0]} and {r} hold "
+                            "different values",
+                            hint="declare it Local, or pass one tensor for every rank",
+                        )
+        return [t.clone() for t in tensors]
+
+    def _tensor(self, node: Node, value: Any) -> torch.Tensor:
+        dtype = node.type.dtype.torch
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if node.type.rank != 0:
+                raise SimulationError(
+                    f"input {node.name!r} ({node.type}) needs a tensor, got the number {value!r}"
+                )
+            return torch.tensor(value, dtype=dtype)
+        if not isinstance(value, torch.Tensor):
+            raise SimulationError(
+                f"input {node.name!r}: expected a torch.Tensor, got {type(value).__name__}"
+            )
+        if value.dtype != dtype:
+            raise SimulationError(
+                f"input {node.name!r} is {value.dtype}, the program declares "
+                f"{node.type.dtype.value}",
+                hint=f"pass {node.name}.to({dtype})",
+            )
+        return value.detach()
+
+    def _bind_shape(self, node: Node, actual: tuple[int, ...]) -> None:
+        declared = node.type.shape
+        if len(actual) != len(declared):
+            raise SimulationError(
+                f"input {node.name!r} is declared with shape {list(map(str, declared))}, got "
+                f"{list(actual)}"
+            )
+        for d, a in zip(declared, actual, strict=True):
+            if isinstance(d, Dim):
+                bound = self.sizes.setdefault(d.name, a)
+                if bound != a:
+                    raise SimulationError(
+                        f"input {node.name!r}: size {d.name} is {a} here but {bound} in an "
+                        "earlier input",
+                        hint=f"every tensor sized with Dim({d.name!r}) must have the same size",
+                    )
+            elif d != a:
+                raise SimulationError(
+                    f"input {node.name!r} is declared with shape {list(map(str, declared))}, got "
+                    f"{list(actual)}"
+                )
+
+    # -- execution ------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        for node in self.program.nodes:
+            if node.op is Op.INPUT:
+                continue
+            out = self.eval(node)
+            dtype = node.type.dtype.torch
+            self.values[node.name] = [v if v.dtype == dtype else v.to(dtype) for v in out]
+        result = SimResult(self.program, self.mesh, dict(self.sizes))
+        for n in self.program.outputs:
+            result.outputs[n.name] = self.values[n.name]
+        for u in self.program.updates:
+            result.updates[u.inputs[0].name] = self.values[u.name]
+        return result
+
+    def eval(self, node: Node) -> PerRank:
+        args = [self.values[i.name] for i in node.inputs]
+        op = node.op
+        ranks = range(self.world)
+        if op is Op.CONST:
+            t = torch.tensor(node.attr("value"), dtype=node.type.dtype.torch)
+            return [t] * self.world
+        if op is Op.CAST:
+            return [a.to(node.type.dtype.torch) for a in args[0]]
+        if op is Op.DROPOUT:
+            gshape = self.shape(node.type.shape)
+            return [
+                local_ops.apply_dropout(
+                    args[0][r],
+                    node.attr("p"),
+                    int(args[1][r]),
+                    int(args[2][r]),
+                    gshape,
+                    self.offsets(node, r),
+                )
+                for r in ranks
+            ]
+        if op in POINTWISE:
+            fn = local_ops.POINTWISE[op]
+            return [fn(*(a[r] for a in args)) for r in ranks]
+        if op in REDUCTIONS:
+            return [
+                local_ops.reduction(op, args[0][r], node.attr("dim"), node.attr("keepdim"))
+                for r in ranks
+            ]
+        if op is Op.MATMUL:
+            return [torch.matmul(args[0][r], args[1][r]) for r in ranks]
+        if op in COLLECTIVES:
+            return self.collective(node, args[0])
+        if op is Op.SEND:
+            return self.send(node, args[0])
+        if op is Op.SCATTER:
+            dim = node.type.layout.dim
+            out = []
+            for r in ranks:
+                lo, hi = self.slice_range(node.type.layout, args[0][r].shape[dim], r)
+                out.append(args[0][r].narrow(dim, lo, hi - lo).clone())
+            return out
+        if op is Op.UPDATE:
+            target, value = args
+            return [value[r].expand_as(target[r]).clone() for r in ranks]
+        raise NotImplementedError(f"simulator has no rule for {op}")  # pragma: no cover
+
+    def collective(self, node: Node, x: PerRank) -> PerRank:
+        op = node.op
+        axis = node.attr("axis")
+        out: PerRank = [torch.empty(0)] * self.world
+        for group in self.mesh.groups(axis):
+            vals = [x[r] for r in group]
+            if op is Op.ALL_REDUCE:
+                total = local_ops.reduce_values(node.attr("reduce_op"), vals)
+                for r in group:
+                    out[r] = total.clone()
+            elif op is Op.REDUCE_SCATTER:
+                total = local_ops.reduce_values(node.attr("reduce_op"), vals)
+                dim = node.type.layout.dim
+                for i, r in enumerate(group):
+                    lo, hi = slice_bounds(total.shape[dim], len(group), i)
+                    out[r] = total.narrow(dim, lo, hi - lo).clone()
+            elif op is Op.ALL_GATHER:
+                dim = node.inputs[0].type.layout.dim
+                whole = torch.cat(vals, dim=dim)
+                for r in group:
+                    out[r] = whole.clone()
+            elif op is Op.BROADCAST:
+                root = self._root(node, group)
+                for r in group:
+                    out[r] = x[group[root]].clone()
+            elif op is Op.REDUCE:
+                root = self._root(node, group)
+                total = local_ops.reduce_values(node.attr("reduce_op"), vals)
+                for i, r in enumerate(group):
+                    out[r] = total.clone() if i == root else torch.zeros_like(total)
+        return out
+
+    def _root(self, node: Node, group: list[int]) -> int:
+        root = node.attr("root")
+        if root >= len(group):
+            raise SimulationError(
+                f"root={root} but the group along axis {node.attr('axis')!r} has {len(group)} "
+                "ranks",
+                op=str(node.op),
+                loc=node.loc,
+            )
+        return root
+
+    def send(self, node: Node, x: PerRank) -> PerRank:
+        out: PerRank = [torch.empty(0)] * self.world
+        for group in self.mesh.groups(node.attr("axis")):
+            for i, r in enumerate(group):
+                out[r] = x[group[i - 1]].clone() if i > 0 else torch.zeros_like(x[r])
+        return out
