@@ -1,5 +1,6 @@
 """The coconet IR: types, ops, typing rules, nodes and programs."""
 
+from coconet.ir.group import Group, GroupKind
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node, make_node
 from coconet.ir.ops import Op, ReduceOp
@@ -18,6 +19,8 @@ from coconet.ir.types import (
 
 __all__ = [
     "DType",
+    "Group",
+    "GroupKind",
     "Dim",
     "Layout",
     "LayoutKind",

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from coconet.errors import DSLError
+from coconet.ir.group import Group, GroupKind
 from coconet.ir.node import Node
 from coconet.ir.ops import LEAVES, Op
 from coconet.ir.rules import infer_type
@@ -53,6 +54,8 @@ class Program:
         name: str,
         inputs: Iterable[Any],
         outputs: Iterable[Any] | Mapping[str, Any],
+        *,
+        groups: Iterable[Group] = (),
     ) -> None:
         if not name.isidentifier():
             raise DSLError(f"program name must be an identifier, got {name!r}")
@@ -74,6 +77,7 @@ class Program:
                     loc=n.loc,
                 )
         self._build(ins, outs, overrides)
+        self.groups: tuple[Group, ...] = tuple(groups)
         self.verify()
 
     # -- construction ---------------------------------------------------------------------------
@@ -105,10 +109,15 @@ class Program:
 
     @classmethod
     def from_nodes(
-        cls, name: str, inputs: Iterable[Node], outputs: Iterable[Node], updates: Iterable[Node]
+        cls,
+        name: str,
+        inputs: Iterable[Node],
+        outputs: Iterable[Node],
+        updates: Iterable[Node],
+        groups: Iterable[Group] = (),
     ) -> Program:
         """A program from already-named nodes (what schedule primitives produce)."""
-        return cls(name, list(inputs), [*outputs, *updates])
+        return cls(name, list(inputs), [*outputs, *updates], groups=groups)
 
     def verify(self) -> None:
         """Re-check every node's type with its op's rule and the program-level invariants."""
@@ -139,6 +148,15 @@ class Program:
                     hint="a tensor gets one new value per step; combine the expressions",
                 )
             targets[target.name] = u
+        grouped: set[str] = set()
+        for g in self.groups:
+            for m in g.members:
+                if m not in self._by_name or self._by_name[m].op in LEAVES:
+                    raise DSLError(f"program {self.name}: {g} names {m!r}, not a computed value")
+                if g.kind is GroupKind.FUSE and m in grouped:
+                    raise DSLError(f"program {self.name}: {m} is in two fused groups")
+            if g.kind is GroupKind.FUSE:
+                grouped.update(g.members)
         if not self.outputs and not self.updates:
             raise DSLError(f"program {self.name} has no outputs and no updates: it does nothing")
 
@@ -207,6 +225,8 @@ class Program:
             lines.append(f"  {stmt.ljust(width)}  # {ty}")
         if self.outputs:
             lines.append("  return " + ", ".join(n.name for n in self.outputs))
+        for g in self.groups:
+            lines.append(f"  # schedule: {g}")
         return "\n".join(lines)
 
     __repr__ = __str__
