@@ -44,17 +44,25 @@ def global_index(
     local_shape: tuple[int, ...],
     offsets: tuple[int, ...] | None = None,
     device: torch.device | str | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-major global index of each element of a block of a tensor.
 
     The block has ``local_shape`` and starts at ``offsets`` (one per dim) in a tensor of
-    ``global_shape``; with no offsets it is the whole tensor.
+    ``global_shape``; with no offsets it is the whole tensor. ``rows`` (int64, one per row of the
+    block) gives the global index along dim 0 explicitly, for blocks whose rows are not contiguous
+    (the chunks of an overlapped chain).
     """
     offsets = offsets or tuple(0 for _ in global_shape)
     idx = torch.zeros(local_shape, dtype=torch.int64, device=device)
     stride = 1
     for d in reversed(range(len(global_shape))):
-        ar = torch.arange(offsets[d], offsets[d] + local_shape[d], dtype=torch.int64, device=device)
+        if d == 0 and rows is not None:
+            ar = rows.to(device=device, dtype=torch.int64)
+        else:
+            ar = torch.arange(
+                offsets[d], offsets[d] + local_shape[d], dtype=torch.int64, device=device
+            )
         view = [1] * len(local_shape)
         view[d] = local_shape[d]
         idx = idx + ar.view(view) * stride
@@ -70,6 +78,7 @@ def dropout_mask(
     local_shape: tuple[int, ...] | None = None,
     offsets: tuple[int, ...] | None = None,
     device: torch.device | str | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The boolean keep-mask coconet's dropout uses (True = keep) for a block of a tensor.
 
@@ -79,4 +88,5 @@ def dropout_mask(
     local_shape = tuple(global_shape) if local_shape is None else local_shape
     if math.prod(local_shape) == 0:
         return torch.ones(local_shape, dtype=torch.bool, device=device)
-    return uniform(seed, step, global_index(tuple(global_shape), local_shape, offsets, device)) >= p
+    index = global_index(tuple(global_shape), local_shape, offsets, device, rows)
+    return uniform(seed, step, index) >= p

@@ -49,11 +49,13 @@ def apply_dropout(
     step: int,
     global_shape: tuple[int, ...],
     offsets: tuple[int, ...],
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dropout of the block ``x`` that starts at ``offsets`` in a tensor of ``global_shape``."""
+    """Dropout of the block ``x`` that starts at ``offsets`` in a tensor of ``global_shape``
+    (``rows``: the block's global row indices, when they are not contiguous)."""
     if p == 0.0:
         return x.clone()
-    keep = dropout_mask(seed, step, p, global_shape, tuple(x.shape), offsets, x.device)
+    keep = dropout_mask(seed, step, p, global_shape, tuple(x.shape), offsets, x.device, rows)
     return torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -62,6 +64,17 @@ def reduction(op: Op, x: torch.Tensor, dim: int | None, keepdim: bool) -> torch.
     if op is Op.SUM:
         return torch.sum(x, dim=dims, keepdim=keepdim) if x.dim() else x.clone()
     if op is Op.MAX:
+        if x.dim() and any(x.shape[d] == 0 for d in dims):
+            # An empty part (uneven slicing, more ranks than elements): the identity of max, so
+            # that all_reduce(MAX) of the partial results is still the maximum of the whole.
+            shape = torch.sum(x, dim=dims, keepdim=keepdim).shape
+            if x.dtype == torch.bool:
+                lowest: float | int | bool = False
+            elif x.dtype.is_floating_point:
+                lowest = float("-inf")
+            else:
+                lowest = torch.iinfo(x.dtype).min
+            return torch.full(shape, lowest, dtype=x.dtype, device=x.device)
         return torch.amax(x, dim=dims, keepdim=keepdim) if x.dim() else x.clone()
     return torch.linalg.vector_norm(x, dim=dims if x.dim() else None, keepdim=keepdim)
 

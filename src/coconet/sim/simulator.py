@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from coconet.errors import SimulationError
+from coconet.ir.group import Group, GroupKind
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.ops import COLLECTIVES, POINTWISE, REDUCTIONS, Op
 from coconet.ir.program import Program
-from coconet.ir.types import Dim, Layout, Shape, slice_bounds
+from coconet.ir.types import Dim, Layout, Shape, format_shape, slice_bounds
 from coconet.sim import local_ops
+from coconet.sim.chunked import ChunkPlan
 
 __all__ = ["SimResult", "simulate"]
 
@@ -101,6 +103,7 @@ class _Simulator:
         self.mesh = mesh
         self.world = mesh.size
         self.sizes: dict[str, int] = {}
+        self.bound_by: dict[str, str] = {}  # Dim name -> the input (and rank) that fixed its size
         self.values: dict[str, PerRank] = {}
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -145,7 +148,8 @@ class _Simulator:
         if per_rank:
             if len(value) != self.world:
                 raise SimulationError(
-                    f"input {node.name!r}: got {len(value)} per-rank values for {self.world} ranks"
+                    f"input {node.name!r}: got {len(value)} per-rank values for {self.world} ranks",
+                    hint=f"pass a list of {self.world} tensors (one per rank), or one tensor",
                 )
             tensors = [self._tensor(node, v) for v in value]
         else:
@@ -169,8 +173,8 @@ class _Simulator:
                         hint="pass the global tensor instead and let the simulator slice it",
                     )
             return [t.clone() for t in tensors]
-        for t in tensors:
-            self._bind_shape(node, tuple(t.shape))
+        for r, t in enumerate(tensors):
+            self._bind_shape(node, tuple(t.shape), r if per_rank else None)
         if not per_rank:
             tensors = tensors * self.world
         if lay.is_sliced:
@@ -211,37 +215,52 @@ class _Simulator:
             )
         return value.detach()
 
-    def _bind_shape(self, node: Node, actual: tuple[int, ...]) -> None:
+    def _bind_shape(self, node: Node, actual: tuple[int, ...], rank: int | None = None) -> None:
         declared = node.type.shape
-        if len(actual) != len(declared):
+        who = f"input {node.name!r}" + (f" (rank {rank})" if rank is not None else "")
+        if len(actual) != len(declared) or any(
+            not isinstance(d, Dim) and d != a for d, a in zip(declared, actual, strict=False)
+        ):
             raise SimulationError(
-                f"input {node.name!r} is declared with shape {list(map(str, declared))}, got "
-                f"{list(actual)}"
+                f"{who} is declared with shape {format_shape(declared)}, got {list(actual)}"
             )
         for d, a in zip(declared, actual, strict=True):
             if isinstance(d, Dim):
                 bound = self.sizes.setdefault(d.name, a)
+                first = self.bound_by.setdefault(d.name, who)
                 if bound != a:
                     raise SimulationError(
-                        f"input {node.name!r}: size {d.name} is {a} here but {bound} in an "
-                        "earlier input",
+                        f"{who}: size {d.name} is {a} here but {bound} in {first}",
                         hint=f"every tensor sized with Dim({d.name!r}) must have the same size",
                     )
-            elif d != a:
-                raise SimulationError(
-                    f"input {node.name!r} is declared with shape {list(map(str, declared))}, got "
-                    f"{list(actual)}"
-                )
 
     # -- execution ------------------------------------------------------------------------------
 
     def run(self) -> SimResult:
-        for node in self.program.nodes:
-            if node.op is Op.INPUT:
+        overlapped = {
+            m: g for g in self.program.groups if g.kind is GroupKind.OVERLAP for m in g.members
+        }
+        by_name = {n.name: n for n in self.program.nodes}
+        pending = [n for n in self.program.nodes if n.op is not Op.INPUT]
+        # Program order, except that an overlapped chain runs as one unit once every value it
+        # reads from outside is ready (a scatter listed between its members, for instance).
+        while pending:
+            for node in pending:
+                group = overlapped.get(node.name)
+                needs = _outside_inputs(group, by_name) if group else node.inputs
+                if all(i.name in self.values for i in needs):
+                    break
+            else:  # pragma: no cover - the program verifier rules out cycles
+                raise SimulationError(f"cannot order {[n.name for n in pending]}")
+            if group is None:
+                self.store(node, self.eval(node))
+                pending.remove(node)
                 continue
-            out = self.eval(node)
-            dtype = node.type.dtype.torch
-            self.values[node.name] = [v if v.dtype == dtype else v.to(dtype) for v in out]
+            plan = ChunkPlan(group, by_name, self.mesh)
+            results = plan.run(self.values, self.world, self.global_rows, self.eval_chunk)
+            for name, out in results.items():
+                self.store(by_name[name], out)
+            pending = [n for n in pending if n.name not in results]
         result = SimResult(self.program, self.mesh, dict(self.sizes))
         for n in self.program.outputs:
             result.outputs[n.name] = self.values[n.name]
@@ -249,8 +268,26 @@ class _Simulator:
             result.updates[u.inputs[0].name] = self.values[u.name]
         return result
 
-    def eval(self, node: Node) -> PerRank:
-        args = [self.values[i.name] for i in node.inputs]
+    def store(self, node: Node, out: PerRank) -> None:
+        dtype = node.type.dtype.torch
+        self.values[node.name] = [v if v.dtype == dtype else v.to(dtype) for v in out]
+
+    def global_rows(self, node: Node) -> int:
+        return self.shape(node.type.shape)[0]
+
+    def eval_chunk(self, node: Node, scope: dict[str, PerRank], rows: dict[int, torch.Tensor]):
+        return self.eval(node, scope, rows)
+
+    def eval(
+        self,
+        node: Node,
+        values: dict[str, PerRank] | None = None,
+        rows: dict[int, torch.Tensor] | None = None,
+    ) -> PerRank:
+        """``node`` on every rank; ``values`` and ``rows`` (global row indices per rank) are given
+        when a chunk of an overlapped chain is evaluated."""
+        values = self.values if values is None else values
+        args = [values[i.name] for i in node.inputs]
         op = node.op
         ranks = range(self.world)
         if op is Op.CONST:
@@ -268,6 +305,7 @@ class _Simulator:
                     int(args[2][r]),
                     gshape,
                     self.offsets(node, r),
+                    rows[r] if rows else None,
                 )
                 for r in ranks
             ]
@@ -346,3 +384,8 @@ class _Simulator:
             for i, r in enumerate(group):
                 out[r] = x[group[i - 1]].clone() if i > 0 else torch.zeros_like(x[r])
         return out
+
+
+def _outside_inputs(group: Group, by_name: dict[str, Node]) -> list[Node]:
+    members = set(group.members)
+    return [i for m in group.members for i in by_name[m].inputs if i.name not in members]

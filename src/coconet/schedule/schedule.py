@@ -1,0 +1,242 @@
+"""Schedule: an ordered, replayable record of primitives applied to a program.
+
+::
+
+    s = Schedule(program)
+    rs, ag = s.split("g_sum")
+    s.reorder(s.downstream(ag), ag)
+    s.as_slice(["m", "v"])
+    print(s)            # the primitives, one per line
+    print(s.program)    # the transformed program: verifiable, printable, runnable in the simulator
+    text = s.to_json()  # ... and Schedule.from_json(program, text) replays it
+
+Each method checks its primitive first (``ScheduleError`` saying what blocks it) and leaves the
+schedule unchanged when the check fails.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from coconet.errors import ScheduleError
+from coconet.ir.ops import Op
+from coconet.ir.program import Program
+from coconet.schedule.as_slice import apply_as_slice
+from coconet.schedule.fuse import apply_fuse
+from coconet.schedule.graph import downstream, resolve
+from coconet.schedule.overlap import apply_overlap
+from coconet.schedule.reorder import REORDERABLE, apply_reorder
+from coconet.schedule.split import apply_split
+
+__all__ = ["Primitive", "Schedule", "Step"]
+
+_FORMAT = "coconet.schedule/1"
+
+
+class Primitive(enum.Enum):
+    SPLIT = "split"
+    REORDER = "reorder"
+    AS_SLICE = "as_slice"
+    FUSE = "fuse"
+    OVERLAP = "overlap"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One applied primitive, with its arguments as value names (so it replays from JSON)."""
+
+    primitive: Primitive
+    nodes: tuple[str, ...]
+    target: str | None = None  # reorder's all_gather
+    chunks: int | None = None  # overlap's chunk count
+    dim: int | None = None  # split's dim
+
+    def __str__(self) -> str:
+        nodes = ", ".join(self.nodes)
+        if self.primitive is Primitive.SPLIT:
+            dim = f", dim={self.dim}" if self.dim else ""
+            return f"split({nodes}{dim})"
+        if self.primitive is Primitive.REORDER:
+            return f"reorder([{nodes}], {self.target})"
+        if self.primitive is Primitive.OVERLAP:
+            return f"overlap([{nodes}], chunks={self.chunks})"
+        return f"{self.primitive.value}([{nodes}])"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"primitive": self.primitive.value, "nodes": list(self.nodes)}
+        for key in ("target", "chunks", "dim"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Step:
+        try:
+            primitive = Primitive(d["primitive"])
+        except (KeyError, ValueError):
+            known = ", ".join(p.value for p in Primitive)
+            raise ScheduleError(
+                f"unknown schedule step {d!r}", hint=f"primitives: {known}"
+            ) from None
+        return cls(
+            primitive, tuple(d.get("nodes", ())), d.get("target"), d.get("chunks"), d.get("dim")
+        )
+
+
+def _apply(program: Program, step: Step) -> tuple[Program, list[str]]:
+    if step.primitive is Primitive.SPLIT:
+        return apply_split(program, step.nodes[0], step.dim or 0)
+    if step.primitive is Primitive.REORDER:
+        return apply_reorder(program, step.nodes, step.target), []
+    if step.primitive is Primitive.AS_SLICE:
+        return apply_as_slice(program, step.nodes), []
+    if step.primitive is Primitive.FUSE:
+        return apply_fuse(program, step.nodes), []
+    return apply_overlap(program, step.nodes, step.chunks), []
+
+
+def _ancestors(node) -> set[str]:
+    out: set[str] = set()
+    stack = [node]
+    while stack:
+        for i in stack.pop().inputs:
+            if i.name not in out:
+                out.add(i.name)
+                stack.append(i)
+    return out
+
+
+class Schedule:
+    """The primitives applied to ``original`` so far; ``program`` is the result."""
+
+    def __init__(self, program: Program, name: str | None = None) -> None:
+        if not isinstance(program, Program):
+            raise ScheduleError(f"Schedule takes a Program, got {type(program).__name__}")
+        self.original = program
+        self.program = program
+        self.name = name or "custom"
+        self.steps: list[Step] = []
+
+    # -- primitives -----------------------------------------------------------------------------
+
+    def split(self, all_reduce: Any, dim: int = 0) -> tuple[str, str]:
+        """all_reduce -> reduce_scatter + all_gather; returns their names."""
+        node = self._resolve(all_reduce, "split")
+        rs, ag = self._do(Step(Primitive.SPLIT, (node,), dim=dim or None))
+        return rs, ag
+
+    def reorder(self, computations: Iterable[Any], all_gather: Any) -> None:
+        """Run ``computations`` on slices before ``all_gather``."""
+        names = tuple(self._resolve(c, "reorder") for c in computations)
+        self._do(Step(Primitive.REORDER, names, target=self._resolve(all_gather, "reorder")))
+
+    def as_slice(self, tensors: Iterable[Any] | Any) -> None:
+        """Store these Replicated state inputs sliced."""
+        if isinstance(tensors, str) or not isinstance(tensors, Iterable):
+            tensors = [tensors]
+        self._do(Step(Primitive.AS_SLICE, tuple(self._resolve(t, "as_slice") for t in tensors)))
+
+    def fuse(self, nodes: Iterable[Any]) -> None:
+        """One kernel (or one fused collective) for these nodes."""
+        self._do(Step(Primitive.FUSE, tuple(self._resolve(n, "fuse") for n in nodes)))
+
+    def overlap(self, nodes: Iterable[Any], chunks: int = 4) -> None:
+        """Run this producer-consumer chain chunk by chunk."""
+        names = tuple(self._resolve(n, "overlap") for n in nodes)
+        self._do(Step(Primitive.OVERLAP, names, chunks=chunks))
+
+    # -- helpers for writing schedules ----------------------------------------------------------
+
+    def downstream(self, value: Any) -> list[str]:
+        """Names of every value (computation or communication) that depends on ``value``."""
+        start = resolve(self.program, self._resolve(value, "downstream"), "downstream")
+        return [n.name for n in downstream(self.program, start) if n.op is not Op.UPDATE]
+
+    def computations(self, value: Any) -> list[str]:
+        """The computation that consumes ``value``, as names in program order.
+
+        That is every pointwise op, reduction and send that depends on ``value`` (up to, not
+        through, other communication), plus the computations feeding those that do not depend on
+        it (``beta1 * m`` in Adam's ``m_new = beta1 * m + (1 - beta1) * g_sum``): everything a
+        ``reorder`` must move onto slices so that no whole value is left to read.
+        """
+        start = resolve(self.program, self._resolve(value, "computations"), "computations")
+        chosen = {start.name}
+        for n in downstream(self.program, start):
+            if n.op in REORDERABLE and any(i.name in chosen for i in n.inputs):
+                chosen.add(n.name)
+        before_start = _ancestors(start)
+        stack = [self.program.node(c) for c in chosen if c != start.name]
+        while stack:
+            for i in stack.pop().inputs:
+                if i.op in REORDERABLE and i.name not in chosen and i.name not in before_start:
+                    chosen.add(i.name)
+                    stack.append(i)
+        chosen.discard(start.name)
+        return [n.name for n in self.program.nodes if n.name in chosen]
+
+    def _resolve(self, ref: Any, primitive: str) -> str:
+        """A value's name in the current program (names survive every primitive)."""
+        if isinstance(ref, str):
+            return resolve(self.program, ref, primitive).name
+        try:
+            return self.original.node(ref).name
+        except KeyError:
+            return resolve(self.program, ref, primitive).name
+
+    def _do(self, step: Step) -> list[str]:
+        program, names = _apply(self.program, step)
+        self.program = program
+        self.steps.append(step)
+        return names
+
+    # -- printing and JSON ----------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        lines = [f"schedule {self.name} of {self.original.name}:"]
+        lines += [f"  {s}" for s in self.steps] or ["  (no transformation)"]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": _FORMAT,
+                "name": self.name,
+                "program": self.original.name,
+                "program_digest": self.original.digest(),
+                "steps": [s.to_dict() for s in self.steps],
+            },
+            indent=2,
+        )
+
+    @classmethod
+    def from_json(cls, program: Program, text: str) -> Schedule:
+        """Replay a saved schedule onto ``program`` (the program it was recorded on)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ScheduleError(f"not a schedule JSON document: {e}") from None
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ScheduleError(f"not a {_FORMAT} document")
+        if data.get("program_digest") not in (None, program.digest()):
+            raise ScheduleError(
+                f"the schedule was recorded on another program ({data.get('program')!r}, digest "
+                f"{data.get('program_digest')}); this is {program.name!r}, digest "
+                f"{program.digest()}",
+                hint="replay a schedule onto the program it was made for",
+            )
+        s = cls(program, data.get("name"))
+        for d in data.get("steps", []):
+            s._do(Step.from_dict(d))
+        return s
+
+    @property
+    def digest(self) -> str:
+        """A hash of (program, schedule): what caches and cross-rank checks key on."""
+        return self.program.digest()
