@@ -43,7 +43,9 @@ def fuse_after(s: Schedule, collective: str, *, include: bool = True) -> None:
     program = s.program
     start = program.node(collective)
     after = [n for n in downstream(program, start) if n.op is not Op.UPDATE]
-    inner = {n.name for n in after if n.op in COMMUNICATION and n.op is not Op.ALL_GATHER}
+    # A send can lead the group when the collective before it stays outside (the pipeline).
+    leaders_ok = {Op.ALL_GATHER} if include else {Op.ALL_GATHER, Op.SEND}
+    inner = {n.name for n in after if n.op in COMMUNICATION and n.op not in leaders_ok}
     behind = set(inner)
     for n in program.nodes:
         if any(i.name in behind for i in n.inputs):

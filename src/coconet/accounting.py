@@ -1,0 +1,131 @@
+"""What a program costs each rank: persistent memory and bytes sent per step.
+
+Bytes sent follow the ring algorithms NCCL and gloo use for large tensors, counted per rank for a
+tensor of S bytes over a group of W ranks where the rank's own slice is s:
+reduce_scatter and all_gather send S - s each, so all_reduce (= reduce_scatter + all_gather)
+sends 2 (S - s); broadcast and reduce forward the whole tensor once (S; nothing when W = 1);
+send moves the rank's own value; scatter moves nothing; a scalar all_reduce counts its element
+twice. With this model a split all_reduce sends exactly what the all_reduce sent, and a send of
+a slice moves 1/T of the data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from coconet.errors import SimulationError
+from coconet.ir.mesh import Mesh
+from coconet.ir.node import Node
+from coconet.ir.ops import COMMUNICATION, Op
+from coconet.ir.program import Program
+from coconet.ir.types import Dim, Layout, Sliced, TensorType, slice_bounds
+
+__all__ = ["Accounting", "account"]
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Per-rank costs of one step of a program on a mesh, for given sizes."""
+
+    persistent_bytes: tuple[int, ...]  # parameters and state (the inputs the program updates)
+    sent_bytes: tuple[int, ...]  # bytes each rank sends in one step
+    persistent_by_input: dict[str, tuple[int, ...]]  # updated input -> bytes on each rank
+    sent_by_node: dict[str, tuple[int, ...]]  # communication node -> bytes each rank sends
+
+    @property
+    def max_persistent_bytes(self) -> int:
+        return max(self.persistent_bytes)
+
+    @property
+    def max_sent_bytes(self) -> int:
+        return max(self.sent_bytes)
+
+    def __str__(self) -> str:
+        return (
+            f"persistent {self.max_persistent_bytes} B/rank, sends "
+            f"{self.max_sent_bytes} B/rank/step"
+        )
+
+
+def account(program: Program, world: int | Mesh, sizes: Mapping[str, int]) -> Accounting:
+    """Persistent bytes and bytes sent per rank; ``sizes`` binds every Dim (``{"N": 4096}``)."""
+    mesh = world if isinstance(world, Mesh) else Mesh.world(world)
+    counter = _Counter(mesh, sizes)
+    ranks = range(mesh.size)
+    updated = {u.inputs[0].name for u in program.updates}
+    by_input = {
+        n.name: tuple(counter.local_bytes(n.type, r) for r in ranks)
+        for n in program.inputs
+        if n.name in updated
+    }
+    by_node = {
+        n.name: tuple(counter.sent(n, r) for r in ranks)
+        for n in program.nodes
+        if n.op in COMMUNICATION
+    }
+    persistent = tuple(sum(v[r] for v in by_input.values()) for r in ranks)
+    sent = tuple(sum(v[r] for v in by_node.values()) for r in ranks)
+    return Accounting(persistent, sent, by_input, by_node)
+
+
+class _Counter:
+    def __init__(self, mesh: Mesh, sizes: Mapping[str, int]) -> None:
+        self.mesh = mesh
+        self.sizes = sizes
+
+    def shape(self, ty: TensorType) -> tuple[int, ...]:
+        out = []
+        for s in ty.shape:
+            if isinstance(s, Dim):
+                if s.name not in self.sizes:
+                    raise SimulationError(
+                        f"no size given for Dim {s.name!r}", hint=f"pass sizes={{'{s.name}': ...}}"
+                    )
+                out.append(self.sizes[s.name])
+            else:
+                out.append(s)
+        return tuple(out)
+
+    def full_bytes(self, ty: TensorType) -> int:
+        return math.prod(self.shape(ty)) * ty.dtype.itemsize
+
+    def slice_bytes(self, ty: TensorType, layout: Layout, rank: int) -> int:
+        shape = list(self.shape(ty))
+        lo, hi = slice_bounds(
+            shape[layout.dim],
+            self.mesh.axis_size(layout.axis),
+            self.mesh.index_in(rank, layout.axis),
+        )
+        shape[layout.dim] = hi - lo
+        return math.prod(shape) * ty.dtype.itemsize
+
+    def local_bytes(self, ty: TensorType, rank: int) -> int:
+        if ty.layout.is_sliced:
+            return self.slice_bytes(ty, ty.layout, rank)
+        return self.full_bytes(ty)
+
+    def sent(self, node: Node, rank: int) -> int:
+        op = node.op
+        if op in (Op.REDUCE_SCATTER, Op.ALL_GATHER, Op.ALL_REDUCE):
+            axis = node.attr("axis")
+            if self.mesh.axis_size(axis) == 1:
+                return 0
+            if node.type.rank == 0:  # a scalar all_reduce: its element out and back
+                return 2 * node.type.dtype.itemsize
+            if op is Op.REDUCE_SCATTER:
+                sliced = node.type.layout
+            elif op is Op.ALL_GATHER:
+                sliced = node.inputs[0].type.layout
+            else:
+                sliced = Sliced(0, axis)
+            once = self.full_bytes(node.type) - self.slice_bytes(node.type, sliced, rank)
+            return 2 * once if op is Op.ALL_REDUCE else once
+        if op in (Op.BROADCAST, Op.REDUCE):
+            return self.full_bytes(node.type) if self.mesh.axis_size(node.attr("axis")) > 1 else 0
+        if op is Op.SEND:
+            index = self.mesh.index_in(rank, node.attr("axis"))
+            last = self.mesh.axis_size(node.attr("axis")) - 1
+            return 0 if index == last else self.local_bytes(node.inputs[0].type, rank)
+        return 0
