@@ -55,8 +55,18 @@ class Step:
     chunks: int | None = None  # overlap's chunk count
     dim: int | None = None  # split's dim
 
-    def __str__(self) -> str:
-        nodes = ", ".join(self.nodes)
+    def format(self, shorthand: str | None = None) -> str:
+        """One line; ``shorthand`` replaces the node list (``computations(g_sum)``), and long
+        lists are elided (the JSON form always has every name)."""
+        if shorthand:
+            nodes = shorthand
+        elif len(self.nodes) > 8:
+            nodes = ", ".join([*self.nodes[:4], "...", *self.nodes[-2:]])
+            nodes = f"{nodes} ({len(self.nodes)} values)"
+        else:
+            nodes = ", ".join(self.nodes)
+        if shorthand and self.primitive is Primitive.REORDER:
+            return f"reorder({nodes}, {self.target})"
         if self.primitive is Primitive.SPLIT:
             dim = f", dim={self.dim}" if self.dim else ""
             return f"split({nodes}{dim})"
@@ -65,6 +75,9 @@ class Step:
         if self.primitive is Primitive.OVERLAP:
             return f"overlap([{nodes}], chunks={self.chunks})"
         return f"{self.primitive.value}([{nodes}])"
+
+    def __str__(self) -> str:
+        return self.format()
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"primitive": self.primitive.value, "nodes": list(self.nodes)}
@@ -120,6 +133,7 @@ class Schedule:
         self.program = program
         self.name = name or "custom"
         self.steps: list[Step] = []
+        self._shorthands: list[str | None] = []
 
     # -- primitives -----------------------------------------------------------------------------
 
@@ -189,16 +203,23 @@ class Schedule:
             return resolve(self.program, ref, primitive).name
 
     def _do(self, step: Step) -> list[str]:
+        shorthand = None
+        if step.primitive is Primitive.REORDER and set(step.nodes) == set(
+            self.computations(step.target)
+        ):
+            shorthand = f"computations({step.target})"
         program, names = _apply(self.program, step)
         self.program = program
         self.steps.append(step)
+        self._shorthands.append(shorthand)
         return names
 
     # -- printing and JSON ----------------------------------------------------------------------
 
     def __str__(self) -> str:
         lines = [f"schedule {self.name} of {self.original.name}:"]
-        lines += [f"  {s}" for s in self.steps] or ["  (no transformation)"]
+        steps = zip(self.steps, self._shorthands, strict=True)
+        lines += [f"  {s.format(short)}" for s, short in steps] or ["  (no transformation)"]
         return "\n".join(lines)
 
     __repr__ = __str__
