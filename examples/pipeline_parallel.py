@@ -84,8 +84,7 @@ def make_inputs(
     xs = [randn(batch, size) for _ in range(stages)]
     ws = [randn(size, out_features) / size**0.5 for _ in range(stages)]
     rs = [randn(batch, out_features) for _ in range(stages)]
-    inputs: dict = {"x": [], "w": [], "r": [], "b": randn(out_features), "seed": seed,
-                    "step": step}
+    inputs: dict = {"x": [], "w": [], "r": [], "b": randn(out_features), "seed": seed, "step": step}
     for rank in range(mesh.size):
         c = mesh.coords(rank)
         s, t = c["pp"], c["tp"]
@@ -138,8 +137,10 @@ def main() -> int:
             err = check(mesh, size)
             good = err <= TOLERANCE
             ok &= good
-            print(f"pipeline_parallel {mesh} H={size}: max relative error {err:.2e} "
-                  f"({'ok' if good else 'MISMATCH'})")
+            print(
+                f"pipeline_parallel {mesh} H={size}: max relative error {err:.2e} "
+                f"({'ok' if good else 'MISMATCH'})"
+            )
     return 0 if ok else 1
 
 

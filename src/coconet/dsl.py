@@ -247,8 +247,9 @@ def _node(x: Any, like: Node | None, op: Op) -> Node:
         )
     dtype = DType.float32
     if like is not None:
-        if like.type.dtype.is_float or isinstance(x, int):
-            dtype = like.type.dtype
+        # A number takes the dtype of the tensor it meets; a float with an int tensor is an error
+        # here, where the message can say it is the constant that does not fit.
+        dtype = like.type.dtype
         if dtype is DType.bool:
             dtype = DType.int64
     if isinstance(x, float) and not dtype.is_float:
@@ -390,6 +391,14 @@ def dropout(x: Tensor, p: float, seed: Any = 0, step: Any = 0) -> Tensor:
         raise DSLError(
             f"dropout's p must be a Python number, got {p!r}", op="dropout", loc=capture_loc()
         )
+    for role, v in (("seed", seed), ("step", step)):
+        if isinstance(v, float):
+            raise DTypeError(
+                f"dropout's {role} must be an integer scalar, got {v!r}",
+                op="dropout",
+                loc=capture_loc(),
+                hint="declare it with Scalar(name, int64) or pass a Python int",
+            )
     int_like = make_node(Op.CONST, (), {"value": 0, "dtype": DType.int64})
     return _wrap(
         Op.DROPOUT,

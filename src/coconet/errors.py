@@ -63,7 +63,15 @@ class CoconetError(Exception):
 
     ``op`` names the operation, ``loc`` is the user's line, ``details`` lists the values involved
     (one per line) and ``hint`` says what to do about it.
+
+    Errors about what the user wrote (``DSLError``, ``SimulationError``) that are raised without a
+    ``loc`` (program-level checks such as "no outputs", bad ``simulate`` inputs) point at the
+    innermost line of the user's own code on the stack: the ``Program(...)`` or ``simulate(...)``
+    call.
     """
+
+    #: Fill in ``loc`` from the caller's stack when none is given.
+    locate_caller = False
 
     def __init__(
         self,
@@ -76,6 +84,8 @@ class CoconetError(Exception):
     ) -> None:
         self.message = message
         self.op = op
+        if loc is None and self.locate_caller:
+            loc = capture_loc()
         self.loc = loc
         self.details = tuple(details)
         self.hint = hint
@@ -98,6 +108,8 @@ class CoconetError(Exception):
 class DSLError(CoconetError):
     """A program that cannot be built: misuse of the DSL."""
 
+    locate_caller = True
+
 
 class LayoutError(DSLError):
     """Operands whose layouts (Local, Replicated, Sliced) cannot be combined by this op."""
@@ -117,6 +129,8 @@ class ScheduleError(CoconetError):
 
 class SimulationError(CoconetError):
     """Inputs given to the simulator that do not fit the program."""
+
+    locate_caller = True
 
 
 class CodegenError(CoconetError):

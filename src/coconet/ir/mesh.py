@@ -47,9 +47,12 @@ class Mesh:
         for name, size in self.axes:
             if name == axis:
                 return size
-        raise KeyError(axis)
+        raise KeyError(f"{self} has no axis {axis!r}")
 
     def coords(self, rank: int) -> dict[str, int]:
+        """``rank``'s coordinate on every axis: ``Mesh(pp=2, tp=2).coords(3) == {pp: 1, tp: 1}``."""
+        if not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank!r} is not in {self} (ranks 0..{self.size - 1})")
         out = {}
         for name, size in reversed(self.axes):
             out[name] = rank % size
@@ -57,8 +60,13 @@ class Mesh:
         return dict(reversed(list(out.items())))
 
     def rank_of(self, coords: dict[str, int]) -> int:
+        """The rank at ``coords`` (one coordinate per axis), the inverse of ``coords``."""
+        if set(coords) != set(self.names):
+            raise ValueError(f"{self} needs one coordinate per axis {list(self.names)}: {coords}")
         rank = 0
         for name, size in self.axes:
+            if not 0 <= coords[name] < size:
+                raise ValueError(f"coordinate {name}={coords[name]} is outside {self}")
             rank = rank * size + coords[name]
         return rank
 

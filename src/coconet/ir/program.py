@@ -121,11 +121,13 @@ class Program:
 
     def verify(self) -> None:
         """Re-check every node's type with its op's rule and the program-level invariants."""
-        seen_inputs = set()
+        seen_inputs: dict[str, Node] = {}
         for n in self.inputs:
             if n.name in seen_inputs:
-                raise DSLError(f"program {self.name}: two inputs are named {n.name!r}", loc=n.loc)
-            seen_inputs.add(n.name)
+                what = "is listed twice among the inputs" if seen_inputs[n.name] is n else (
+                    "names two different inputs")
+                raise DSLError(f"program {self.name}: {n.name!r} {what}", loc=n.loc)
+            seen_inputs[n.name] = n
         for n in self.nodes:
             if n.op is Op.INPUT:
                 continue
@@ -174,8 +176,6 @@ class Program:
                 return node
             if id(node) in self._handles:
                 return self._handles[id(node)][1]
-            if node.name in self._by_name:
-                return self._by_name[node.name]
         raise KeyError(f"{ref!r} is not a value of program {self.name}")
 
     def users(self) -> dict[str, list[Node]]:

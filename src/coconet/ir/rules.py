@@ -284,6 +284,10 @@ def _reduction(op: Op) -> Callable:
         dim, keepdim = attrs.get("dim"), attrs.get("keepdim", False)
         if op is Op.NORM and not ty.dtype.is_float:
             raise _Violation(DTypeError, "norm needs a floating-point tensor", "cast(x, float32)")
+        if op is Op.SUM and ty.dtype is DType.bool:
+            raise _Violation(
+                DTypeError, "cannot sum bool tensors", "cast(x, int32) first to count the Trues"
+            )
         if dim is None:
             shape: Shape = tuple(1 for _ in ty.shape) if keepdim else ()
         else:
@@ -324,6 +328,8 @@ def _matmul(inputs, attrs) -> TensorType:
             f"({ta.shape[-1]} vs {tb.shape[0]})",
         )
     dtype = _pointwise_dtype((a, b))
+    if dtype is DType.bool:
+        raise _Violation(DTypeError, "matmul does not take bool operands", "cast(x, float32) first")
     shape = ta.shape[:-1] + (tb.shape[1],)
     la, lb = ta.layout, tb.layout
     last = len(shape) - 1
@@ -485,7 +491,9 @@ def _scatter(inputs, attrs) -> TensorType:
         )
     if not _axis_fits(lay.axis, axis):
         raise _Violation(
-            LayoutError, f"scatter over axis {axis!r} of a value replicated over {lay.axis!r}"
+            LayoutError,
+            f"scatter over axis {axis!r} of a value replicated over {lay.axis!r}",
+            f"scatter over the axis the value is replicated on: scatter(x, axis={lay.axis!r})",
         )
     if x.type.rank == 0:
         raise _Violation(ShapeError, "cannot scatter a scalar", "scalars combine with slices as is")
@@ -517,13 +525,16 @@ def _update(inputs, attrs) -> TensorType:
             ShapeError,
             f"the new value of {target.name} has shape {format_shape(tv.shape)}, the tensor "
             f"{format_shape(tt.shape)}",
+            "the new value must have the tensor's shape, or broadcast to it",
         )
-    if tt.layout != tv.layout and not (tt.layout.is_local and tv.layout.is_replicated):
+    if tt.layout != tv.layout and not _update_layout_fits(target, value):
         hint = (
             "all_gather(...) the new value, or keep the tensor sliced (as_slice)"
             if tv.layout.is_sliced
             else "all_reduce(...) or broadcast(...) the new value so every rank stores the same"
             if tv.layout.is_local
+            else "scatter(...) the new value to keep this rank's slice of it"
+            if tt.layout.is_sliced and _axis_fits(tv.layout.axis, tt.layout.axis)
             else "declare the tensor with the layout of its new value"
         )
         raise _Violation(
@@ -532,6 +543,18 @@ def _update(inputs, attrs) -> TensorType:
             hint,
         )
     return tt
+
+
+def _update_layout_fits(target: Node, value: Node) -> bool:
+    """A Replicated new value fits any target it combines with pointwise into the target's layout:
+    a Local one, a Sliced one when it does not span the sliced dim (``update(s, 0.0)``), or one
+    replicated over a single axis when the value is replicated over the whole world."""
+    if not value.type.layout.is_replicated:
+        return False
+    try:
+        return pointwise_layout((target, value), target.type.shape) == target.type.layout
+    except _Violation:
+        return False
 
 
 RULES: dict[Op, Callable[[tuple, dict], TensorType]] = {
