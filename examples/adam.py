@@ -30,8 +30,18 @@ import sys
 import torch
 
 import coconet as cc
+from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
 
 TOLERANCE = 1e-6  # max relative error vs torch.optim.Adam in float32
+
+# The optimizer state that the sliced schedules keep sliced (1/world of it per rank).
+STATE = ("m", "v")
+# The paper's schedules of this program (see coconet.schedule), by name.
+SCHEDULES = {
+    "AR_C": AR_C,
+    "RS_C_AG": lambda prog: RS_C_AG(prog, STATE),
+    "fuse_RS_C_AG": lambda prog: fuse_RS_C_AG(prog, STATE),
+}
 
 LR = 1e-2
 BETAS = (0.9, 0.999)

@@ -33,9 +33,17 @@ import torch
 
 import coconet as cc
 from coconet.random import dropout_mask
+from coconet.schedule import AR_P2P_C, RS_P2P_C_AG, ol_RS_fuse_P2P_C_AG
 
 # The all_reduce adds the ranks' partial sums in another order than one matmul does.
 TOLERANCE = 1e-5  # max relative error vs plain PyTorch in float32
+
+# The paper's schedules of this boundary (see coconet.schedule), by name.
+SCHEDULES = {
+    "AR_P2P_C": AR_P2P_C,
+    "RS_P2P_C_AG": RS_P2P_C_AG,
+    "ol_RS_fuse_P2P_C_AG": ol_RS_fuse_P2P_C_AG,
+}
 
 P = 0.1  # dropout probability
 MESHES = (cc.Mesh(pp=2, tp=2), cc.Mesh(pp=2, tp=3))

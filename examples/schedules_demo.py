@@ -53,9 +53,11 @@ def main() -> int:
         diff = max((got[k] - want[k]).abs().max().item() for k in want)
         same = diff == 0.0
         ok &= same
-        print(f"  per rank: keeps {cost.max_persistent_bytes} B of parameters and state, sends "
-              f"{cost.max_sent_bytes} B per step; max difference from the program over 3 steps: "
-              f"{diff:.1e} ({'identical' if same else 'MISMATCH'})")
+        print(
+            f"  per rank: keeps {cost.max_persistent_bytes} B of parameters and state, sends "
+            f"{cost.max_sent_bytes} B per step; max difference from the program over 3 steps: "
+            f"{diff:.1e} ({'identical' if same else 'MISMATCH'})"
+        )
     return 0 if ok else 1
 
 

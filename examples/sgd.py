@@ -28,8 +28,18 @@ import sys
 import torch
 
 import coconet as cc
+from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
 
 TOLERANCE = 1e-6  # max relative error vs torch.optim.SGD in float32
+
+# The optimizer state that the sliced schedules keep sliced (1/world of it per rank).
+STATE = ("buf",)
+# The paper's schedules of this program (see coconet.schedule), by name.
+SCHEDULES = {
+    "AR_C": AR_C,
+    "RS_C_AG": lambda prog: RS_C_AG(prog, STATE),
+    "fuse_RS_C_AG": lambda prog: fuse_RS_C_AG(prog, STATE),
+}
 
 # Hyper-parameters are runtime scalars, stored as float32 by the program. make_inputs rounds them
 # to float32 up front so that the torch reference runs with exactly the same values.

@@ -35,9 +35,17 @@ import torch
 
 import coconet as cc
 from coconet.random import dropout_mask
+from coconet.schedule import MM_AR_C, MM_RS_C_AG, ol_MM_fuse_RS_C_AG
 
 # The all_reduce adds the ranks' partial sums in a different order than one matmul does.
 TOLERANCE = 1e-5  # max relative error vs the single-process layer in float32
+
+# The paper's schedules of this layer (see coconet.schedule), by name.
+SCHEDULES = {
+    "MM_AR_C": MM_AR_C,
+    "MM_RS_C_AG": MM_RS_C_AG,
+    "ol_MM_fuse_RS_C_AG": ol_MM_fuse_RS_C_AG,
+}
 
 P = 0.1  # dropout probability
 

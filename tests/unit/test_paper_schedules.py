@@ -23,14 +23,10 @@ from coconet.ir.group import GroupKind
 from coconet.schedule import (
     AR_C,
     AR_P2P_C,
-    MM_AR_C,
-    MM_RS_C_AG,
     RS_C_AG,
     RS_P2P_C_AG,
     Schedule,
     fuse_RS_C_AG,
-    ol_MM_fuse_RS_C_AG,
-    ol_RS_fuse_P2P_C_AG,
 )
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
@@ -46,22 +42,17 @@ def load(name: str):
     return module
 
 
-OPTIMIZERS = {"sgd": ("buf",), "adam": ("m", "v"), "adamw": ("m", "v"), "lamb": ("m", "v")}
-OPTIMIZER_SCHEDULES = {
-    "AR_C": lambda prog, state: AR_C(prog),
-    "RS_C_AG": lambda prog, state: RS_C_AG(prog, state),
-    "fuse_RS_C_AG": lambda prog, state: fuse_RS_C_AG(prog, state),
-}
-LAYER_SCHEDULES = {
-    "MM_AR_C": MM_AR_C,
-    "MM_RS_C_AG": MM_RS_C_AG,
-    "ol_MM_fuse_RS_C_AG": lambda prog: ol_MM_fuse_RS_C_AG(prog, chunks=3),
-}
-PIPELINE_SCHEDULES = {
-    "AR_P2P_C": AR_P2P_C,
-    "RS_P2P_C_AG": RS_P2P_C_AG,
-    "ol_RS_fuse_P2P_C_AG": lambda prog: ol_RS_fuse_P2P_C_AG(prog, chunks=2),
-}
+OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
+OPTIMIZER_SCHEDULES = ("AR_C", "RS_C_AG", "fuse_RS_C_AG")
+LAYER_SCHEDULES = ("MM_AR_C", "MM_RS_C_AG", "ol_MM_fuse_RS_C_AG")
+PIPELINE_SCHEDULES = ("AR_P2P_C", "RS_P2P_C_AG", "ol_RS_fuse_P2P_C_AG")
+
+
+def test_examples_name_the_paper_schedules():
+    for name in OPTIMIZERS:
+        assert tuple(load(name).SCHEDULES) == OPTIMIZER_SCHEDULES
+    assert tuple(load("tensor_parallel").SCHEDULES) == LAYER_SCHEDULES
+    assert tuple(load("pipeline_parallel").SCHEDULES) == PIPELINE_SCHEDULES
 
 
 def assert_same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
@@ -71,14 +62,14 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", sorted(OPTIMIZER_SCHEDULES))
-@pytest.mark.parametrize("example", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("schedule", OPTIMIZER_SCHEDULES)
+@pytest.mark.parametrize("example", OPTIMIZERS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("size", [12, 7, 2])  # 7 and 2 do not divide by every world size
 def test_optimizer_schedules_equal_the_program(example, schedule, world, size):
     mod = load(example)
     prog = mod.program()
-    sched = OPTIMIZER_SCHEDULES[schedule](prog, OPTIMIZERS[example])
+    sched = mod.SCHEDULES[schedule](prog)
     exact = example != "lamb"
     state = mod.make_inputs(world, size, seed=world + size, step=1)
     got_state = dict(state)
@@ -92,12 +83,12 @@ def test_optimizer_schedules_equal_the_program(example, schedule, world, size):
             got_state[name] = got.updated(name)
 
 
-@pytest.mark.parametrize("example", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("example", OPTIMIZERS)
 def test_rs_c_ag_keeps_state_sliced_and_reads_no_whole_state(example):
     mod = load(example)
-    sched = fuse_RS_C_AG(mod.program(), OPTIMIZERS[example])
+    sched = mod.SCHEDULES["fuse_RS_C_AG"](mod.program())
     prog = sched.program
-    for name in OPTIMIZERS[example]:
+    for name in mod.STATE:
         assert prog.input(name).type.layout == cc.Sliced(0)
     ops = [n.op.value for n in prog.nodes]
     assert "all_reduce" not in ops or example == "lamb"  # LAMB: only the partial-norm reductions
@@ -130,27 +121,29 @@ def layer_inputs(mod, integer: bool, batch: int, size: int):
     return inputs
 
 
-@pytest.mark.parametrize("schedule", sorted(LAYER_SCHEDULES))
+@pytest.mark.parametrize("schedule", LAYER_SCHEDULES)
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("batch", [8, 7, 3])
 @pytest.mark.parametrize("integer", [True, False])
 def test_tensor_parallel_schedules_equal_the_program(schedule, world, batch, integer):
     mod = load("tensor_parallel")
     prog = mod.program(p=0.25)
-    sched = LAYER_SCHEDULES[schedule](prog)
+    chunks = {"chunks": 3} if schedule.startswith("ol_") else {}
+    sched = mod.SCHEDULES[schedule](prog, **chunks)
     inputs = layer_inputs(mod, integer, batch, size=6)
     want = cc.simulate(prog, inputs, world).output("out")
     got = cc.simulate(sched.program, inputs, world).output("out")
     assert_same(want, got, exact=integer)
 
 
-@pytest.mark.parametrize("schedule", sorted(PIPELINE_SCHEDULES))
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
 @pytest.mark.parametrize("mesh", [cc.Mesh(pp=2, tp=2), cc.Mesh(pp=2, tp=3), cc.Mesh(pp=3, tp=2)])
 @pytest.mark.parametrize("size", [16, 7])
 def test_pipeline_schedules_equal_the_program(schedule, mesh, size):
     mod = load("pipeline_parallel")
     prog = mod.program()
-    sched = PIPELINE_SCHEDULES[schedule](prog)
+    chunks = {"chunks": 2} if schedule.startswith("ol_") else {}
+    sched = mod.SCHEDULES[schedule](prog, **chunks)
     inputs = mod.program_inputs(mod.make_inputs(mesh, size, batch=5))
     want = cc.simulate(prog, inputs, mesh).output("out")
     got = cc.simulate(sched.program, inputs, mesh).output("out")
@@ -161,13 +154,10 @@ def test_pipeline_schedules_equal_the_program(schedule, mesh, size):
 
 
 def all_schedules():
-    for name in OPTIMIZERS:
-        for sname, make in OPTIMIZER_SCHEDULES.items():
-            yield f"{name}:{sname}", lambda n=name, m=make: m(load(n).program(), OPTIMIZERS[n])
-    for sname, make in LAYER_SCHEDULES.items():
-        yield f"tensor_parallel:{sname}", lambda m=make: m(load("tensor_parallel").program())
-    for sname, make in PIPELINE_SCHEDULES.items():
-        yield f"pipeline_parallel:{sname}", lambda m=make: m(load("pipeline_parallel").program())
+    for name in (*OPTIMIZERS, "tensor_parallel", "pipeline_parallel"):
+        mod = load(name)
+        for sname, make in mod.SCHEDULES.items():
+            yield f"{name}:{sname}", lambda m=make, mod=mod: m(mod.program())
 
 
 @pytest.mark.parametrize(
