@@ -4,6 +4,7 @@ The public API: the DSL (tensors, layouts, computation and communication ops), `
 ``Mesh``, the simulator, and the errors.
 """
 
+from coconet.compiler import CompileOptions, compile
 from coconet.dsl import (
     Scalar,
     Tensor,
@@ -68,6 +69,7 @@ int64 = DType.int64
 __all__ = [
     "CodegenError",
     "CoconetError",
+    "CompileOptions",
     "DSLError",
     "DType",
     "DTypeError",
@@ -94,6 +96,7 @@ __all__ = [
     "bfloat16",
     "broadcast",
     "cast",
+    "compile",
     "dropout",
     "eq",
     "exp",

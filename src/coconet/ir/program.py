@@ -64,6 +64,13 @@ class Program:
         if isinstance(outputs, Mapping):
             outs = [_node_of(v) for v in outputs.values()]
             for key, n in zip(outputs, outs, strict=True):
+                if n.op is Op.INPUT and key != n.name:
+                    raise DSLError(
+                        f"program {name}: output {key!r} is the input {n.name!r}; an input is "
+                        "returned under its own name",
+                        loc=n.loc,
+                        hint=f"use the key {n.name!r}, or return a computed copy",
+                    )
                 if n.op is not Op.UPDATE:
                     overrides[id(n)] = key
         else:
@@ -123,10 +130,11 @@ class Program:
         """Re-check every node's type with its op's rule and the program-level invariants."""
         seen_inputs: dict[str, Node] = {}
         for n in self.inputs:
+            # Two different inputs with one name are caught when names are assigned.
             if n.name in seen_inputs:
-                what = "is listed twice among the inputs" if seen_inputs[n.name] is n else (
-                    "names two different inputs")
-                raise DSLError(f"program {self.name}: {n.name!r} {what}", loc=n.loc)
+                raise DSLError(
+                    f"program {self.name}: {n.name!r} is listed twice among the inputs", loc=n.loc
+                )
             seen_inputs[n.name] = n
         for n in self.nodes:
             if n.op is Op.INPUT:

@@ -1,0 +1,259 @@
+"""Python source for a lowered program: one readable module per (program, schedule, world, ...).
+
+The module defines ``step(comm, env, kernels, <inputs...>)``, which runs one step on the calling
+rank and returns ``(outputs, updates)``, both dicts of tensors; the caller commits the updates. Each
+DSL op is one line with a comment giving the op as the program prints it and the user's file:line.
+Local ops call the simulator's definitions (``coconet.sim.local_ops``), so the generated code and
+the reference cannot drift apart. Collectives are explicit start/wait pairs on ``comm``; ``env``
+holds this rank's sizes (``coconet.codegen.geometry``); ``kernels`` holds the fused kernels,
+compiled or not (``coconet.codegen.kernels``).
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Callable, Sequence
+
+from coconet.codegen.names import Namer
+from coconet.codegen.plan import Compute, Kernel, Plan, Start, Wait
+from coconet.errors import CodegenError
+from coconet.ir.node import Node
+from coconet.ir.ops import POINTWISE, REDUCTIONS, Op
+from coconet.ir.types import DType
+
+__all__ = ["emit"]
+
+_INDENT = "    "
+_START = {
+    Op.ALL_REDUCE: "all_reduce_start",
+    Op.REDUCE_SCATTER: "reduce_scatter_start",
+    Op.ALL_GATHER: "all_gather_start",
+    Op.BROADCAST: "broadcast_start",
+    Op.REDUCE: "reduce_start",
+    Op.SEND: "send_start",
+}
+
+GeoRef = Callable[[Node, str], str]  # (node, "shapes"|"offsets"|"bounds"|"parts") -> code
+
+
+def emit(plan: Plan, header: Sequence[str]) -> str:
+    """The module's source. ``header`` lines go first, as comments (program, schedule, key...)."""
+    return _Emitter(plan).module(header)
+
+
+class _Emitter:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.program = plan.program
+        namer = Namer()
+        self.namer = namer
+        self.var: dict[str, str] = {}
+        for n in self.program.nodes:
+            if n.op is Op.CONST:
+                continue
+            self.var[n.name] = namer.claim(n.name)
+        # one module-level tensor per distinct (value, dtype): `1 - beta1` and `1 - beta2` share
+        self.const_names: dict[tuple, list[str]] = {}
+        for n in plan.constants:
+            key = (repr(n.attr("value")), n.type.dtype)
+            if key not in self.const_names:
+                self.const_names[key] = []
+            self.const_names[key].append(n.name)
+            self.var[n.name] = f"_c{list(self.const_names).index(key) + 1}"
+        self.work = {
+            s.node.name: namer.claim(f"{self.var[s.node.name]}_work")
+            for s in plan.steps
+            if isinstance(s, Start)
+        }
+        # per kernel: (node, geometry field, parameter name) for the sizes a kernel is passed
+        self._geo_cache: dict[str, list[tuple[Node, str, str]]] = {}
+
+    # -- the module -----------------------------------------------------------------------------
+
+    def module(self, header: Sequence[str]) -> str:
+        out: list[str] = [f'"""coconet: the generated step of program {self.program.name}."""', ""]
+        for h in header:
+            out += _comment_lines(h, "# ") if h else ["#"]
+        out += [
+            "",
+            "import torch",
+            "",
+            "from coconet.ir.ops import Op, ReduceOp  # noqa: F401",
+            "from coconet.sim import local_ops as _ops",
+            "",
+        ]
+        if self.const_names:
+            out.append("# the program's constants: 0-d tensors of their dtype, as in the simulator")
+            for k, ((value, dtype), users) in enumerate(self.const_names.items(), start=1):
+                out.append(
+                    f"_c{k} = torch.tensor({value}, dtype={_dtype(dtype)})  # {', '.join(users)}"
+                )
+            out.append("")
+        used = sorted(
+            {n.op for n in self.program.nodes if n.op in POINTWISE} - {Op.CAST, Op.DROPOUT},
+            key=lambda op: op.value,
+        )
+        if used:
+            out.append("# each op's local meaning, shared with the simulator (sim.local_ops)")
+            out += [f"_{op.value} = _ops.POINTWISE[Op.{op.name}]" for op in used]
+            out.append("")
+        names = ", ".join(repr(n.name) for n in self.program.inputs)
+        out.append("# the program's inputs, in the order step() takes them")
+        out.append(f"INPUTS = ({names}{',' if len(self.program.inputs) == 1 else ''})")
+        for k in self.plan.kernels:
+            out += ["", ""] + self.kernel_def(k)
+        entries = ", ".join(f'"{k.name}": _kernel_{k.name}' for k in self.plan.kernels)
+        out += ["", "", f"KERNELS = {{{entries}}}", "", ""]
+        out += self.step_def()
+        return "\n".join(out) + "\n"
+
+    def kernel_def(self, k: Kernel) -> list[str]:
+        params = [self.var[i.name] for i in k.inputs] + [p for _, _, p in self._geo_params(k)]
+        geo = {(n.name, f): p for n, f, p in self._geo_params(k)}
+        lines = [
+            f"def _kernel_{k.name}({', '.join(params)}):",
+            f'{_INDENT}"""{_short(k.group)}: one kernel (torch.compile, or eager)."""',
+        ]
+        for n in k.nodes:
+            lines += [_INDENT + c for c in self.node_lines(n, lambda n, f: geo[(n.name, f)])]
+        outs = ", ".join(self.var[n.name] for n in k.outputs)
+        lines.append(f"{_INDENT}return ({outs}{',' if len(k.outputs) == 1 else ''})")
+        return lines
+
+    def _geo_params(self, k: Kernel) -> list[tuple[Node, str, str]]:
+        if k.name not in self._geo_cache:
+            self._geo_cache[k.name] = [
+                (n, f, self.namer.claim(f"{self.var[n.name]}_{f[:-1]}"))
+                for n in k.nodes
+                if n.op is Op.DROPOUT
+                for f in ("shapes", "offsets")
+            ]
+        return self._geo_cache[k.name]
+
+    def step_def(self) -> list[str]:
+        params = ["comm", "env", "kernels"] + [self.var[n.name] for n in self.program.inputs]
+        lines = [
+            f"def step({', '.join(params)}):",
+            f'{_INDENT}"""One step on this rank: (outputs, updates); the caller commits."""',
+        ]
+        body: list[str] = []
+        for s in self.plan.steps:
+            if isinstance(s, Compute):
+                body += self.node_lines(s.node, _env_ref)
+            elif isinstance(s, Kernel):
+                body += self.kernel_call(s)
+            elif isinstance(s, Start):
+                body += self.start_lines(s)
+            elif isinstance(s, Wait):
+                name = s.node.name
+                body.append(f"{self.var[name]} = comm.wait({self.work[name]})")
+        outs = ", ".join(f"{n.name!r}: {self.var[n.name]}" for n in self.program.outputs)
+        ups = ", ".join(
+            f"{u.inputs[0].name!r}: {self.var[u.inputs[1].name]}" for u in self.program.updates
+        )
+        body.append(f"return {{{outs}}}, {{{ups}}}")
+        return lines + [_INDENT + b for b in body]
+
+    # -- one op ---------------------------------------------------------------------------------
+
+    def comment(self, n: Node) -> str:
+        text = self.program.format_node(n)
+        return f"# {text}" + (f"  at {_where(n)}" if n.loc is not None else "")
+
+    def node_lines(self, n: Node, geo: GeoRef) -> list[str]:
+        if n.op is Op.UPDATE:
+            return [self.comment(n) + "  (committed after the step succeeds)"]
+        return [self.comment(n), f"{self.var[n.name]} = {self.expr(n, geo)}"]
+
+    def expr(self, n: Node, geo: GeoRef) -> str:
+        a = [self.var[i.name] for i in n.inputs]
+        op = n.op
+        if op is Op.CAST:
+            return f"{a[0]}.to({_dtype(n.type.dtype)})"
+        if op is Op.DROPOUT:
+            p = n.attr("p")
+            return (
+                f"_ops.apply_dropout({a[0]}, {p!r}, int({a[1]}), int({a[2]}), "
+                f"{geo(n, 'shapes')}, {geo(n, 'offsets')})"
+            )
+        if op in POINTWISE:
+            return f"_{op.value}({', '.join(a)})"
+        if op in REDUCTIONS:
+            e = f"_ops.reduction(Op.{op.name}, {a[0]}, {n.attr('dim')!r}, {n.attr('keepdim')!r})"
+            # torch sums small ints and bools into int64; the program's type says otherwise.
+            if not n.type.dtype.is_float and n.type.dtype is not DType.int64:
+                e += f".to({_dtype(n.type.dtype)})"
+            return e
+        if op is Op.MATMUL:
+            return f"torch.matmul({a[0]}, {a[1]})"
+        if op is Op.SCATTER:
+            return f"{a[0]}.narrow({n.type.layout.dim}, *{geo(n, 'bounds')})"
+        raise CodegenError(f"no code generation rule for {op}", op=str(op), loc=n.loc)
+
+    def kernel_call(self, k: Kernel) -> list[str]:
+        args = [self.var[i.name] for i in k.inputs]
+        args += [_env_ref(n, f) for n, f, _ in self._geo_params(k)]
+        outs = ", ".join(self.var[n.name] for n in k.outputs)
+        target = f"({outs},)" if len(k.outputs) == 1 else outs
+        members = ", ".join(n.name for n in k.nodes)
+        return [
+            *_comment_lines(f"{k.group.kind.value}: {members}  (one kernel)", "# "),
+            *_call(target, f"kernels.{k.name}", args),
+        ]
+
+    def start_lines(self, s: Start) -> list[str]:
+        n = s.node
+        x = self.var[n.inputs[0].name]
+        args = [x]
+        if n.attr("reduce_op") is not None:
+            args.append(f"ReduceOp.{n.attr('reduce_op').name}")
+        if n.op is Op.REDUCE_SCATTER:
+            args.append(f"dim={n.type.layout.dim}")
+        if n.op is Op.ALL_GATHER:
+            args += [f"dim={n.inputs[0].type.layout.dim}", f"parts={_env_ref(n, 'parts')}"]
+        if n.op in (Op.BROADCAST, Op.REDUCE):
+            args.append(f"root={n.attr('root')}")
+        args.append(f"axis={n.attr('axis')!r}")
+        if n.op not in (Op.ALL_GATHER, Op.SEND):
+            args.append(f"donate={s.donate}")
+        args.append(f"label={n.name!r}")
+        return [self.comment(n), *_call(self.work[n.name], f"comm.{_START[n.op]}", args)]
+
+
+def _call(target: str, fn: str, args: Sequence[str], width: int = 96) -> list[str]:
+    """``target = fn(args)`` on one line, or with the arguments wrapped when that is too long."""
+    line = f"{target} = {fn}({', '.join(args)})"
+    if len(line) <= width:
+        return [line]
+    wrapped = textwrap.wrap(", ".join(args), width - len(_INDENT), break_long_words=False)
+    return [f"{target} = {fn}(", *[_INDENT + w for w in wrapped], ")"]
+
+
+def _comment_lines(text: str, prefix: str, width: int = 96) -> list[str]:
+    return [prefix + w for w in textwrap.wrap(text, width, subsequent_indent="  ")] or [prefix]
+
+
+def _short(group) -> str:
+    m = group.members
+    names = ", ".join(m) if len(m) <= 6 else f"{', '.join(m[:3])}, ..., {m[-1]} ({len(m)} values)"
+    return f"{group.kind.value}([{names}])"
+
+
+def _env_ref(n: Node, field: str) -> str:
+    return f"env.{field}[{n.name!r}]"
+
+
+def _dtype(d: DType) -> str:
+    return f"torch.{d.torch}".replace("torch.torch.", "torch.")
+
+
+def _where(n: Node) -> str:
+    path = n.loc.filename
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else os.path.basename(path)
+    except ValueError:  # another drive on Windows
+        path = os.path.basename(path)
+    return f"{path}:{n.loc.lineno}"
+

@@ -1,0 +1,288 @@
+"""Lowering: a (scheduled) Program -> the ordered list of per-rank steps the emitter writes out.
+
+A step is one of
+
+- ``Compute(node)``: one local op, evaluated with the simulator's meaning (``sim.local_ops``);
+- ``Kernel``: a run of computations of one ``fuse`` group, written as one function that the
+  runtime compiles with ``torch.compile`` (or runs eagerly when fused kernels are off);
+- ``Start(node)`` / ``Wait(node)``: an asynchronous collective, started as soon as its input is
+  ready and waited for just before its first use, so that independent work runs meanwhile.
+
+Keeping the plan a flat list of small steps is what lets later passes wrap a sub-list in a chunk
+loop (overlap groups) without touching the emitter's per-step code.
+
+Fused groups with a collective inside (``fuse(reduce_scatter, update, all_gather)``) become their
+collectives plus one kernel per run of computations between them (see ``_units``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from coconet.errors import CodegenError
+from coconet.ir.group import Group, GroupKind
+from coconet.ir.node import Node
+from coconet.ir.ops import (
+    COLLECTIVES,
+    COMMUNICATION,
+    LEAVES,
+    POINTWISE,
+    REDUCTIONS,
+    Op,
+)
+from coconet.ir.program import Program
+
+__all__ = ["KERNEL_OPS", "Compute", "Kernel", "Plan", "Start", "Step", "Wait", "lower"]
+
+# Ops a fused kernel may contain: local computation with no communication and no rank geometry
+# other than what is passed in as arguments.
+KERNEL_OPS = POINTWISE | REDUCTIONS | {Op.MATMUL}
+
+# Ops whose result is a new tensor that no one else holds, so a collective may reuse its buffer.
+_FRESH = (POINTWISE - {Op.CAST}) | REDUCTIONS | {Op.MATMUL} | COLLECTIVES | {Op.SEND}
+
+
+@dataclass(frozen=True)
+class Compute:
+    node: Node
+
+
+@dataclass(frozen=True)
+class Start:
+    node: Node
+    donate: bool  # the operand is a temporary used only here: the collective may overwrite it
+
+
+@dataclass(frozen=True)
+class Wait:
+    node: Node
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    group: Group
+    nodes: tuple[Node, ...]
+    inputs: tuple[Node, ...]  # values computed outside the kernel (constants excluded)
+    outputs: tuple[Node, ...]  # members read after the kernel, in program order
+
+
+Step = Compute | Start | Wait | Kernel
+
+
+@dataclass(frozen=True)
+class Plan:
+    program: Program
+    steps: tuple[Step, ...]
+    constants: tuple[Node, ...]
+
+    @property
+    def kernels(self) -> tuple[Kernel, ...]:
+        return tuple(s for s in self.steps if isinstance(s, Kernel))
+
+
+def lower(program: Program) -> Plan:
+    """The per-rank steps of ``program`` in an order that respects every dependency."""
+    for g in program.groups:
+        if g.kind is GroupKind.OVERLAP:
+            raise CodegenError(
+                "overlap groups are not supported yet",
+                op="overlap",
+                details=[f"group: {g}"],
+                hint="compile the program without its overlap(...) schedule step for now",
+            )
+    units = _units(program)
+    order = _topo(units)
+    steps = _with_waits(program, order)
+    consts = tuple(n for n in program.nodes if n.op is Op.CONST)
+    return Plan(program, tuple(steps), consts)
+
+
+# -- units: single nodes and fused runs ---------------------------------------------------------
+
+
+@dataclass
+class _Unit:
+    nodes: list[Node]
+    group: Group | None  # set for a kernel
+    first: int  # program position of the first node (the scheduling priority)
+
+
+def _units(program: Program) -> list[_Unit]:
+    """Single nodes, and kernels: the computations of one fuse group between two of its
+    collectives.
+
+    A member goes as late as it can: into the run just before the first collective of its group
+    that depends on it (after the last one, when none does), so that in
+    ``fuse(reduce_scatter, update, all_gather)`` the scalar bias corrections join the update's
+    kernel instead of forming a kernel of their own before the reduce_scatter. A member joins its
+    run's current kernel unless that would make a cycle between units (the kernel would both feed
+    and read some other unit); then it starts a new kernel.
+    """
+    index = {n.name: i for i, n in enumerate(program.nodes)}
+    run_of = _runs(program)
+    units: list[_Unit] = []
+    unit_of: dict[str, int] = {}  # node name -> its unit
+    after: list[set[int]] = []  # unit -> the units that read from it
+    open_kernel: dict[tuple[Group, int], int] = {}
+
+    def reaches(src: int, dst: int) -> bool:
+        stack, seen = [src], {src}
+        while stack:
+            u = stack.pop()
+            if u == dst:
+                return True
+            for v in after[u] - seen:
+                seen.add(v)
+                stack.append(v)
+        return False
+
+    for n in program.nodes:
+        if n.op in LEAVES:
+            continue
+        producers = {unit_of[i.name] for i in n.inputs if i.name in unit_of}
+        run = run_of.get(n.name)
+        k = open_kernel.get(run) if run is not None else None
+        if k is not None and any(p != k and reaches(k, p) for p in producers):
+            k = None  # joining would close a cycle: start a new kernel for this run
+        if k is None:
+            k = len(units)
+            units.append(_Unit([], run[0] if run is not None else None, index[n.name]))
+            after.append(set())
+            if run is not None:
+                open_kernel[run] = k
+        units[k].nodes.append(n)
+        unit_of[n.name] = k
+        for p in producers - {k}:
+            after[p].add(k)
+    return units
+
+
+def _runs(program: Program) -> dict[str, tuple[Group, int]]:
+    """For each kernel-able member of a fuse group: (group, run), run r lying between the group's
+    r-th and (r+1)-th collective, as late as the member's dependents allow."""
+    out: dict[str, tuple[Group, int]] = {}
+    users = program.users()
+    for g in program.groups:
+        if g.kind is not GroupKind.FUSE:
+            continue
+        members = [program.node(m) for m in g.members]
+        comms = [m.name for m in sorted(members, key=_position(program)) if m.op in COMMUNICATION]
+        for m in members:
+            if m.op not in KERNEL_OPS:
+                continue
+            reached = _downstream(m.name, users)
+            later = [j for j, c in enumerate(comms) if c in reached]
+            out[m.name] = (g, min(later) if later else len(comms))
+    return out
+
+
+def _position(program: Program):
+    index = {n.name: i for i, n in enumerate(program.nodes)}
+    return lambda n: index[n.name]
+
+
+def _downstream(name: str, users: dict[str, list[Node]]) -> set[str]:
+    seen: set[str] = set()
+    stack = [name]
+    while stack:
+        for u in users[stack.pop()]:
+            if u.name not in seen:
+                seen.add(u.name)
+                stack.append(u.name)
+    return seen
+
+
+def _topo(units: list[_Unit]) -> list[_Unit]:
+    """Kahn's algorithm: among the ready units, collectives first (started as early as their
+    inputs allow, so they are in flight while other work runs), then by program position, so the
+    order stays close to the user's."""
+    producer: dict[str, int] = {}
+    for k, u in enumerate(units):
+        for n in u.nodes:
+            producer[n.name] = k
+    deps: list[set[int]] = []
+    for k, u in enumerate(units):
+        d = {producer[i.name] for n in u.nodes for i in n.inputs if i.name in producer}
+        d.discard(k)
+        deps.append(d)
+    users: list[list[int]] = [[] for _ in units]
+    for k, d in enumerate(deps):
+        for p in d:
+            users[p].append(k)
+    missing = [len(d) for d in deps]
+
+    def priority(k: int) -> tuple[int, int, int]:
+        u = units[k]
+        is_comm = u.group is None and u.nodes[0].op in COMMUNICATION
+        return (0 if is_comm else 1, u.first, k)
+
+    ready = [priority(k) for k, u in enumerate(units) if missing[k] == 0]
+    heapq.heapify(ready)
+    order: list[_Unit] = []
+    while ready:
+        k = heapq.heappop(ready)[-1]
+        order.append(units[k])
+        for c in users[k]:
+            missing[c] -= 1
+            if missing[c] == 0:
+                heapq.heappush(ready, priority(c))
+    if len(order) != len(units):  # pragma: no cover - _units never makes a cycle
+        raise CodegenError("internal error: fused runs form a cycle", op="fuse")
+    return order
+
+
+# -- steps --------------------------------------------------------------------------------------
+
+
+def _with_waits(program: Program, order: list[_Unit]) -> list[Step]:
+    users = program.users()
+    returned = {n.name for n in program.outputs} | {u.inputs[1].name for u in program.updates}
+    pending: dict[str, Node] = {}  # started collectives not yet waited for
+    steps: list[Step] = []
+    kernel_count = 0
+
+    def wait_for(nodes: list[Node]) -> None:
+        for n in nodes:
+            for i in n.inputs:
+                if i.name in pending:
+                    steps.append(Wait(pending.pop(i.name)))
+
+    for u in order:
+        wait_for(u.nodes)
+        if u.group is not None:
+            kernel_count += 1
+            steps.append(_kernel(f"fused_{kernel_count}", u, users, returned))
+            continue
+        (n,) = u.nodes
+        if n.op in COMMUNICATION:
+            steps.append(Start(n, _donatable(n, users, returned)))
+            pending[n.name] = n
+        else:
+            steps.append(Compute(n))
+    steps.extend(Wait(n) for n in pending.values())
+    return steps
+
+
+def _kernel(name: str, u: _Unit, users: dict[str, list[Node]], returned: set[str]) -> Kernel:
+    members = {n.name for n in u.nodes}
+    inputs: list[Node] = []
+    seen: set[str] = set()
+    for n in u.nodes:
+        for i in n.inputs:
+            if i.name not in members and i.op is not Op.CONST and i.name not in seen:
+                seen.add(i.name)
+                inputs.append(i)
+    outputs = [
+        n
+        for n in u.nodes
+        if n.name in returned or any(c.name not in members for c in users[n.name])
+    ]
+    return Kernel(name, u.group, tuple(u.nodes), tuple(inputs), tuple(outputs))
+
+
+def _donatable(n: Node, users: dict[str, list[Node]], returned: set[str]) -> bool:
+    """The operand is a temporary that only this collective reads: its buffer can be reused."""
+    x = n.inputs[0]
+    return x.op in _FRESH and len(users[x.name]) == 1 and x.name not in returned

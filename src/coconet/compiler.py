@@ -1,0 +1,216 @@
+"""``coconet.compile``: a program or schedule -> a ``CompiledStep`` that runs one step per call.
+
+::
+
+    comm = coconet.runtime.init()                       # reads torchrun's environment
+    step = coconet.compile(schedule)                    # or compile(program), fused_kernels=False
+    outputs = step(g=grad, p=param, m=m, v=v, lr=1e-3)  # updates p, m, v in place on success
+
+Compilation lowers the scheduled program to per-rank steps, writes them as a readable Python
+module (``step.source``; ``coconet show`` prints it), loads it, and wraps its fused groups as
+``torch.compile`` kernels. Generated modules are cached by a hash of (program, schedule, mesh,
+device, coconet version): compiling the same thing twice in one
+process reuses the module, and the source is kept under ``<cache_dir>/generated``.
+
+Everything that changes what is generated is in ``CompileOptions``; nothing is read from the
+environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coconet.codegen import emit, load_module, lower
+from coconet.errors import CodegenError
+from coconet.ir.mesh import Mesh
+from coconet.ir.ops import Op
+from coconet.ir.program import Program
+
+__all__ = ["CompileOptions", "compile", "resolve_target"]
+
+# Bump when the generated code changes shape, so cached modules of older coconets are not reused.
+GENERATOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What ``coconet.compile`` does.
+
+    - ``fused_kernels``: compile each fused group with torch.compile (False: run it eagerly, op by
+      op, for debugging; the results are the same up to floating-point contraction);
+    - ``device``: ``"cpu"`` or ``"cuda"``; None takes the communicator's (cpu on gloo);
+    - ``cache_dir``: where generated modules (and measured collective choices) are kept; None is
+      ``~/.cache/coconet``;
+    - ``check_every_step``: exchange the program hash and input shapes at every step (one tiny
+      all_reduce), not only at the first; with False, shapes must not change between steps;
+    - ``commit_vote``: before committing updates, all ranks confirm that the step succeeded
+      everywhere (one tiny all_reduce), so that no rank commits a step that failed elsewhere.
+    """
+
+    fused_kernels: bool = True
+    device: str | None = None
+    cache_dir: str | Path | None = None
+    check_every_step: bool = True
+    commit_vote: bool = True
+
+
+# Generated modules of this process, by key: compiling the same thing twice reuses the module.
+_MODULES: dict[str, types.ModuleType] = {}
+
+
+def resolve_target(target: Any) -> tuple[Program, str]:
+    """(program, schedule description) of a Program or a Schedule (anything with ``.program``)."""
+    if isinstance(target, Program):
+        return target, ""
+    program = getattr(target, "program", None)
+    if isinstance(program, Program):
+        return program, str(target)
+    raise CodegenError(
+        f"compile takes a Program or a Schedule, got {type(target).__name__}",
+        hint="pass the program built with the DSL, or a coconet.schedule.Schedule of it",
+    )
+
+
+def compile(  # noqa: A001 - coconet.compile, like torch.compile
+    target: Any,
+    *,
+    world: int | Mesh | None = None,
+    comm: Any = None,
+    options: CompileOptions | None = None,
+    **overrides: Any,
+):
+    """Compile ``target`` (a Program or Schedule) into a ``CompiledStep``.
+
+    The mesh comes from ``comm`` (a ``coconet.runtime.Communicator``), else from ``world`` (an int
+    or a Mesh; enough to generate and show code), else from the communicator
+    ``coconet.runtime.init()`` made. ``overrides`` set ``CompileOptions`` fields by name, e.g.
+    ``compile(p, fused_kernels=False)``.
+    """
+    from coconet import __version__
+    from coconet.runtime.launch import current
+    from coconet.runtime.step import CompiledStep
+    from coconet.runtime.tuning import default_cache_dir
+
+    program, schedule = resolve_target(target)
+    options = _options(options, overrides)
+    if comm is None and world is None:
+        comm = current()
+        if comm is None:
+            raise CodegenError(
+                "compile needs to know the ranks: no world= was given and "
+                "coconet.runtime.init() has not been called",
+                hint="call coconet.runtime.init() first, or pass world=N (or a Mesh) to only "
+                "generate the code",
+            )
+    mesh = _mesh(program, world, comm)
+    device = options.device or (comm.device.type if comm is not None else "cpu")
+    key = _key(program, schedule, mesh, device, __version__)
+    module = _MODULES.get(key)
+    source = None
+    if module is None:
+        plan = lower(program)
+        header = [
+            f"program:  {program.name}  (digest {program.digest()})",
+            "schedule: " + _schedule_line(schedule),
+            f"mesh:     {mesh}    device: {device}",
+            f"key:      {key}    coconet {__version__}",
+            "",
+            "step() runs one step on the calling rank and returns (outputs, updates); the",
+            "runtime commits the updates into the caller's tensors once every rank succeeded.",
+            "Collectives start as soon as their inputs are ready and are waited for just",
+            "before their first use.",
+        ]
+        source = emit(plan, header)
+        cache_dir = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
+        module = load_module(source, f"{program.name}_{key}", cache_dir / "generated")
+        module.__coconet_source__ = source
+        _MODULES[key] = module
+    return CompiledStep(
+        program=program,
+        schedule=schedule,
+        mesh=mesh,
+        options=options,
+        module=module,
+        source=module.__coconet_source__,
+        key=key,
+        comm=comm,
+        device=device,
+    )
+
+
+def _schedule_line(schedule: str) -> str:
+    """``schedule X of P: split(g); reorder(...)`` on one line (wrapped by the emitter)."""
+    lines = [s.strip() for s in schedule.splitlines() if s.strip()]
+    if not lines:
+        return "(none)"
+    return " ".join([lines[0], "; ".join(lines[1:])])
+
+
+def _options(options: CompileOptions | None, overrides: dict[str, Any]) -> CompileOptions:
+    options = options or CompileOptions()
+    known = {f.name for f in dataclasses.fields(CompileOptions)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise CodegenError(
+            f"unknown compile option(s) {unknown}", hint=f"CompileOptions has {sorted(known)}"
+        )
+    return dataclasses.replace(options, **overrides)
+
+
+def _mesh(program: Program, world: int | Mesh | None, comm: Any) -> Mesh:
+    if comm is not None:
+        mesh = comm.mesh
+        if world is not None and _as_mesh(world) != mesh:
+            raise CodegenError(
+                f"world={world} but the communicator's mesh is {mesh}",
+                hint="pass only one of world= and comm=",
+            )
+    else:
+        mesh = _as_mesh(world)
+    missing = program.mesh_axes - set(mesh.names)
+    if missing:
+        raise CodegenError(
+            f"program {program.name} uses mesh axes {sorted(missing)} that {mesh} does not have",
+            hint="build the communicator (coconet.runtime.init(mesh=...)) with a mesh that has "
+            + ", ".join(sorted(program.mesh_axes)),
+        )
+    for n in program.nodes:
+        if n.op in (Op.BROADCAST, Op.REDUCE) and n.attr("root") >= mesh.axis_size(n.attr("axis")):
+            raise CodegenError(
+                f"root={n.attr('root')} but the group along axis {n.attr('axis')!r} of {mesh} "
+                f"has {mesh.axis_size(n.attr('axis'))} ranks",
+                op=str(n.op),
+                loc=n.loc,
+            )
+    return mesh
+
+
+def _as_mesh(world: int | Mesh | None) -> Mesh:
+    if isinstance(world, Mesh):
+        return world
+    if isinstance(world, int) and not isinstance(world, bool) and world >= 1:
+        return Mesh.world(world)
+    raise CodegenError(f"world must be a positive int or a Mesh, got {world!r}")
+
+
+def _key(
+    program: Program,
+    schedule: str,
+    mesh: Mesh,
+    device: str,
+    version: str,
+) -> str:
+    parts = [
+        program.structural_key(),
+        schedule,
+        str(mesh),
+        device,
+        version,
+        str(GENERATOR_VERSION),
+    ]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]

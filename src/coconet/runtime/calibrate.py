@@ -1,0 +1,54 @@
+"""Measuring every tuned collective at every size class up front (``coconet calibrate``).
+
+Steps measure what they need on first use anyway; calibrating ahead moves that cost out of the
+first step and shows the choices (and the times behind them) in one table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from coconet.runtime.comm import CommOptions, Communicator
+from coconet.runtime.tuning import SIZE_CLASSES, AlgorithmTable
+
+__all__ = ["calibrate", "calibrate_local"]
+
+TUNED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "reduce")
+
+
+def calibrate(
+    comm: Communicator,
+    classes: Sequence[str] | None = None,
+    axis: str | None = None,
+    force: bool = False,
+) -> AlgorithmTable:
+    """Measure the tuned collectives at each size class on ``axis``'s groups.
+
+    Collective: every rank calls it. Classes already in the table are skipped unless ``force``.
+    """
+    labels = list(classes) if classes else [label for _, label, _ in SIZE_CLASSES]
+    size = len(comm.group(axis)[1])
+    for op in TUNED_OPS:
+        for cls in labels:
+            if force or comm.table.get(op, cls, comm.backend, size) is None:
+                comm.measure(op, cls, axis)
+    return comm.table
+
+
+def _worker(comm: Communicator, classes, force) -> str:
+    return calibrate(comm, classes, force=force).format(comm.backend, comm.world)
+
+
+def calibrate_local(
+    nproc: int,
+    classes: Sequence[str] | None = None,
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    timeout: float = 600.0,
+) -> str:
+    """Spawn ``nproc`` local ranks, calibrate, and return the table as text."""
+    from coconet.runtime.launch import spawn
+
+    options = CommOptions(algorithms="auto", cache_dir=cache_dir)
+    return spawn(_worker, nproc, classes, force, options=options, timeout=timeout)[0]

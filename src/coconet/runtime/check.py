@@ -1,0 +1,219 @@
+"""Checking a distributed run against the simulator, from inside the ranks.
+
+``check_distributed`` is what an example's ``--distributed`` mode calls on every rank: the same
+global inputs the simulator takes go in, every rank simulates the reference program (the
+unscheduled one, by default the same program), runs one compiled step on its own part of the
+inputs and compares its outputs and updated inputs with its rank's simulated values. The errors
+are reduced over the ranks so every rank returns the same report; rank 0 prints it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from coconet.errors import RuntimeFault
+from coconet.ir.mesh import Mesh
+from coconet.ir.node import Node
+from coconet.ir.program import Program
+from coconet.ir.types import Layout, slice_bounds
+
+__all__ = ["CheckReport", "check_distributed", "check_schedules", "rank_inputs"]
+
+
+def rank_inputs(
+    program: Program, inputs: Mapping[str, Any], mesh: Mesh, rank: int
+) -> dict[str, Any]:
+    """This rank's inputs for ``program`` from simulator-style ``inputs``.
+
+    As for ``coconet.simulate``: a list holds one value per rank (taken as is); a tensor or number
+    is the global value (Sliced inputs are cut to this rank's ``tensor_split`` part). Tensors are
+    copied, so the step's in-place updates never reach the caller's ``inputs``.
+    """
+    out: dict[str, Any] = {}
+    for node in program.inputs:
+        if node.name not in inputs:
+            continue
+        value = inputs[node.name]
+        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            value = value[rank]
+        elif isinstance(value, torch.Tensor) and node.type.layout.is_sliced:
+            lay = node.type.layout
+            lo, hi = slice_bounds(
+                value.shape[lay.dim], mesh.axis_size(lay.axis), mesh.index_in(rank, lay.axis)
+            )
+            value = value.narrow(lay.dim, lo, hi - lo)
+        out[node.name] = value.clone() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+@dataclass
+class CheckReport:
+    """Max errors of one distributed step against the simulator, over every rank."""
+
+    program: str
+    mesh: str
+    errors: dict[str, float] = field(default_factory=dict)  # value -> max abs error
+    relative: dict[str, float] = field(default_factory=dict)  # value -> max abs / max |expected|
+
+    @property
+    def max_abs_error(self) -> float:
+        return max(self.errors.values(), default=0.0)
+
+    @property
+    def max_rel_error(self) -> float:
+        return max(self.relative.values(), default=0.0)
+
+    @property
+    def exact(self) -> bool:
+        return self.max_abs_error == 0.0
+
+    def ok(self, rtol: float = 0.0, atol: float = 0.0) -> bool:
+        return all(
+            self.errors[k] <= atol or self.relative[k] <= rtol for k in self.errors
+        )
+
+    def __str__(self) -> str:
+        exact = " (exact)" if self.exact else ""
+        return (
+            f"{self.program} on {self.mesh}: max abs error {self.max_abs_error:.3e}, "
+            f"max rel error {self.max_rel_error:.3e} vs the simulator{exact}"
+        )
+
+
+def check_distributed(
+    target: Any,
+    inputs: Mapping[str, Any],
+    *,
+    comm: Any = None,
+    reference: Any = None,
+    options: Any = None,
+    verbose: bool = True,
+    **overrides: Any,
+) -> CheckReport:
+    """Run one step of ``target`` (Program or Schedule) on every rank and compare with
+    ``coconet.simulate(reference or target's program, inputs, mesh)``. Call it on every rank with
+    the same ``inputs``."""
+    from coconet.compiler import compile, resolve_target
+    from coconet.runtime.launch import current
+    from coconet.sim import simulate
+
+    comm = comm or current()
+    if comm is None:
+        raise RuntimeFault("check_distributed needs coconet.runtime.init() first")
+    program, _ = resolve_target(target)
+    ref_program = resolve_target(reference)[0] if reference is not None else program
+    step = compile(target, comm=comm, options=options, **overrides)
+    mesh, rank = comm.mesh, comm.rank
+    sim = simulate(ref_program, inputs, mesh)
+    mine = rank_inputs(program, inputs, mesh, rank)
+    outputs = step(**mine)
+
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    for node in program.outputs:
+        if node.name in sim.outputs:
+            want = _expected(sim.outputs[node.name], ref_program.node(node.name), node, mesh, rank)
+            pairs.append((node.name, outputs[node.name], want))
+    for u in program.updates:
+        name = u.inputs[0].name
+        if name in sim.updates:
+            want = _expected(sim.updates[name], ref_program.input(name), u.inputs[0], mesh, rank)
+            pairs.append((name, mine[name], want))
+    local = [_errors(got, want) for _, got, want in pairs]
+    worst = comm.max_over_world([x for pair in local for x in pair], "check errors")
+    report = CheckReport(program.name, str(mesh))
+    for k, (name, _, _) in enumerate(pairs):
+        report.errors[name] = worst[2 * k]
+        report.relative[name] = worst[2 * k + 1]
+    if verbose and rank == 0:
+        print(f"check_distributed: {report}", flush=True)
+    return report
+
+
+def _expected(values: list[torch.Tensor], ref: Node, mine: Node, mesh: Mesh, rank: int):
+    """The simulator's value on ``rank`` (laid out as ``ref``), in this program's layout."""
+    full = _whole(values, ref.type.layout, mesh, rank)
+    lay: Layout = mine.type.layout
+    if lay.is_sliced:
+        lo, hi = slice_bounds(
+            full.shape[lay.dim], mesh.axis_size(lay.axis), mesh.index_in(rank, lay.axis)
+        )
+        return full.narrow(lay.dim, lo, hi - lo)
+    return full
+
+
+def _whole(values: list[torch.Tensor], lay: Layout, mesh: Mesh, rank: int) -> torch.Tensor:
+    if not lay.is_sliced:
+        return values[rank]
+    return torch.cat([values[r] for r in mesh.group_of(rank, lay.axis)], dim=lay.dim)
+
+
+def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    if got.shape != want.shape:
+        return float("inf"), float("inf")
+    if want.numel() == 0 or torch.equal(got, want):
+        return 0.0, 0.0
+    g, w = got.double(), want.double()
+    diff = (g - w).abs()
+    both_nan = torch.isnan(g) & torch.isnan(w)
+    diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    err = diff.max().item()
+    scale = torch.nan_to_num(w.abs(), nan=0.0, posinf=0.0).max().item()
+    return err, (err / scale if scale > 0 else err)
+
+
+def check_schedules(
+    program: Program,
+    schedules: Mapping[str, Any],
+    inputs: Mapping[str, Any],
+    *,
+    comm: Any = None,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    label: str | None = None,
+    **compile_options: Any,
+) -> bool:
+    """``check_distributed`` for ``program`` and each of its ``schedules`` (name -> Schedule, or
+    a function of the program returning one), against the unscheduled program. Rank 0 prints one
+    line per schedule; returns whether all are within ``rtol``/``atol`` (the same on every rank).
+
+    What an example's ``--distributed`` mode calls::
+
+        comm = coconet.runtime.init()
+        ok = coconet.runtime.check_schedules(program(), SCHEDULES, make_inputs(comm.world))
+        coconet.runtime.shutdown(exit_code=0 if ok else 1)
+    """
+    from coconet.errors import CodegenError
+    from coconet.runtime.launch import current
+
+    comm = comm or current()
+    if comm is None:
+        raise RuntimeFault("check_schedules needs coconet.runtime.init() first")
+    label = label or program.name
+    targets = {"(unscheduled)": program}
+    for name, make in schedules.items():
+        targets[name] = make(program) if callable(make) else make
+    ok = True
+    for name, target in targets.items():
+        try:
+            report = check_distributed(
+                target, inputs, comm=comm, reference=program, verbose=False, **compile_options
+            )
+        except CodegenError as e:
+            if comm.rank == 0:
+                print(f"{label} {name:<22} {comm.mesh}: not compiled: {e.message}", flush=True)
+            continue
+        good = report.ok(rtol=rtol, atol=atol)
+        ok &= good
+        if comm.rank == 0:
+            print(
+                f"{label} {name:<22} {comm.mesh}: max abs err {report.max_abs_error:.3e}  "
+                f"max rel err {report.max_rel_error:.3e} vs the simulator  "
+                f"{'ok' if good else 'MISMATCH'}",
+                flush=True,
+            )
+    return ok

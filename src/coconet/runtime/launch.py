@@ -1,0 +1,280 @@
+"""Starting ranks and their process group: ``init`` in a rank, ``spawn``/``run_script`` to launch.
+
+``init()`` reads the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), so a script calling it runs unchanged under ``torchrun`` (one or many
+nodes) and under ``coconet run --nproc N``, which sets the same variables for N local processes.
+Without those variables it starts a world of one.
+
+The backend is gloo on CPU, NCCL when every local rank has a GPU of its own. Workers should end
+with ``shutdown()``: gloo sometimes aborts a process at interpreter exit after its process group
+was destroyed, and ending with ``os._exit`` (what ``shutdown(exit_code=0)`` does) avoids it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from coconet.errors import RuntimeFault
+from coconet.ir.mesh import Mesh
+from coconet.runtime.comm import CommOptions, Communicator
+
+__all__ = ["RankFailure", "current", "free_port", "init", "run_script", "shutdown", "spawn"]
+
+# The communicator init() made in this process (like torch.distributed's default group).
+_current: Communicator | None = None
+
+
+def current() -> Communicator | None:
+    """The communicator ``init()`` made in this process, if any."""
+    return _current
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(
+    mesh: Mesh | None = None,
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+    options: CommOptions | None = None,
+) -> Communicator:
+    """Join the job's process group (torchrun's environment) and build the communicator.
+
+    ``timeout`` (seconds) bounds every wait for a peer; it overrides ``options.timeout``.
+    """
+    global _current
+    options = options or CommOptions()
+    if timeout is not None:
+        options = dataclasses.replace(options, timeout=float(timeout))
+    env = os.environ
+    rank = int(env.get("RANK", "0"))
+    world = int(env.get("WORLD_SIZE", "1"))
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+    if backend is None:
+        gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+        backend = "nccl" if gpus else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {}
+        if "MASTER_ADDR" not in env:
+            if world != 1:
+                raise RuntimeFault(
+                    f"WORLD_SIZE={world} but MASTER_ADDR is not set",
+                    hint="launch with coconet run --nproc N or torchrun",
+                )
+            kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=options.timeout),
+            **kwargs,
+        )
+    _current = Communicator(mesh, options)
+    return _current
+
+
+def shutdown(comm: Communicator | None = None, *, exit_code: int | None = None) -> None:
+    """Leave the job: a barrier (when the communicator is healthy), then destroy the process
+    group. With ``exit_code``, end the process with it at once (``os._exit``), after flushing."""
+    global _current
+    comm = comm or _current
+    try:
+        if comm is not None and comm.broken is None:
+            comm.barrier("shutdown")
+    except RuntimeFault:
+        pass  # a peer is gone: there is nothing left to synchronize with
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        if comm is _current:
+            _current = None
+        if exit_code is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)
+
+
+# -- launching local ranks ----------------------------------------------------------------------
+
+
+def _rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+    )
+    # As torchrun: one thread per rank unless told otherwise, so ranks do not fight for cores.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def run_script(
+    argv: Sequence[str], nproc: int, *, module: bool = False, grace: float = 5.0
+) -> int:
+    """Run ``python argv...`` (or ``python -m``) as ``nproc`` local ranks; the worst exit code.
+
+    When a rank fails, the others get ``grace`` seconds to notice (their collectives fail) and are
+    then terminated, as torchrun does.
+    """
+    port = free_port()
+    cmd = [sys.executable, *(["-m"] if module else []), *argv]
+    procs = [subprocess.Popen(cmd, env=_rank_env(r, nproc, port)) for r in range(nproc)]
+    codes: list[int | None] = [None] * nproc
+    deadline = None
+    try:
+        while any(c is None for c in codes):
+            for r, p in enumerate(procs):
+                if codes[r] is None:
+                    codes[r] = p.poll()
+                    if codes[r] not in (None, 0) and deadline is None:
+                        deadline = time.monotonic() + grace
+            if deadline is not None and time.monotonic() > deadline:
+                for r, p in enumerate(procs):
+                    if codes[r] is None:
+                        p.terminate()
+                        codes[r] = p.wait()
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
+    failed = [(r, c) for r, c in enumerate(codes) if c]
+    for r, c in failed:
+        print(f"coconet run: rank {r} exited with code {c}", file=sys.stderr)
+    return max((abs(c) for _, c in failed), default=0)
+
+
+def _send(queue, item) -> None:  # pragma: no cover - child
+    # os._exit would kill the queue's feeder thread with the item still in it: flush first.
+    queue.put(item)
+    queue.close()
+    queue.join_thread()
+
+
+def _worker(rank, nproc, port, fn, args, mesh, options, queue):  # pragma: no cover - child
+    os.environ.update(_rank_env(rank, nproc, port))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        comm = init(mesh, options=options)
+        result = fn(comm, *args)
+        _send(queue, (rank, True, result))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        _send(queue, (rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        if _current is not None and _current.broken is None:
+            # The peers may be inside a collective this rank will never join: a barrier now
+            # would not line up with it. Leave without one; our exit closes the connections.
+            _current.broken = f"rank {rank} raised {type(exc).__name__}"
+        shutdown(exit_code=1)
+    shutdown(exit_code=0)
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What ``spawn(..., failures="return")`` gives for a rank that raised or died."""
+
+    rank: int
+    exit_code: int | None
+    error: str | None  # the exception and traceback, when the rank raised
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nproc: int | Mesh,
+    *args: Any,
+    options: CommOptions | None = None,
+    timeout: float = 300.0,
+    failures: str = "raise",
+) -> list[Any]:
+    """Run ``fn(comm, *args)`` on ``nproc`` local ranks (a Mesh: its size, with its axes); return
+    each rank's result, in rank order.
+
+    ``fn`` and its results must pickle (a module-level function). If a rank raises, dies or the
+    whole run exceeds ``timeout`` seconds, the remaining ranks are stopped and a ``RuntimeFault``
+    reports each rank's outcome; with ``failures="return"`` such ranks give a ``RankFailure``
+    instead (what fault-injection tests want). This is the in-Python counterpart of
+    ``coconet run``.
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    mesh = nproc if isinstance(nproc, Mesh) else None
+    n = mesh.size if mesh is not None else int(nproc)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        # Not daemonic: a rank may start processes of its own (Inductor's compile workers,
+        # data loaders). The finally below stops every rank whatever happens.
+        ctx.Process(target=_worker, args=(r, n, port, fn, args, mesh, options, q))
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < n and time.monotonic() < deadline:
+            try:
+                rank, ok, value = q.get(timeout=0.2)
+                results[rank] = (ok, value)
+            except queue_mod.Empty:
+                if all(p.exitcode is not None for p in procs):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for r, p in enumerate(procs):
+        if r in results and results[r][0] and p.exitcode != 0:
+            # It returned, then died on the way out (a C++ abort at exit is the usual suspect).
+            results[r] = (False, f"returned a result, then exited with code {p.exitcode}")
+    if len(results) == n and all(ok for ok, _ in results.values()):
+        return [results[r][1] for r in range(n)]
+    if failures == "return":
+        return [
+            results[r][1]
+            if r in results and results[r][0]
+            else RankFailure(r, p.exitcode, results[r][1] if r in results else None)
+            for r, p in enumerate(procs)
+        ]
+    details = []
+    for r, p in enumerate(procs):
+        if r in results:
+            ok, value = results[r]
+            details.append(f"rank {r}: " + ("ok" if ok else f"raised {value}"))
+        else:
+            details.append(f"rank {r}: no result (exit code {p.exitcode})")
+    raise RuntimeFault(f"spawned job of {n} ranks failed", op="spawn", details=details)

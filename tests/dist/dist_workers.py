@@ -1,0 +1,309 @@
+"""Functions that run inside spawned ranks (``coconet.runtime.spawn``) for the tests/dist tier.
+
+Each takes the rank's communicator first and returns plain data (rows of results) that the tests
+assert on in the parent process. They live in a module of their own so that the spawned children
+import only this, not pytest's test modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import coconet as cc
+from coconet.errors import CodegenError, RuntimeFault
+from coconet.runtime import CommOptions, Communicator, check_distributed
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
+LAYERS = ("tensor_parallel",)
+PIPELINES = ("pipeline_parallel",)
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_example(name: str):
+    key = f"coconet_example_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+def _row(**kw):
+    return kw
+
+
+def _check(comm, target, inputs, reference, **compile_options):
+    """(status, abs error, rel error, per-value errors) of one distributed step."""
+    try:
+        r = check_distributed(
+            target, inputs, comm=comm, reference=reference, verbose=False, **compile_options
+        )
+        return "ok", r.max_abs_error, r.max_rel_error, dict(r.errors)
+    except CodegenError as e:
+        if "overlap groups are not supported yet" in str(e):
+            return "overlap-unsupported", None, None, {}
+        return f"error: {traceback.format_exc()}", None, None, {}
+    except Exception:  # noqa: BLE001 - reported to the test
+        return f"error: {traceback.format_exc()}", None, None, {}
+
+
+# -- every example x every named schedule ---------------------------------------------------------
+
+
+def run_examples(comm: Communicator, names, sizes, dtypes, algorithms="exact") -> list[dict]:
+    comm.options = dataclasses.replace(comm.options, algorithms=algorithms)
+    rows = []
+    for name in names:
+        mod = load_example(name)
+        for dtype in dtypes:
+            program = mod.program(dtype=getattr(cc, dtype))
+            schedules = {"(none)": program}
+            for sname, make in getattr(mod, "SCHEDULES", {}).items():
+                schedules[sname] = make(program)
+            for size in sizes:
+                if name in PIPELINES:
+                    inputs = mod.program_inputs(
+                        mod.make_inputs(comm.mesh, size, dtype=TORCH_DTYPES[dtype])
+                    )
+                else:
+                    inputs = mod.make_inputs(comm.world, size, step=2, dtype=TORCH_DTYPES[dtype])
+                for sname, target in schedules.items():
+                    status, abs_err, rel_err, errors = _check(
+                        comm, target, inputs, program, fused_kernels=False
+                    )
+                    rows.append(_row(example=name, schedule=sname, size=size, dtype=dtype,
+                                     world=str(comm.mesh), status=status, abs=abs_err,
+                                     rel=rel_err, errors=errors))
+                    if status.startswith("error") and comm.broken:
+                        return rows
+    return rows
+
+
+def run_world_and_mesh(comm: Communicator, sizes, mesh_axes) -> dict:
+    """On 4 ranks: the optimizer and layer examples on the world, then the pipeline example and
+    a mesh program on a 2-D mesh (a second communicator over the same processes)."""
+    import dist_programs as dp
+
+    out = {"world": run_examples(comm, OPTIMIZERS + LAYERS, sizes, ["float32"])}
+    out["native"] = run_examples(comm, ("adam", "lamb"), sizes[:1], ["float32"], "native")
+    mesh_comm = Communicator(cc.Mesh(**mesh_axes), CommOptions(algorithms="exact", timeout=60))
+    out["mesh"] = run_examples(mesh_comm, PIPELINES, sizes, ["float32", "bfloat16"])
+    rows = []
+    for size in (4, 5):
+        status, abs_err, rel_err, errors = _check(
+            mesh_comm, dp.mesh_program(), dp.mesh_program_inputs(mesh_comm.mesh, size), None,
+            fused_kernels=False,
+        )
+        rows.append(_row(example="mesh_program", schedule="(none)", size=size, dtype="float32",
+                         world=str(mesh_comm.mesh), status=status, abs=abs_err, rel=rel_err,
+                         errors=errors))
+    out["mesh_program"] = rows
+    return out
+
+
+# -- the handwritten programs, under every algorithm --------------------------------------------
+
+
+def run_programs(comm: Communicator, sizes, policies) -> list[dict]:
+    import dist_programs as dp
+
+    rows = []
+    for policy in policies:
+        comm.options = dataclasses.replace(comm.options, algorithms=policy)
+        for name, (build, make) in dp.PROGRAMS.items():
+            for size in sizes:
+                for dtype in ("float32", "bfloat16") if name == "collectives" else ("float32",):
+                    kwargs = {"dtype": getattr(cc, dtype)} if name == "collectives" else {}
+                    inputs = make(comm.world, size, dtype=TORCH_DTYPES[dtype])
+                    status, abs_err, rel_err, errors = _check(
+                        comm, build(**kwargs), inputs, None, fused_kernels=False
+                    )
+                    rows.append(_row(program=name, size=size, dtype=dtype, policy=str(policy),
+                                     status=status, abs=abs_err, rel=rel_err, errors=errors))
+    return rows
+
+
+# -- the compiled (torch.compile) path --------------------------------------------------------
+
+
+def run_compiled(comm: Communicator, cache_dir: str) -> dict:
+    """One fused Adam step and the fused mix program compiled, against eager and the simulator;
+    reports the first-call (compile) time of each kernel."""
+    import dist_programs as dp
+
+    adam = load_example("adam")
+    program = adam.program()
+    schedule = adam.SCHEDULES["fuse_RS_C_AG"](program)
+    inputs = adam.make_inputs(comm.world, 1000, step=3)
+    out = {}
+    for label, target, ins, ref in (
+        ("adam", schedule, inputs, program),
+        ("fused_mix", dp.fused_mix(), dp.fused_mix_inputs(comm.world, 9), None),
+    ):
+        t0 = time.perf_counter()
+        r = check_distributed(target, ins, comm=comm, reference=ref, verbose=False,
+                              cache_dir=cache_dir)
+        step = cc.compile(target, comm=comm, cache_dir=cache_dir)
+        out[label] = dict(abs=r.max_abs_error, rel=r.max_rel_error,
+                          seconds=time.perf_counter() - t0, kernels=len(step.kernels))
+    # A second step of the same compiled program reuses the kernel: no recompilation.
+    step = cc.compile(schedule, comm=comm, cache_dir=cache_dir)
+    from coconet.runtime import rank_inputs
+
+    mine = rank_inputs(schedule.program, inputs, comm.mesh, comm.rank)
+    t0 = time.perf_counter()
+    step(**mine)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step(**mine)
+    out["adam_again_seconds"] = (first, time.perf_counter() - t0)
+    out["first_call_seconds"] = dict(step.kernels.first_call_seconds)
+    out["compiled"] = step.kernels.fused
+    return out
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+
+def _adam_case(comm, size=1000):
+    adam = load_example("adam")
+    program = adam.program()
+    schedule = adam.SCHEDULES["fuse_RS_C_AG"](program)
+    inputs = adam.make_inputs(comm.world, size, step=2)
+    from coconet.runtime import rank_inputs
+
+    mine = rank_inputs(schedule.program, inputs, comm.mesh, comm.rank)
+    return schedule, mine
+
+
+def fault_peer_dies(comm: Communicator, victim: int, where: str) -> dict:
+    """``victim`` kills itself at ``where`` ("all_gather": mid-step, between the reduce_scatter
+    and the all_gather; "commit": after every collective, before the commit vote). The others
+    must get a RuntimeFault quickly and keep their tensors as they were."""
+    schedule, mine = _adam_case(comm)
+    step = cc.compile(schedule, comm=comm, fused_kernels=False)
+    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
+    step(**mine)  # one good step first: the fault happens on a warm, agreed program
+    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
+    if comm.rank == victim:
+        if where == "all_gather":
+            comm.all_gather_start = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            real = comm.agree_max
+
+            def agree(values, label, op="handshake"):
+                if op == "commit vote":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(values, label, op)
+
+            comm.agree_max = agree
+    t0 = time.perf_counter()
+    try:
+        step(**mine)
+        return dict(status="no error")
+    except RuntimeFault as e:
+        unchanged = all(torch.equal(before[k], mine[k]) for k in before)
+        return dict(status="fault", message=str(e), seconds=time.perf_counter() - t0,
+                    unchanged=unchanged)
+
+
+def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
+    """``victim`` stalls ``sleep`` seconds before its all_gather; the others must time out with a
+    RuntimeFault after the communicator's timeout, their tensors unchanged."""
+    schedule, mine = _adam_case(comm)
+    step = cc.compile(schedule, comm=comm, fused_kernels=False)
+    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
+    if comm.rank == victim:
+        real = comm.all_gather_start
+
+        def slow(*a, **k):
+            time.sleep(sleep)
+            return real(*a, **k)
+
+        comm.all_gather_start = slow
+    t0 = time.perf_counter()
+    try:
+        step(**mine)
+        return dict(status="no error")
+    except RuntimeFault as e:
+        unchanged = all(torch.equal(before[k], mine[k]) for k in before)
+        return dict(status="fault", message=str(e), seconds=time.perf_counter() - t0,
+                    unchanged=unchanged)
+
+
+def fault_local_error(comm: Communicator, victim: int) -> dict:
+    """A computation fails on ``victim`` mid-step (after the reduce_scatter). The victim gets
+    its own error, every rank keeps its tensors, and the victim's exit tells the others."""
+    schedule, mine = _adam_case(comm)
+    step = cc.compile(schedule, comm=comm, fused_kernels=False)
+    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
+    if comm.rank == victim:
+        def boom(*args):
+            raise ValueError("injected failure in the fused kernel")
+
+        step.kernels._kernels["fused_1"].fn = boom
+    t0 = time.perf_counter()
+    try:
+        step(**mine)
+        status, message = "no error", ""
+    except Exception as e:  # noqa: BLE001
+        status, message = type(e).__name__, str(e)
+    unchanged = all(torch.equal(before[k], mine[k]) for k in before)
+    result = dict(status=status, message=message, unchanged=unchanged,
+                  seconds=time.perf_counter() - t0, broken=comm.broken)
+    return result
+
+
+def handshake_faults(comm: Communicator) -> dict:
+    """Mismatched programs and bad inputs fail on every rank before any communication, with a
+    message naming the difference, and leave the communicator usable."""
+    schedule, mine = _adam_case(comm, size=10)
+    out = {}
+
+    def attempt(label, target, inputs):
+        try:
+            cc.compile(target, comm=comm, fused_kernels=False)(**inputs)
+            out[label] = "no error"
+        except RuntimeFault as e:
+            out[label] = str(e)
+
+    sgd = load_example("sgd")
+    other = sgd.program() if comm.rank == 1 else schedule
+    other_inputs = (
+        __import__("coconet.runtime", fromlist=["rank_inputs"]).rank_inputs(
+            sgd.program(), sgd.make_inputs(comm.world, 10), comm.mesh, comm.rank)
+        if comm.rank == 1 else mine
+    )
+    attempt("program", other, other_inputs)
+    bad = dict(mine)
+    if comm.rank == 1:
+        bad["g"] = mine["g"].double()
+    attempt("dtype", schedule, bad)
+    bad = dict(mine)
+    if comm.rank == 1:
+        bad["g"] = torch.zeros(11)
+    attempt("local_size", schedule, bad)
+    bad = dict(mine)
+    if comm.rank == 0:
+        bad["m"] = torch.zeros(4)  # its slice of 10 is 5
+    attempt("slice_size", schedule, bad)
+    bad = dict(mine)
+    if comm.rank == 1:
+        del bad["lr"]
+    attempt("missing", schedule, bad)
+    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
+    out["unchanged"] = all(torch.equal(before[k], mine[k]) for k in before)
+    attempt("good", schedule, mine)  # the communicator still works
+    out["changed_after_good"] = not torch.equal(before["p"], mine["p"])
+    return out

@@ -1,0 +1,28 @@
+"""The compiled path: fused groups as torch.compile (Inductor C++) kernels, on 2 gloo ranks.
+
+This is the one compile-heavy test of the tier: Inductor's first compile costs ~30 s when both
+ranks compile at once on an empty cache (~5 s with a warm one, see docs in coconet.codegen).
+Compiled kernels may contract floating-point ops differently from eager torch, so results are
+checked to 1e-6 relative against the simulator (in practice they come out identical).
+"""
+
+from __future__ import annotations
+
+import dist_workers
+import pytest
+
+from coconet.runtime import CommOptions, spawn
+
+
+@pytest.mark.timeout(240)
+def test_fused_kernels_compile_and_match(tmp_path):
+    results = spawn(dist_workers.run_compiled, 2, str(tmp_path),
+                    options=CommOptions(timeout=120, algorithms="exact"), timeout=230)
+    for out in results:
+        assert out["compiled"]
+        assert out["adam"]["kernels"] == 1  # fuse(RS, update, AG): one kernel between them
+        assert out["fused_mix"]["kernels"] == 3
+        for label in ("adam", "fused_mix"):
+            assert out[label]["rel"] <= 1e-6, out
+        first, second = out["adam_again_seconds"]
+        assert second < 5.0  # the kernel is compiled once, then reused

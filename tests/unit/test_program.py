@@ -1,0 +1,29 @@
+"""Program construction edge cases: output naming and inputs listed twice."""
+
+import pytest
+import torch
+
+import coconet as cc
+
+
+def test_an_input_returned_under_another_name_is_refused_not_renamed():
+    n = cc.Dim("N")
+    w = cc.Tensor("w", cc.float32, [n], cc.Replicated)
+    with pytest.raises(cc.DSLError, match="output 'old_w' is the input 'w'") as info:
+        cc.Program("p", [w], {"old_w": w, "wu": cc.update(w, w + 1.0)})
+    assert info.value.hint == "use the key 'w', or return a computed copy"
+    prog = cc.Program("p", [w], {"w": w, "wu": cc.update(w, w + 1.0)})
+    assert [i.name for i in prog.inputs] == ["w"]
+    result = cc.simulate(prog, {"w": torch.zeros(3)}, 2)
+    assert torch.equal(result.output("w"), torch.zeros(3))
+    assert torch.equal(result.updated("w"), torch.ones(3))
+
+
+def test_an_input_listed_twice_says_so():
+    n = cc.Dim("N")
+    p = cc.Tensor("p", cc.float32, [n], cc.Replicated)
+    with pytest.raises(cc.DSLError, match="'p' is listed twice among the inputs"):
+        cc.Program("a", [p, p], [p + 1])
+    other = cc.Tensor("p", cc.float32, [n], cc.Replicated)
+    with pytest.raises(cc.DSLError, match="two different values are named 'p'"):
+        cc.Program("a", [p, other], [p + other])
