@@ -76,16 +76,18 @@ def prod_and_ints():
     total = cc.all_reduce(cc.sum(k), name="total")  # int32 sum: torch would give int64
     big = cc.where(cc.gt(prod, 0.0), prod, cc.neg(prod)).named("big")
     as_f = (cc.cast(ksum, cc.float32) + big).named("as_f")
-    return cc.Program("prod_and_ints", [a, k], {"prod": prod, "ksum": ksum, "total": total,
-                                                "as_f": as_f})
+    return cc.Program(
+        "prod_and_ints", [a, k], {"prod": prod, "ksum": ksum, "total": total, "as_f": as_f}
+    )
 
 
 def prod_and_ints_inputs(world, size, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return {
         "a": _per_rank(world, lambda r: 0.5 + torch.rand(size, generator=gen)),
-        "k": _per_rank(world, lambda r: torch.randint(-5, 5, (size,), generator=gen,
-                                                      dtype=torch.int32)),
+        "k": _per_rank(
+            world, lambda r: torch.randint(-5, 5, (size,), generator=gen, dtype=torch.int32)
+        ),
     }
 
 
@@ -104,8 +106,13 @@ def update_state(dtype=cc.float32):
     return cc.Program(
         "update_state",
         [w, m, loc, seed],
-        {"w": w, "dropped": dropped, "wu": cc.update(w, w_new), "mu": cc.update(m, m_new),
-         "lu": cc.update(loc, loc * 2.0)},
+        {
+            "w": w,
+            "dropped": dropped,
+            "wu": cc.update(w, w_new),
+            "mu": cc.update(m, m_new),
+            "lu": cc.update(loc, loc * 2.0),
+        },
     )
 
 
@@ -164,17 +171,21 @@ def mesh_program():
     dp_ag = cc.all_gather(dp_rs, axis="pp", name="dp_ag")
     bc = cc.broadcast(loc, root=1, axis="tp", name="bc")
     world_sum = cc.all_reduce(loc, name="world_sum")
-    return cc.Program("mesh_program", [x, w, loc],
-                      {"tp_sum": tp_sum, "sent": sent, "dp_ag": dp_ag, "bc": bc,
-                       "world_sum": world_sum})
+    return cc.Program(
+        "mesh_program",
+        [x, w, loc],
+        {"tp_sum": tp_sum, "sent": sent, "dp_ag": dp_ag, "bc": bc, "world_sum": world_sum},
+    )
 
 
 def mesh_program_inputs(mesh, size, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     n = mesh.size
+
     # integer-valued data: every sum is exact in any order
     def ints(*shape):
         return torch.randint(-4, 5, shape, generator=gen).float()
+
     return {
         "x": ints(3, size),
         "w": ints(size, size),

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import coconet as cc
-from coconet.errors import CodegenError, RuntimeFault
+from coconet.errors import RuntimeFault
 from coconet.runtime import CommOptions, Communicator, check_distributed
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -50,10 +50,6 @@ def _check(comm, target, inputs, reference, **compile_options):
             target, inputs, comm=comm, reference=reference, verbose=False, **compile_options
         )
         return "ok", r.max_abs_error, r.max_rel_error, dict(r.errors)
-    except CodegenError as e:
-        if "overlap groups are not supported yet" in str(e):
-            return "overlap-unsupported", None, None, {}
-        return f"error: {traceback.format_exc()}", None, None, {}
     except Exception:  # noqa: BLE001 - reported to the test
         return f"error: {traceback.format_exc()}", None, None, {}
 
@@ -82,9 +78,19 @@ def run_examples(comm: Communicator, names, sizes, dtypes, algorithms="exact") -
                     status, abs_err, rel_err, errors = _check(
                         comm, target, inputs, program, fused_kernels=False
                     )
-                    rows.append(_row(example=name, schedule=sname, size=size, dtype=dtype,
-                                     world=str(comm.mesh), status=status, abs=abs_err,
-                                     rel=rel_err, errors=errors))
+                    rows.append(
+                        _row(
+                            example=name,
+                            schedule=sname,
+                            size=size,
+                            dtype=dtype,
+                            world=str(comm.mesh),
+                            status=status,
+                            abs=abs_err,
+                            rel=rel_err,
+                            errors=errors,
+                        )
+                    )
                     if status.startswith("error") and comm.broken:
                         return rows
     return rows
@@ -102,12 +108,25 @@ def run_world_and_mesh(comm: Communicator, sizes, mesh_axes) -> dict:
     rows = []
     for size in (4, 5):
         status, abs_err, rel_err, errors = _check(
-            mesh_comm, dp.mesh_program(), dp.mesh_program_inputs(mesh_comm.mesh, size), None,
+            mesh_comm,
+            dp.mesh_program(),
+            dp.mesh_program_inputs(mesh_comm.mesh, size),
+            None,
             fused_kernels=False,
         )
-        rows.append(_row(example="mesh_program", schedule="(none)", size=size, dtype="float32",
-                         world=str(mesh_comm.mesh), status=status, abs=abs_err, rel=rel_err,
-                         errors=errors))
+        rows.append(
+            _row(
+                example="mesh_program",
+                schedule="(none)",
+                size=size,
+                dtype="float32",
+                world=str(mesh_comm.mesh),
+                status=status,
+                abs=abs_err,
+                rel=rel_err,
+                errors=errors,
+            )
+        )
     out["mesh_program"] = rows
     return out
 
@@ -129,8 +148,18 @@ def run_programs(comm: Communicator, sizes, policies) -> list[dict]:
                     status, abs_err, rel_err, errors = _check(
                         comm, build(**kwargs), inputs, None, fused_kernels=False
                     )
-                    rows.append(_row(program=name, size=size, dtype=dtype, policy=str(policy),
-                                     status=status, abs=abs_err, rel=rel_err, errors=errors))
+                    rows.append(
+                        _row(
+                            program=name,
+                            size=size,
+                            dtype=dtype,
+                            policy=str(policy),
+                            status=status,
+                            abs=abs_err,
+                            rel=rel_err,
+                            errors=errors,
+                        )
+                    )
     return rows
 
 
@@ -152,11 +181,16 @@ def run_compiled(comm: Communicator, cache_dir: str) -> dict:
         ("fused_mix", dp.fused_mix(), dp.fused_mix_inputs(comm.world, 9), None),
     ):
         t0 = time.perf_counter()
-        r = check_distributed(target, ins, comm=comm, reference=ref, verbose=False,
-                              cache_dir=cache_dir)
+        r = check_distributed(
+            target, ins, comm=comm, reference=ref, verbose=False, cache_dir=cache_dir
+        )
         step = cc.compile(target, comm=comm, cache_dir=cache_dir)
-        out[label] = dict(abs=r.max_abs_error, rel=r.max_rel_error,
-                          seconds=time.perf_counter() - t0, kernels=len(step.kernels))
+        out[label] = dict(
+            abs=r.max_abs_error,
+            rel=r.max_rel_error,
+            seconds=time.perf_counter() - t0,
+            kernels=len(step.kernels),
+        )
     # A second step of the same compiled program reuses the kernel: no recompilation.
     step = cc.compile(schedule, comm=comm, cache_dir=cache_dir)
     from coconet.runtime import rank_inputs
@@ -214,8 +248,9 @@ def fault_peer_dies(comm: Communicator, victim: int, where: str) -> dict:
         return dict(status="no error")
     except RuntimeFault as e:
         unchanged = all(torch.equal(before[k], mine[k]) for k in before)
-        return dict(status="fault", message=str(e), seconds=time.perf_counter() - t0,
-                    unchanged=unchanged)
+        return dict(
+            status="fault", message=str(e), seconds=time.perf_counter() - t0, unchanged=unchanged
+        )
 
 
 def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
@@ -238,8 +273,9 @@ def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
         return dict(status="no error")
     except RuntimeFault as e:
         unchanged = all(torch.equal(before[k], mine[k]) for k in before)
-        return dict(status="fault", message=str(e), seconds=time.perf_counter() - t0,
-                    unchanged=unchanged)
+        return dict(
+            status="fault", message=str(e), seconds=time.perf_counter() - t0, unchanged=unchanged
+        )
 
 
 def fault_local_error(comm: Communicator, victim: int) -> dict:
@@ -249,6 +285,7 @@ def fault_local_error(comm: Communicator, victim: int) -> dict:
     step = cc.compile(schedule, comm=comm, fused_kernels=False)
     before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
     if comm.rank == victim:
+
         def boom(*args):
             raise ValueError("injected failure in the fused kernel")
 
@@ -260,8 +297,13 @@ def fault_local_error(comm: Communicator, victim: int) -> dict:
     except Exception as e:  # noqa: BLE001
         status, message = type(e).__name__, str(e)
     unchanged = all(torch.equal(before[k], mine[k]) for k in before)
-    result = dict(status=status, message=message, unchanged=unchanged,
-                  seconds=time.perf_counter() - t0, broken=comm.broken)
+    result = dict(
+        status=status,
+        message=message,
+        unchanged=unchanged,
+        seconds=time.perf_counter() - t0,
+        broken=comm.broken,
+    )
     return result
 
 
@@ -282,8 +324,10 @@ def handshake_faults(comm: Communicator) -> dict:
     other = sgd.program() if comm.rank == 1 else schedule
     other_inputs = (
         __import__("coconet.runtime", fromlist=["rank_inputs"]).rank_inputs(
-            sgd.program(), sgd.make_inputs(comm.world, 10), comm.mesh, comm.rank)
-        if comm.rank == 1 else mine
+            sgd.program(), sgd.make_inputs(comm.world, 10), comm.mesh, comm.rank
+        )
+        if comm.rank == 1
+        else mine
     )
     attempt("program", other, other_inputs)
     bad = dict(mine)

@@ -15,6 +15,7 @@ import coconet as cc
 from coconet.codegen import Namer, bind_sizes, geometry, lower
 from coconet.codegen.plan import Kernel, Start, Wait
 from coconet.ir.group import Group, GroupKind
+from coconet.ir.ops import POINTWISE
 from coconet.ir.program import Program
 
 
@@ -101,12 +102,40 @@ def test_waits_come_just_before_first_use():
     assert isinstance(steps[-1], Wait) or labels[-1][1] == "out"
 
 
-def test_overlap_groups_are_refused_clearly():
+def test_overlap_groups_become_pipelined_chunk_loops():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
+    spec = importlib.util.spec_from_file_location("tp_for_codegen", path)
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+    sched = tp.SCHEDULES["ol_MM_fuse_RS_C_AG"](tp.program(), chunks=3)
+    (loop,) = lower(sched.program).loops
+    # stage 0: matmul + start reduce_scatter; stage 1: wait, fused kernel, start all_gather;
+    # stage 2: wait all_gather
+    kinds = [[type(s).__name__ for s in stage] for stage in loop.stages]
+    assert kinds == [["Compute", "Start"], ["Wait", "Kernel", "Start"], ["Wait"]]
+    assert {n.name for n in loop.chunked} == {"x", "r_slice"}  # w and b are read whole
+    assert [n.name for n in loop.outputs] == ["out"]
+    source = cc.compile(sched, world=2).source
+    assert "for _t in range(5):  # stage s works on chunk _t - s" in source
+    assert "env.chunk_rows['overlap_2/x'][c]" in source
+
+
+def test_a_fuse_group_partly_inside_an_overlap_is_refused():
     prog = _sgd()
-    ar = prog.node("g_sum")
-    grouped = Program.from_nodes(prog.name, prog.inputs, prog.outputs, prog.updates,
-                                 [Group(GroupKind.OVERLAP, (ar.name,), chunks=2)])
-    with pytest.raises(cc.CodegenError, match="overlap groups are not supported yet"):
+    grouped = Program.from_nodes(
+        prog.name,
+        prog.inputs,
+        prog.outputs,
+        prog.updates,
+        [
+            Group(GroupKind.OVERLAP, ("g_sum", prog.updates[0].inputs[1].name), chunks=2),
+            Group(GroupKind.FUSE, tuple(n.name for n in prog.nodes if n.op in POINTWISE)),
+        ],
+    )
+    with pytest.raises(cc.CodegenError, match="lies partly inside an overlapped chain"):
         cc.compile(grouped, world=2)
 
 
@@ -144,9 +173,11 @@ def test_modules_are_cached_by_key(tmp_path):
 def test_bind_sizes_and_geometry():
     prog = dist_programs.update_state()
     mesh = cc.Mesh.world(3)
-    shapes = [{"w": (7,), "m": (3,), "loc": (7,), "seed": ()},
-              {"w": (7,), "m": (2,), "loc": (7,), "seed": ()},
-              {"w": (7,), "m": (2,), "loc": (7,), "seed": ()}]
+    shapes = [
+        {"w": (7,), "m": (3,), "loc": (7,), "seed": ()},
+        {"w": (7,), "m": (2,), "loc": (7,), "seed": ()},
+        {"w": (7,), "m": (2,), "loc": (7,), "seed": ()},
+    ]
     sizes, problems = bind_sizes(prog, mesh, shapes)
     assert sizes == {"N": 7} and problems == []
     geo = geometry(prog, mesh, 1, sizes)
@@ -182,9 +213,12 @@ def test_generated_step_runs_in_process_with_a_fake_world_of_one():
 
     sizes = {"N": 6}
     geo = geometry(s.program, cc.Mesh.world(1), 0, sizes)
-    args = [torch.tensor(v) if isinstance(v, float) else v.clone()
-            for v in (inputs[n.name] for n in s.program.inputs)]
-    outputs, updates = step.module.step(OneRank(), geo, KernelSet(step.module.KERNELS,
-                                                                    fused=False), *args)
+    args = [
+        torch.tensor(v) if isinstance(v, float) else v.clone()
+        for v in (inputs[n.name] for n in s.program.inputs)
+    ]
+    outputs, updates = step.module.step(
+        OneRank(), geo, KernelSet(step.module.KERNELS, fused=False), *args
+    )
     assert torch.equal(outputs["out"], sim.outputs["out"][0])
     assert torch.equal(updates["p"], sim.updates["p"][0])

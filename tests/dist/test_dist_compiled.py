@@ -16,8 +16,13 @@ from coconet.runtime import CommOptions, spawn
 
 @pytest.mark.timeout(240)
 def test_fused_kernels_compile_and_match(tmp_path):
-    results = spawn(dist_workers.run_compiled, 2, str(tmp_path),
-                    options=CommOptions(timeout=120, algorithms="exact"), timeout=230)
+    results = spawn(
+        dist_workers.run_compiled,
+        2,
+        str(tmp_path),
+        options=CommOptions(timeout=120, algorithms="exact"),
+        timeout=230,
+    )
     for out in results:
         assert out["compiled"]
         assert out["adam"]["kernels"] == 1  # fuse(RS, update, AG): one kernel between them

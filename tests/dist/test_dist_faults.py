@@ -33,8 +33,9 @@ def test_mismatch_and_bad_inputs_fail_on_every_rank():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["all_gather", "commit"])
 def test_peer_killed_mid_step(where):
-    results = spawn(dist_workers.fault_peer_dies, 2, 1, where, options=OPTIONS, timeout=50,
-                    failures="return")
+    results = spawn(
+        dist_workers.fault_peer_dies, 2, 1, where, options=OPTIONS, timeout=50, failures="return"
+    )
     survivor, victim = results
     assert isinstance(victim, RankFailure) and victim.exit_code == -9
     assert survivor["status"] == "fault"
@@ -46,8 +47,9 @@ def test_peer_killed_mid_step(where):
 @pytest.mark.timeout(60)
 def test_stalled_peer_times_out():
     options = CommOptions(timeout=1.5, algorithms="exact")
-    results = spawn(dist_workers.fault_peer_stalls, 2, 1, 4.0, options=options, timeout=50,
-                    failures="return")
+    results = spawn(
+        dist_workers.fault_peer_stalls, 2, 1, 4.0, options=options, timeout=50, failures="return"
+    )
     survivor = results[0]
     assert survivor["status"] == "fault"
     assert "no answer within 1.5 s" in survivor["message"]
@@ -60,8 +62,9 @@ def test_stalled_peer_times_out():
 
 @pytest.mark.timeout(60)
 def test_local_failure_mid_step():
-    results = spawn(dist_workers.fault_local_error, 2, 1, options=OPTIONS, timeout=50,
-                    failures="return")
+    results = spawn(
+        dist_workers.fault_local_error, 2, 1, options=OPTIONS, timeout=50, failures="return"
+    )
     other, failing = results
     assert failing["status"] == "ValueError" and "injected failure" in failing["message"]
     assert failing["unchanged"] and failing["broken"]

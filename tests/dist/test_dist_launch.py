@@ -61,8 +61,10 @@ def test_coconet_run_two_ranks(tmp_path):
     out = _coconet("run", "--nproc", "2", str(script), "--flag", "x")
     assert out.returncode == 0, out.stdout + out.stderr
     for rank in (0, 1):
-        assert f"rank {rank} of 2: total=[3.0, 3.0, 3.0] w=[1.0, 1.0, 1.0] args=['--flag', 'x']" \
-            in out.stdout, out.stdout + out.stderr
+        assert (
+            f"rank {rank} of 2: total=[3.0, 3.0, 3.0] w=[1.0, 1.0, 1.0] args=['--flag', 'x']"
+            in out.stdout
+        ), out.stdout + out.stderr
 
 
 @pytest.mark.timeout(120)
@@ -96,14 +98,44 @@ def test_torchrun_two_nodes_on_localhost(tmp_path):
     endpoint = f"127.0.0.1:{_free_port()}"
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "coconet.cli", "run", "--nnodes", "2", "--nproc", "1",
-             "--rdzv-endpoint", endpoint, "--rdzv-id", "t2n", str(script)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "coconet.cli",
+                "run",
+                "--nnodes",
+                "2",
+                "--nproc",
+                "1",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "t2n",
+                str(script),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
         ),
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=t2n", str(script)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}",
+                "--rdzv-id=t2n",
+                str(script),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
         ),
     ]
     outputs = []
@@ -122,8 +154,16 @@ def test_torchrun_two_nodes_on_localhost(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_show_prints_generated_code(tmp_path):
-    out = _coconet("show", "examples/adam.py:program", "--schedule", "fuse_RS_C_AG", "--world",
-                   "2", "--cache-dir", str(tmp_path))
+    out = _coconet(
+        "show",
+        "examples/adam.py:program",
+        "--schedule",
+        "fuse_RS_C_AG",
+        "--world",
+        "2",
+        "--cache-dir",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "def step(comm, env, kernels, g, p, m, v," in text
@@ -131,20 +171,30 @@ def test_show_prints_generated_code(tmp_path):
     assert "kernels.fused_1(" in text
     assert "# g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at " in text
     assert "collective algorithms" in text
-    out = _coconet("show", "examples/pipeline_parallel.py:program", "--schedule", "RS_P2P_C_AG",
-                   "--mesh", "pp=2,tp=2", "--cache-dir", str(tmp_path))
+    out = _coconet(
+        "show",
+        "examples/pipeline_parallel.py:program",
+        "--schedule",
+        "RS_P2P_C_AG",
+        "--mesh",
+        "pp=2,tp=2",
+        "--cache-dir",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr
     assert "comm.send_start(" in out.stdout and "axis='tp'" in out.stdout
 
 
 @pytest.mark.timeout(120)
 def test_calibrate_records_choices_that_show_prints(tmp_path):
-    out = _coconet("calibrate", "--nproc", "2", "--classes", "<=64KiB", "--cache-dir",
-                   str(tmp_path))
+    out = _coconet(
+        "calibrate", "--nproc", "2", "--classes", "<=64KiB", "--cache-dir", str(tmp_path)
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     for op in ("all_reduce", "reduce_scatter", "all_gather", "reduce"):
         assert f"{op}" in out.stdout
     assert (tmp_path / "algorithms.json").exists()
-    shown = _coconet("show", "examples/sgd.py:program", "--world", "2", "--cache-dir",
-                     str(tmp_path))
+    shown = _coconet(
+        "show", "examples/sgd.py:program", "--world", "2", "--cache-dir", str(tmp_path)
+    )
     assert "reduce_scatter  <=64KiB  gloo  world=2" in shown.stdout, shown.stdout

@@ -19,16 +19,21 @@ from coconet.runtime import CommOptions, spawn
 POLICIES = [
     "exact",
     "native",
-    {"all_reduce": "native", "reduce_scatter": "all_reduce", "all_gather": "all_reduce",
-     "reduce": "native"},
+    {
+        "all_reduce": "native",
+        "reduce_scatter": "all_reduce",
+        "all_gather": "all_reduce",
+        "reduce": "native",
+    },
 ]
 SIZES = (5, 8)  # 5: uneven over 2 ranks
 
 
 @pytest.fixture(scope="module")
 def rows():
-    results = spawn(dist_workers.run_programs, 2, SIZES, POLICIES,
-                    options=CommOptions(timeout=30), timeout=150)
+    results = spawn(
+        dist_workers.run_programs, 2, SIZES, POLICIES, options=CommOptions(timeout=30), timeout=150
+    )
     return results[0]
 
 

@@ -16,7 +16,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 
 from coconet.codegen.names import Namer
-from coconet.codegen.plan import Compute, Kernel, Plan, Start, Wait
+from coconet.codegen.plan import ChunkLoop, Compute, Kernel, Plan, Start, Wait
 from coconet.errors import CodegenError
 from coconet.ir.node import Node
 from coconet.ir.ops import POINTWISE, REDUCTIONS, Op
@@ -61,11 +61,11 @@ class _Emitter:
                 self.const_names[key] = []
             self.const_names[key].append(n.name)
             self.var[n.name] = f"_c{list(self.const_names).index(key) + 1}"
-        self.work = {
-            s.node.name: namer.claim(f"{self.var[s.node.name]}_work")
-            for s in plan.steps
-            if isinstance(s, Start)
-        }
+        starts = [s for s in plan.steps if isinstance(s, Start)]
+        starts += [
+            s for loop in plan.loops for st in loop.stages for s in st if isinstance(s, Start)
+        ]
+        self.work = {s.node.name: namer.claim(f"{self.var[s.node.name]}_work") for s in starts}
         # per kernel: (node, geometry field, parameter name) for the sizes a kernel is passed
         self._geo_cache: dict[str, list[tuple[Node, str, str]]] = {}
 
@@ -81,6 +81,7 @@ class _Emitter:
             "",
             "from coconet.ir.ops import Op, ReduceOp  # noqa: F401",
             "from coconet.sim import local_ops as _ops",
+            *(["from coconet.sim import chunked as _chunked"] if self.plan.loops else []),
             "",
         ]
         if self.const_names:
@@ -116,7 +117,7 @@ class _Emitter:
             f'{_INDENT}"""{_short(k.group)}: one kernel (torch.compile, or eager)."""',
         ]
         for n in k.nodes:
-            lines += [_INDENT + c for c in self.node_lines(n, lambda n, f: geo[(n.name, f)])]
+            lines += [_INDENT + c for c in self.node_lines(n, lambda n, f: geo.get((n.name, f)))]
         outs = ", ".join(self.var[n.name] for n in k.outputs)
         lines.append(f"{_INDENT}return ({outs}{',' if len(k.outputs) == 1 else ''})")
         return lines
@@ -127,7 +128,8 @@ class _Emitter:
                 (n, f, self.namer.claim(f"{self.var[n.name]}_{f[:-1]}"))
                 for n in k.nodes
                 if n.op is Op.DROPOUT
-                for f in ("shapes", "offsets")
+                for f in ("shapes", "offsets", "rows")
+                if f != "rows" or k.chunked
             ]
         return self._geo_cache[k.name]
 
@@ -139,21 +141,92 @@ class _Emitter:
         ]
         body: list[str] = []
         for s in self.plan.steps:
-            if isinstance(s, Compute):
-                body += self.node_lines(s.node, _env_ref)
-            elif isinstance(s, Kernel):
-                body += self.kernel_call(s)
-            elif isinstance(s, Start):
-                body += self.start_lines(s)
-            elif isinstance(s, Wait):
-                name = s.node.name
-                body.append(f"{self.var[name]} = comm.wait({self.work[name]})")
+            if isinstance(s, ChunkLoop):
+                body += self.loop_lines(s)
+            else:
+                body += self.step_lines(s, _env_geo)
         outs = ", ".join(f"{n.name!r}: {self.var[n.name]}" for n in self.program.outputs)
         ups = ", ".join(
             f"{u.inputs[0].name!r}: {self.var[u.inputs[1].name]}" for u in self.program.updates
         )
         body.append(f"return {{{outs}}}, {{{ups}}}")
         return lines + [_INDENT + b for b in body]
+
+    def step_lines(self, s: Compute | Kernel | Start | Wait, geo: GeoRef) -> list[str]:
+        if isinstance(s, Compute):
+            return self.node_lines(s.node, geo)
+        if isinstance(s, Kernel):
+            return self.kernel_call(s, geo)
+        if isinstance(s, Start):
+            return self.start_lines(s, geo)
+        name = s.node.name
+        return [f"{self.var[name]} = comm.wait({self.work[name]})"]
+
+    # -- overlapped chains ----------------------------------------------------------------------
+
+    def loop_lines(self, loop: ChunkLoop) -> list[str]:
+        """The chain as stage functions of one chunk, run as a software pipeline over chunks.
+
+        Stage s of chunk c runs at tick c + s, after stage s - 1 of chunk c + 1 started that
+        chunk's collectives: chunk c's communication is in flight while chunk c + 1 computes.
+        """
+        k, name = loop.chunks, loop.name
+        members = ", ".join(loop.group.members)
+        lines = _comment_lines(
+            f"overlap({members}, chunks={k}): the chain runs in {k} chunks of rows, as a "
+            f"pipeline of {len(loop.stages)} stages; each chunk's values live in {name}[c]",
+            "# ",
+        )
+        outer = dict(self.var)
+        saved = dict(self.var), dict(self.work)
+        for n in (*loop.chunked, *(self.program.node(m) for m in loop.group.members)):
+            self.var[n.name] = f"v[{n.name!r}]"
+        for st in loop.stages:
+            for s in st:
+                if isinstance(s, Start):
+                    self.work[s.node.name] = f"v[{s.node.name + '_work'!r}]"
+
+        def geo(n: Node, field: str) -> str:
+            key = f"{name}/{n.name}"
+            chunk_field = {
+                "rows": "chunk_global_rows",
+                "bounds": "chunk_bounds",
+                "parts": "chunk_parts",
+            }.get(field)
+            return f"env.{chunk_field}[{key!r}][c]" if chunk_field else _env_ref(n, field)
+
+        stage_names = [self.namer.claim(f"{name}_stage_{i}") for i in range(len(loop.stages))]
+        try:
+            for i, (stage, fn) in enumerate(zip(loop.stages, stage_names, strict=True)):
+                what = ", ".join(_step_label(s) for s in stage)
+                body = [f'"""Chunk c, stage {i}: {what}."""']
+                if i == 0:
+                    for x in loop.chunked:
+                        body.append(
+                            f"v[{x.name!r}] = {outer[x.name]}.index_select(0, "
+                            f"env.chunk_rows[{name + '/' + x.name!r}][c])"
+                        )
+                for s in stage:
+                    body += self.step_lines(s, geo)
+                lines += [f"def {fn}(c, v):", *[_INDENT + b for b in body]]
+        finally:
+            self.var, self.work = saved
+        ticks = k + len(loop.stages) - 1
+        lines += [
+            f"{name} = [{{}} for _ in range({k})]",
+            f"for _t in range({ticks}):  # stage s works on chunk _t - s",
+            f"{_INDENT}for _s, _stage in enumerate(({', '.join(stage_names)},)):",
+            f"{_INDENT * 2}if 0 <= _t - _s < {k}:",
+            f"{_INDENT * 3}_stage(_t - _s, {name}[_t - _s])",
+        ]
+        for n in loop.outputs:
+            key = f"{name}/{n.name}"
+            lines += _call(
+                self.var[n.name],
+                "_chunked.assemble_rows",
+                [f"[v[{n.name!r}] for v in {name}]", f"env.chunk_order[{key!r}]"],
+            )
+        return lines
 
     # -- one op ---------------------------------------------------------------------------------
 
@@ -173,9 +246,10 @@ class _Emitter:
             return f"{a[0]}.to({_dtype(n.type.dtype)})"
         if op is Op.DROPOUT:
             p = n.attr("p")
+            rows = geo(n, "rows")
             return (
                 f"_ops.apply_dropout({a[0]}, {p!r}, int({a[1]}), int({a[2]}), "
-                f"{geo(n, 'shapes')}, {geo(n, 'offsets')})"
+                f"{geo(n, 'shapes')}, {geo(n, 'offsets')}{', ' + rows if rows else ''})"
             )
         if op in POINTWISE:
             return f"_{op.value}({', '.join(a)})"
@@ -191,9 +265,9 @@ class _Emitter:
             return f"{a[0]}.narrow({n.type.layout.dim}, *{geo(n, 'bounds')})"
         raise CodegenError(f"no code generation rule for {op}", op=str(op), loc=n.loc)
 
-    def kernel_call(self, k: Kernel) -> list[str]:
+    def kernel_call(self, k: Kernel, geo: GeoRef) -> list[str]:
         args = [self.var[i.name] for i in k.inputs]
-        args += [_env_ref(n, f) for n, f, _ in self._geo_params(k)]
+        args += [geo(n, f) for n, f, _ in self._geo_params(k)]
         outs = ", ".join(self.var[n.name] for n in k.outputs)
         target = f"({outs},)" if len(k.outputs) == 1 else outs
         members = ", ".join(n.name for n in k.nodes)
@@ -202,7 +276,7 @@ class _Emitter:
             *_call(target, f"kernels.{k.name}", args),
         ]
 
-    def start_lines(self, s: Start) -> list[str]:
+    def start_lines(self, s: Start, geo: GeoRef) -> list[str]:
         n = s.node
         x = self.var[n.inputs[0].name]
         args = [x]
@@ -211,7 +285,7 @@ class _Emitter:
         if n.op is Op.REDUCE_SCATTER:
             args.append(f"dim={n.type.layout.dim}")
         if n.op is Op.ALL_GATHER:
-            args += [f"dim={n.inputs[0].type.layout.dim}", f"parts={_env_ref(n, 'parts')}"]
+            args += [f"dim={n.inputs[0].type.layout.dim}", f"parts={geo(n, 'parts')}"]
         if n.op in (Op.BROADCAST, Op.REDUCE):
             args.append(f"root={n.attr('root')}")
         args.append(f"axis={n.attr('axis')!r}")
@@ -244,6 +318,21 @@ def _env_ref(n: Node, field: str) -> str:
     return f"env.{field}[{n.name!r}]"
 
 
+def _env_geo(n: Node, field: str) -> str | None:
+    """Geometry outside chunk loops: no explicit rows (blocks are contiguous)."""
+    return None if field == "rows" else _env_ref(n, field)
+
+
+def _step_label(s) -> str:
+    if isinstance(s, Kernel):
+        return f"kernel {s.name}"
+    if isinstance(s, Start):
+        return f"start {s.node.name}"
+    if isinstance(s, Wait):
+        return f"wait {s.node.name}"
+    return s.node.name
+
+
 def _dtype(d: DType) -> str:
     return f"torch.{d.torch}".replace("torch.torch.", "torch.")
 
@@ -256,4 +345,3 @@ def _where(n: Node) -> str:
     except ValueError:  # another drive on Windows
         path = os.path.basename(path)
     return f"{path}:{n.loc.lineno}"
-

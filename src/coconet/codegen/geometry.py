@@ -13,11 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from coconet.ir.group import Group, GroupKind
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, Shape, format_shape, slice_bounds
+from coconet.sim.chunked import ChunkPlan, chunk_rows, local_rows
 
 __all__ = ["Geometry", "bind_sizes", "geometry", "resolve_shape"]
 
@@ -29,7 +33,12 @@ class Geometry:
     - ``sizes``: each Dim's global size;
     - ``bounds[v]``: ``(start, length)`` of this rank's slice, for ``scatter`` values;
     - ``parts[v]``: the part size of every rank of the group, for ``all_gather`` values;
-    - ``shapes[v]`` / ``offsets[v]``: global shape and this rank's block start, for ``dropout``.
+    - ``shapes[v]`` / ``offsets[v]``: global shape and this rank's block start, for ``dropout``;
+    - for the chunk loops of overlapped chains, keyed ``"<loop>/<value>"``, one entry per chunk:
+      ``chunk_rows`` (this rank's local rows of a value read in chunks), ``chunk_global_rows``
+      (their global rows, for dropout), ``chunk_bounds`` and ``chunk_parts`` (scatter and
+      all_gather of a chunk); ``chunk_order`` puts a member's chunks back in row order (None when
+      they are consecutive). The chunks are the simulator's (``coconet.sim.chunked``).
     """
 
     sizes: dict[str, int] = field(default_factory=dict)
@@ -37,6 +46,11 @@ class Geometry:
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     offsets: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    chunk_rows: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    chunk_global_rows: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    chunk_bounds: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    chunk_parts: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    chunk_order: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
 
 def resolve_shape(shape: Shape, sizes: Mapping[str, int]) -> tuple[int, ...]:
@@ -134,7 +148,61 @@ def geometry(program: Program, mesh: Mesh, rank: int, sizes: Mapping[str, int]) 
                 offs[lay.dim] = _bounds(mesh, rank, lay.axis, gshape[lay.dim])[0]
             geo.shapes[node.name] = gshape
             geo.offsets[node.name] = tuple(offs)
+    for k, group in enumerate(program.groups, start=1):
+        if group.kind is GroupKind.OVERLAP:
+            _chunk_geometry(geo, f"overlap_{k}", program, group, mesh, rank, sizes)
     return geo
+
+
+def _chunk_geometry(
+    geo: Geometry,
+    loop: str,
+    program: Program,
+    group: Group,
+    mesh: Mesh,
+    rank: int,
+    sizes: Mapping[str, int],
+) -> None:
+    by_name = {n.name: n for n in program.nodes}
+    plan = ChunkPlan(group, by_name, mesh)
+    values = {m: by_name[m] for m in group.members}
+    for member in list(values.values()):
+        for k, i in enumerate(member.inputs):
+            if i.op is not Op.CONST and plan.is_chunked(member, k, i):
+                values.setdefault(i.name, i)
+    for name, node in values.items():
+        total = resolve_shape(node.type.shape, sizes)[0]
+        held = local_rows(node, total, mesh, rank)
+        pairs = [plan.local_and_global(node, held, total, rank, c) for c in range(plan.chunks)]
+        key = f"{loop}/{name}"
+        geo.chunk_rows[key] = tuple(local for local, _ in pairs)
+        geo.chunk_global_rows[key] = tuple(glob for _, glob in pairs)
+        order = torch.cat([local for local, _ in pairs])
+        consecutive = torch.equal(order, torch.arange(held, dtype=order.dtype))
+        geo.chunk_order[key] = None if consecutive else order
+        if node.op is Op.SCATTER and name in group.members:
+            # this rank's part of the chunk of the whole input (rows of every rank's block)
+            lay = node.type.layout
+            whole = resolve_shape(node.inputs[0].type.shape, sizes)[0]
+            geo.chunk_bounds[key] = tuple(
+                _start_length(
+                    _bounds(
+                        mesh, rank, lay.axis, len(chunk_rows(whole, plan.parts, plan.chunks, c))
+                    )
+                )
+                for c in range(plan.chunks)
+            )
+        elif node.op is Op.ALL_GATHER and name in group.members:
+            axis = node.inputs[0].type.layout.axis
+            n = mesh.axis_size(axis)
+            geo.chunk_parts[key] = tuple(
+                tuple(hi - lo for lo, hi in (slice_bounds(len(local), n, i) for i in range(n)))
+                for local, _ in pairs
+            )
+
+
+def _start_length(bounds: tuple[int, int]) -> tuple[int, int]:
+    return bounds[0], bounds[1] - bounds[0]
 
 
 def _bounds(mesh: Mesh, rank: int, axis: str | None, total: int) -> tuple[int, int]:

@@ -18,7 +18,7 @@ collectives plus one kernel per run of computations between them (see ``_units``
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coconet.errors import CodegenError
 from coconet.ir.group import Group, GroupKind
@@ -32,8 +32,20 @@ from coconet.ir.ops import (
     Op,
 )
 from coconet.ir.program import Program
+from coconet.sim.chunked import read_in_chunks
 
-__all__ = ["KERNEL_OPS", "Compute", "Kernel", "Plan", "Start", "Step", "Wait", "lower"]
+__all__ = [
+    "KERNEL_OPS",
+    "ChunkLoop",
+    "Compute",
+    "Kernel",
+    "Plan",
+    "Start",
+    "Step",
+    "Wait",
+    "loop_name",
+    "lower",
+]
 
 # Ops a fused kernel may contain: local computation with no communication and no rank geometry
 # other than what is passed in as arguments.
@@ -66,9 +78,27 @@ class Kernel:
     nodes: tuple[Node, ...]
     inputs: tuple[Node, ...]  # values computed outside the kernel (constants excluded)
     outputs: tuple[Node, ...]  # members read after the kernel, in program order
+    chunked: bool = False  # inside a ChunkLoop: dropout also takes the chunk's global rows
 
 
-Step = Compute | Start | Wait | Kernel
+@dataclass(frozen=True)
+class ChunkLoop:
+    name: str  # "overlap_<k>": the k-th group of the program
+    group: Group
+    stages: tuple[tuple[Compute | Start | Wait | Kernel, ...], ...]
+    chunked: tuple[Node, ...]  # values from outside the chain, read chunk by chunk
+    outputs: tuple[Node, ...]  # members read after the loop, reassembled from their chunks
+
+    @property
+    def chunks(self) -> int:
+        return self.group.chunks
+
+    @property
+    def kernels(self) -> tuple[Kernel, ...]:
+        return tuple(s for stage in self.stages for s in stage if isinstance(s, Kernel))
+
+
+Step = Compute | Start | Wait | Kernel | ChunkLoop
 
 
 @dataclass(frozen=True)
@@ -79,24 +109,45 @@ class Plan:
 
     @property
     def kernels(self) -> tuple[Kernel, ...]:
-        return tuple(s for s in self.steps if isinstance(s, Kernel))
+        out: list[Kernel] = []
+        for s in self.steps:
+            if isinstance(s, Kernel):
+                out.append(s)
+            elif isinstance(s, ChunkLoop):
+                out.extend(s.kernels)
+        return tuple(out)
+
+    @property
+    def loops(self) -> tuple[ChunkLoop, ...]:
+        return tuple(s for s in self.steps if isinstance(s, ChunkLoop))
 
 
 def lower(program: Program) -> Plan:
     """The per-rank steps of ``program`` in an order that respects every dependency."""
-    for g in program.groups:
-        if g.kind is GroupKind.OVERLAP:
-            raise CodegenError(
-                "overlap groups are not supported yet",
-                op="overlap",
-                details=[f"group: {g}"],
-                hint="compile the program without its overlap(...) schedule step for now",
-            )
+    _check_groups(program)
     units = _units(program)
     order = _topo(units)
     steps = _with_waits(program, order)
     consts = tuple(n for n in program.nodes if n.op is Op.CONST)
     return Plan(program, tuple(steps), consts)
+
+
+def loop_name(program: Program, group: Group) -> str:
+    """The name of an overlap group's loop: its position among the program's groups."""
+    return f"overlap_{program.groups.index(group) + 1}"
+
+
+def _check_groups(program: Program) -> None:
+    overlapped = {m for g in program.groups if g.kind is GroupKind.OVERLAP for m in g.members}
+    for g in program.groups:
+        if g.kind is GroupKind.FUSE:
+            inside = [m in overlapped for m in g.members]
+            if any(inside) and not all(inside):
+                raise CodegenError(
+                    f"{g} lies partly inside an overlapped chain",
+                    op="fuse",
+                    hint="fuse a group wholly inside the overlapped chain, or wholly outside it",
+                )
 
 
 # -- units: single nodes and fused runs ---------------------------------------------------------
@@ -109,7 +160,7 @@ class _Unit:
     first: int  # program position of the first node (the scheduling priority)
 
 
-def _units(program: Program) -> list[_Unit]:
+def _units(program: Program, only: set[str] | None = None) -> list[_Unit]:
     """Single nodes, and kernels: the computations of one fuse group between two of its
     collectives.
 
@@ -119,6 +170,9 @@ def _units(program: Program) -> list[_Unit]:
     kernel instead of forming a kernel of their own before the reduce_scatter. A member joins its
     run's current kernel unless that would make a cycle between units (the kernel would both feed
     and read some other unit); then it starts a new kernel.
+
+    An overlap group is one unit (its members are lowered on their own by ``_loop``); with
+    ``only``, just those nodes are made into units (the members of one overlap group).
     """
     index = {n.name: i for i, n in enumerate(program.nodes)}
     run_of = _runs(program)
@@ -126,6 +180,13 @@ def _units(program: Program) -> list[_Unit]:
     unit_of: dict[str, int] = {}  # node name -> its unit
     after: list[set[int]] = []  # unit -> the units that read from it
     open_kernel: dict[tuple[Group, int], int] = {}
+    overlap_of = {
+        m: g
+        for g in program.groups
+        if g.kind is GroupKind.OVERLAP and only is None
+        for m in g.members
+    }
+    overlap_unit: dict[Group, int] = {}
 
     def reaches(src: int, dst: int) -> bool:
         stack, seen = [src], {src}
@@ -139,9 +200,22 @@ def _units(program: Program) -> list[_Unit]:
         return False
 
     for n in program.nodes:
-        if n.op in LEAVES:
+        if n.op in LEAVES or (only is not None and n.name not in only):
             continue
         producers = {unit_of[i.name] for i in n.inputs if i.name in unit_of}
+        group = overlap_of.get(n.name)
+        if group is not None:
+            # the chain is one unit: no outside value sits between its members (overlap's check)
+            if group not in overlap_unit:
+                overlap_unit[group] = len(units)
+                units.append(_Unit([], group, index[n.name]))
+                after.append(set())
+            k = overlap_unit[group]
+            units[k].nodes.append(n)
+            unit_of[n.name] = k
+            for p in producers - {k}:
+                after[p].add(k)
+            continue
         run = run_of.get(n.name)
         k = open_kernel.get(run) if run is not None else None
         if k is not None and any(p != k and reaches(k, p) for p in producers):
@@ -236,7 +310,7 @@ def _topo(units: list[_Unit]) -> list[_Unit]:
 # -- steps --------------------------------------------------------------------------------------
 
 
-def _with_waits(program: Program, order: list[_Unit]) -> list[Step]:
+def _with_waits(program: Program, order: list[_Unit], prefix: str = "") -> list[Step]:
     users = program.users()
     returned = {n.name for n in program.outputs} | {u.inputs[1].name for u in program.updates}
     pending: dict[str, Node] = {}  # started collectives not yet waited for
@@ -251,9 +325,13 @@ def _with_waits(program: Program, order: list[_Unit]) -> list[Step]:
 
     for u in order:
         wait_for(u.nodes)
+        if u.group is not None and u.group.kind is GroupKind.OVERLAP:
+            steps.append(_loop(program, u.group, users, returned))
+            continue
         if u.group is not None:
             kernel_count += 1
-            steps.append(_kernel(f"fused_{kernel_count}", u, users, returned))
+            kernel = _kernel(f"{prefix}fused_{kernel_count}", u, users, returned)
+            steps.append(replace(kernel, chunked=bool(prefix)))
             continue
         (n,) = u.nodes
         if n.op in COMMUNICATION:
@@ -286,3 +364,33 @@ def _donatable(n: Node, users: dict[str, list[Node]], returned: set[str]) -> boo
     """The operand is a temporary that only this collective reads: its buffer can be reused."""
     x = n.inputs[0]
     return x.op in _FRESH and len(users[x.name]) == 1 and x.name not in returned
+
+
+def _loop(program: Program, group: Group, users, returned: set[str]) -> ChunkLoop:
+    """An overlap group as a chunk loop: its members' steps, cut into stages at each wait."""
+    name = loop_name(program, group)
+    members = set(group.members)
+    inner = _with_waits(program, _topo(_units(program, members)), prefix=f"{name}_")
+    stages: list[list[Step]] = [[]]
+    for step in inner:
+        if isinstance(step, Wait) and stages[-1] and not isinstance(stages[-1][-1], Wait):
+            stages.append([])
+        stages[-1].append(step)
+    by_name = {n.name: n for n in program.nodes}
+    rows = by_name[group.members[0]].type.shape[0]
+    chunked: dict[str, Node] = {}
+    for m in group.members:
+        node = by_name[m]
+        for k, i in enumerate(node.inputs):
+            if i.name in members or i.op is Op.CONST:
+                continue
+            if read_in_chunks(node, k, i, members, rows):
+                chunked.setdefault(i.name, i)
+    outputs = tuple(
+        by_name[m]
+        for m in group.members
+        if m in returned or any(u.name not in members for u in users[m])
+    )
+    return ChunkLoop(
+        name, group, tuple(tuple(st) for st in stages), tuple(chunked.values()), outputs
+    )

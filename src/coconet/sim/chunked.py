@@ -15,10 +15,10 @@ import torch
 from coconet.ir.group import Group
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
-from coconet.ir.ops import Op
+from coconet.ir.ops import REDUCTIONS, Op
 from coconet.ir.types import slice_bounds
 
-__all__ = ["ChunkPlan", "chunk_rows"]
+__all__ = ["ChunkPlan", "assemble_rows", "chunk_rows", "local_rows", "read_in_chunks"]
 
 PerRank = list[torch.Tensor]
 
@@ -33,6 +33,40 @@ def chunk_rows(rows: int, parts: int, chunks: int, c: int) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
 
 
+def read_in_chunks(consumer: Node, k: int, value: Node, members: set[str], rows) -> bool:
+    """Whether operand ``k`` of chain member ``consumer`` is read chunk by chunk (else whole).
+
+    Chain members are; so are outside values with the chain's rows (``rows``): activations and
+    residuals. Weights (matmul's second operand), dropout's seed and step, biases and scalars are
+    read whole.
+    """
+    if value.name in members:
+        return True
+    if consumer.op is Op.MATMUL and k == 1:
+        return False  # the weight
+    if consumer.op is Op.DROPOUT and k > 0:
+        return False  # seed, step
+    ty = value.type
+    if consumer.op in REDUCTIONS:
+        # Overlap only admits reductions that keep the rows: the operand's rows are the
+        # result's, whatever the ranks (``sum(x[B, H], dim=1)`` is [B]).
+        return ty.rank > 0 and ty.shape[0] == rows and ty.shape[0] != 1
+    return (
+        ty.rank == consumer.type.rank and ty.rank > 0 and ty.shape[0] == rows and ty.shape[0] != 1
+    )
+
+
+def assemble_rows(pieces: list[torch.Tensor], order: torch.Tensor | None) -> torch.Tensor:
+    """A value from its chunks: ``order`` lists the local row of each row of the concatenated
+    chunks (None: the chunks are consecutive rows already)."""
+    whole = torch.cat(pieces)
+    if order is None:
+        return whole
+    out = torch.empty_like(whole)
+    out.index_copy_(0, order, whole)
+    return out
+
+
 class ChunkPlan:
     """How the members of one overlap group and the values they read are cut into chunks."""
 
@@ -40,15 +74,26 @@ class ChunkPlan:
         self.chunks = group.chunks
         self.members = [nodes[m] for m in group.members]
         self.names = set(group.members)
+        self.rows = self.members[0].type.shape[0]
+        # The chunk axis comes from the values sliced on rows: members, and also operands read
+        # from outside in chunks (the reduce_scatter before an overlapped all_gather): whole
+        # values must then be chunked as the union of part c of every rank's block.
         sliced = [
             n.type.layout
             for n in self.members
             if n.type.layout.is_sliced and n.type.layout.dim == 0
+        ] + [
+            i.type.layout
+            for m in self.members
+            for k, i in enumerate(m.inputs)
+            if i.name not in self.names
+            and i.type.layout.is_sliced
+            and i.type.layout.dim == 0
+            and self.is_chunked(m, k, i)
         ]
         self.axis = sliced[0].axis if sliced else None
         self.parts = mesh.axis_size(self.axis) if sliced else 1
         self.mesh = mesh
-        self.rows = self.members[0].type.shape[0]
 
     def outside_inputs(self) -> list[Node]:
         seen: dict[str, Node] = {}
@@ -60,19 +105,7 @@ class ChunkPlan:
 
     def is_chunked(self, consumer: Node, k: int, value: Node) -> bool:
         """Whether operand ``k`` of ``consumer`` is cut in chunks (else it is read whole)."""
-        if value.name in self.names:
-            return True
-        if consumer.op is Op.MATMUL and k == 1:
-            return False  # the weight
-        if consumer.op is Op.DROPOUT and k > 0:
-            return False  # seed, step
-        ty = value.type
-        return (
-            ty.rank == consumer.type.rank
-            and ty.rank > 0
-            and ty.shape[0] == self.rows
-            and ty.shape[0] != 1
-        )
+        return read_in_chunks(consumer, k, value, self.names, self.rows)
 
     def local_and_global(
         self, node: Node, local_rows: int, global_rows: int, rank: int, c: int
@@ -122,7 +155,7 @@ class ChunkPlan:
                 rows: dict[int, torch.Tensor] = {}
                 for r in range(world):
                     full = global_rows(m)
-                    local_n = _local_rows(m, full, self.mesh, r)
+                    local_n = local_rows(m, full, self.mesh, r)
                     local, glob = self.local_and_global(m, local_n, full, r, c)
                     rows[r] = glob
                     pieces[m.name][r].append((local, glob))
@@ -146,7 +179,8 @@ class ChunkPlan:
         return result
 
 
-def _local_rows(node: Node, global_rows: int, mesh: Mesh, rank: int) -> int:
+def local_rows(node: Node, global_rows: int, mesh: Mesh, rank: int) -> int:
+    """How many rows of ``node`` (with ``global_rows`` in all) ``rank`` holds."""
     lay = node.type.layout
     if lay.is_sliced and lay.dim == 0:
         lo, hi = slice_bounds(global_rows, mesh.axis_size(lay.axis), mesh.index_in(rank, lay.axis))
