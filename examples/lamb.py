@@ -38,6 +38,7 @@ import sys
 import torch
 
 import coconet as cc
+from coconet.runtime import run_distributed
 from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
 
 TOLERANCE = 1e-6  # max relative error vs the plain-PyTorch LAMB in float32
@@ -199,4 +200,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--distributed" in sys.argv:  # under `coconet run --nproc N` or torchrun
+        sys.exit(run_distributed(program(), SCHEDULES, lambda world: make_inputs(world, 4099)))
     sys.exit(main())

@@ -33,6 +33,7 @@ import torch
 
 import coconet as cc
 from coconet.random import dropout_mask
+from coconet.runtime import run_distributed
 from coconet.schedule import AR_P2P_C, RS_P2P_C_AG, ol_RS_fuse_P2P_C_AG
 
 # The all_reduce adds the ranks' partial sums in another order than one matmul does.
@@ -153,4 +154,13 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--distributed" in sys.argv:  # under `coconet run --nproc 2K` (pp=2, tp=K) or torchrun
+        sys.exit(
+            run_distributed(
+                program(),
+                SCHEDULES,
+                lambda mesh: program_inputs(make_inputs(mesh, 17)),
+                mesh=lambda world: cc.Mesh(pp=2, tp=world // 2),
+            )
+        )
     sys.exit(main())

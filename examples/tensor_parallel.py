@@ -35,6 +35,7 @@ import torch
 
 import coconet as cc
 from coconet.random import dropout_mask
+from coconet.runtime import run_distributed
 from coconet.schedule import MM_AR_C, MM_RS_C_AG, ol_MM_fuse_RS_C_AG
 
 # The all_reduce adds the ranks' partial sums in a different order than one matmul does.
@@ -164,4 +165,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--distributed" in sys.argv:  # under `coconet run --nproc N` or torchrun
+        sys.exit(run_distributed(program(), SCHEDULES, lambda world: make_inputs(world, 61)))
     sys.exit(main())

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["dropout_mask", "global_index", "uniform"]
+__all__ = ["dropout_mask", "global_index", "keep_threshold", "random_bits", "uniform"]
 
 _M31 = (1 << 31) - 1
 _MUL = 0x45D9F3B  # < 2**31: a 31-bit value times it stays below 2**62
@@ -24,19 +24,39 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _key(seed: int, step: int) -> int:
-    """A 31-bit key from the seed and the step (host-side integer hashing)."""
-    k = torch.tensor([(seed & _M31) ^ ((seed >> 31) & _M31)], dtype=torch.int64)
-    k = _mix(k)
-    k = _mix(k ^ ((step & _M31) ^ ((step >> 31) & _M31)))
-    return int(k.item())
+def _key(seed: int | torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """A 31-bit key (a 0-d int64 tensor) from the seed and the step.
+
+    Plain tensor arithmetic, no ``.item()``: inside a ``torch.compile``d kernel the seed and step
+    stay runtime values and the graph does not break.
+    """
+    seed = torch.as_tensor(seed, dtype=torch.int64)
+    step = torch.as_tensor(step, dtype=torch.int64)
+    k = _mix((seed & _M31) ^ ((seed >> 31) & _M31))
+    return _mix(k ^ ((step & _M31) ^ ((step >> 31) & _M31)))
+
+
+def random_bits(
+    seed: int | torch.Tensor, step: int | torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """31 random bits (int64 in [0, 2**31)) per element of the int64 ``index`` tensor."""
+    x = (index ^ (index >> 31)) & _M31
+    return _mix(x ^ _key(seed, step).to(index.device))
 
 
 def uniform(seed: int, step: int, index: torch.Tensor) -> torch.Tensor:
     """Uniform floats in [0, 1), float64, one per element of the int64 ``index`` tensor."""
-    x = (index ^ (index >> 31)) & _M31
-    x = _mix(x ^ _key(int(seed), int(step)))
-    return x.to(torch.float64) / float(1 << 31)
+    return random_bits(seed, step, index).to(torch.float64) / float(1 << 31)
+
+
+def keep_threshold(p: float) -> int:
+    """Elements whose random bits are at least this are kept: ``uniform >= p`` in integers.
+
+    ``bits / 2**31 >= p`` holds exactly when ``bits >= ceil(p * 2**31)`` (the product is exact in
+    double precision), so masks need no floating point at all, and none in float64 inside a
+    compiled kernel (where Inductor would compute in double, element by element).
+    """
+    return math.ceil(p * (1 << 31))
 
 
 def global_index(
@@ -71,8 +91,8 @@ def global_index(
 
 
 def dropout_mask(
-    seed: int,
-    step: int,
+    seed: int | torch.Tensor,
+    step: int | torch.Tensor,
     p: float,
     global_shape: tuple[int, ...],
     local_shape: tuple[int, ...] | None = None,
@@ -89,4 +109,4 @@ def dropout_mask(
     if math.prod(local_shape) == 0:
         return torch.ones(local_shape, dtype=torch.bool, device=device)
     index = global_index(tuple(global_shape), local_shape, offsets, device, rows)
-    return uniform(seed, step, index) >= p
+    return random_bits(seed, step, index) >= keep_threshold(p)

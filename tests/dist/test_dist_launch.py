@@ -67,6 +67,21 @@ def test_coconet_run_two_ranks(tmp_path):
         ), out.stdout + out.stderr
 
 
+@pytest.mark.timeout(240)
+def test_an_example_runs_distributed_under_coconet_run():
+    """The README's spelling: every schedule of the example on 2 gloo ranks vs the simulator."""
+    out = _coconet("run", "--nproc", "2", "examples/sgd.py", "--distributed", timeout=220)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("sgd ")]
+    assert [line.split()[1] for line in lines] == [
+        "(unscheduled)",
+        "AR_C",
+        "RS_C_AG",
+        "fuse_RS_C_AG",
+    ], out.stdout
+    assert all(line.endswith("vs the simulator  ok") for line in lines), out.stdout
+
+
 @pytest.mark.timeout(120)
 def test_coconet_run_reports_a_failing_rank(tmp_path):
     script = tmp_path / "fail.py"

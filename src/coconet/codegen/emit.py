@@ -248,7 +248,7 @@ class _Emitter:
             p = n.attr("p")
             rows = geo(n, "rows")
             return (
-                f"_ops.apply_dropout({a[0]}, {p!r}, int({a[1]}), int({a[2]}), "
+                f"_ops.apply_dropout({a[0]}, {p!r}, {a[1]}, {a[2]}, "
                 f"{geo(n, 'shapes')}, {geo(n, 'offsets')}{', ' + rows if rows else ''})"
             )
         if op in POINTWISE:

@@ -11,7 +11,13 @@ From Python, ``spawn(fn, nproc, *args)`` runs ``fn(comm, *args)`` on local ranks
 ``check_distributed`` compares a distributed step with the simulator.
 """
 
-from coconet.runtime.check import CheckReport, check_distributed, check_schedules, rank_inputs
+from coconet.runtime.check import (
+    CheckReport,
+    check_distributed,
+    check_schedules,
+    rank_inputs,
+    run_distributed,
+)
 from coconet.runtime.comm import CommOptions, Communicator, Work
 from coconet.runtime.launch import RankFailure, current, init, run_script, shutdown, spawn
 from coconet.runtime.step import CompiledStep
@@ -31,6 +37,7 @@ __all__ = [
     "default_cache_dir",
     "init",
     "rank_inputs",
+    "run_distributed",
     "run_script",
     "shutdown",
     "spawn",

@@ -86,9 +86,7 @@ def rs_all_reduce(x0, op: ReduceOp, pg, parts, index, donate) -> Pending:
 def rs_all_to_all(x0, op: ReduceOp, pg, parts, index, donate) -> Pending:
     mine = parts[index]
     out = x0.new_empty((mine * len(parts), *x0.shape[1:]))
-    w = dist.all_to_all_single(
-        out, x0, [mine] * len(parts), list(parts), group=pg, async_op=True
-    )
+    w = dist.all_to_all_single(out, x0, [mine] * len(parts), list(parts), group=pg, async_op=True)
     # Every member's copy of my part arrived, in rank order: reduce them as the simulator does.
     return Pending([w], lambda: reduce_values(op, list(out.split(mine))) if mine else out[:0])
 

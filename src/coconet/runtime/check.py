@@ -72,9 +72,7 @@ class CheckReport:
         return self.max_abs_error == 0.0
 
     def ok(self, rtol: float = 0.0, atol: float = 0.0) -> bool:
-        return all(
-            self.errors[k] <= atol or self.relative[k] <= rtol for k in self.errors
-        )
+        return all(self.errors[k] <= atol or self.relative[k] <= rtol for k in self.errors)
 
     def __str__(self) -> str:
         exact = " (exact)" if self.exact else ""
@@ -204,6 +202,7 @@ def check_schedules(
                 target, inputs, comm=comm, reference=program, verbose=False, **compile_options
             )
         except CodegenError as e:
+            ok = False
             if comm.rank == 0:
                 print(f"{label} {name:<22} {comm.mesh}: not compiled: {e.message}", flush=True)
             continue
@@ -217,3 +216,37 @@ def check_schedules(
                 flush=True,
             )
     return ok
+
+
+def run_distributed(
+    program: Program,
+    schedules: Mapping[str, Any],
+    make_inputs: Any,
+    *,
+    mesh: Any = None,
+    rtol: float = 1e-5,
+) -> int:
+    """An example's ``--distributed`` mode, under ``coconet run --nproc N`` or torchrun.
+
+    Joins the job (``mesh``: a Mesh, or a function of the world size returning one), runs the
+    program and each schedule on the real ranks with ``make_inputs(world or mesh)``, prints one
+    line per schedule on rank 0 (error against the simulator), and ends the process with 0 when
+    every one is within ``rtol`` (1e-5: LAMB's schedules re-associate its norms), else 1.
+    """
+    import os
+
+    from coconet.runtime.launch import init, shutdown
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if callable(mesh):
+        mesh = mesh(world)
+    comm = init(mesh)
+    try:
+        ok = check_schedules(
+            program, schedules, make_inputs(mesh or comm.world), comm=comm, rtol=rtol
+        )
+    except Exception:
+        shutdown(comm)
+        raise
+    shutdown(comm, exit_code=0 if ok else 1)
+    return 0 if ok else 1  # pragma: no cover - shutdown ends the process

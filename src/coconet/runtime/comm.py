@@ -164,9 +164,7 @@ class Communicator:
         text = str(exc)
         low = text.lower()
         if "timed out" in low or "timeout" in low:
-            cause = (
-                f"no answer within {self.options.timeout:g} s: a peer rank stalled or died"
-            )
+            cause = f"no answer within {self.options.timeout:g} s: a peer rank stalled or died"
         elif any(s in low for s in ("closed by peer", "reset by peer", "broken pipe", "eof")):
             cause = "a peer rank died: its connection closed"
         else:

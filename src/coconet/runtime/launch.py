@@ -136,9 +136,7 @@ def _rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = No
     return env
 
 
-def run_script(
-    argv: Sequence[str], nproc: int, *, module: bool = False, grace: float = 5.0
-) -> int:
+def run_script(argv: Sequence[str], nproc: int, *, module: bool = False, grace: float = 5.0) -> int:
     """Run ``python argv...`` (or ``python -m``) as ``nproc`` local ranks; the worst exit code.
 
     When a rank fails, the others get ``grace`` seconds to notice (their collectives fail) and are

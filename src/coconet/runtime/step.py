@@ -158,8 +158,9 @@ class CompiledStep:
         problems = []
         unknown = sorted(set(given) - set(names))
         if unknown:
-            problems.append(f"{self.program.name} has no inputs named {unknown}; its inputs are "
-                            f"{names}")
+            problems.append(
+                f"{self.program.name} has no inputs named {unknown}; its inputs are {names}"
+            )
         args, shapes, dtypes = [], {}, {}
         for node in self.program.inputs:
             if node.name not in given:
@@ -183,20 +184,27 @@ class CompiledStep:
             if ty.rank != 0:
                 return None, f"input {node.name!r} ({ty}) needs a tensor, got the number {value!r}"
             if node.name in self._updated:
-                return None, (f"input {node.name!r} is updated by the program: pass a tensor "
-                              "that can be written, not a number")
+                return None, (
+                    f"input {node.name!r} is updated by the program: pass a tensor "
+                    "that can be written, not a number"
+                )
             return torch.tensor(value, dtype=dtype, device=device), None
         if not isinstance(value, torch.Tensor):
             return None, f"input {node.name!r}: expected a torch.Tensor, got {type(value).__name__}"
         if value.dtype != dtype:
-            return None, (f"input {node.name!r} is {value.dtype}, the program declares "
-                          f"{ty.dtype.value} (pass {node.name}.to({dtype}))")
+            return None, (
+                f"input {node.name!r} is {value.dtype}, the program declares "
+                f"{ty.dtype.value} (pass {node.name}.to({dtype}))"
+            )
         if value.device.type != device.type:
-            return None, (f"input {node.name!r} is on {value.device}, this rank computes on "
-                          f"{device}")
+            return None, (
+                f"input {node.name!r} is on {value.device}, this rank computes on {device}"
+            )
         if value.dim() != ty.rank:
-            return None, (f"input {node.name!r} has shape {list(value.shape)}, the program "
-                          f"declares {format_shape(ty.shape)} ({ty.layout})")
+            return None, (
+                f"input {node.name!r} has shape {list(value.shape)}, the program "
+                f"declares {format_shape(ty.shape)} ({ty.layout})"
+            )
         return value.detach(), None
 
     # -- commit ---------------------------------------------------------------------------------

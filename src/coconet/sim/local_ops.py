@@ -45,8 +45,8 @@ POINTWISE: dict[Op, Callable[..., torch.Tensor]] = {
 def apply_dropout(
     x: torch.Tensor,
     p: float,
-    seed: int,
-    step: int,
+    seed: int | torch.Tensor,
+    step: int | torch.Tensor,
     global_shape: tuple[int, ...],
     offsets: tuple[int, ...],
     rows: torch.Tensor | None = None,
