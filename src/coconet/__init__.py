@@ -1,7 +1,8 @@
 """coconet: computation and communication as first-class operations of one program.
 
 The public API: the DSL (tensors, layouts, computation and communication ops), ``Program``,
-``Mesh``, the simulator, and the errors.
+``Mesh``, the simulator, ``Schedule`` (the paper's named schedules are in ``coconet.schedule``),
+``compile`` (the distributed runtime is ``coconet.runtime``), and the errors.
 """
 
 from coconet.compiler import CompileOptions, compile
@@ -56,6 +57,7 @@ from coconet.ir.mesh import Mesh
 from coconet.ir.ops import ReduceOp
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Layout, Local, Replicated, Sliced
+from coconet.schedule import Schedule
 from coconet.sim import SimResult, simulate
 
 __version__ = "0.1.0"
@@ -83,6 +85,7 @@ __all__ = [
     "Replicated",
     "RuntimeFault",
     "Scalar",
+    "Schedule",
     "ScheduleError",
     "ShapeError",
     "SimResult",
