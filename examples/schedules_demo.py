@@ -21,18 +21,15 @@ from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import adam  # noqa: E402 - the example next to this file
+from _harness import simulate_steps  # noqa: E402
 
 WORLD = 4
 SIZE = 1001  # not divisible by 4: the slices differ by one element
 
 
 def run(program: cc.Program, steps: int = 3) -> dict[str, torch.Tensor]:
-    state = adam.make_inputs(WORLD, SIZE, seed=1)
-    for step in range(1, steps + 1):
-        state["step"] = step
-        result = cc.simulate(program, state, WORLD)
-        for name in result.updates:
-            state[name] = result.updated(name)
+    """Adam's parameters and moments after ``steps`` simulated steps of ``program`` from step 1."""
+    state = simulate_steps(program, adam.make_inputs(WORLD, SIZE, seed=1), WORLD, steps)
     return {name: state[name] for name in ("p", "m", "v")}
 
 

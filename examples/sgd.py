@@ -23,6 +23,7 @@ Run ``python examples/sgd.py`` to simulate it on 2 and 4 virtual ranks against t
 
 from __future__ import annotations
 
+import pathlib
 import sys
 
 import torch
@@ -30,6 +31,10 @@ import torch
 import coconet as cc
 from coconet.runtime import run_distributed
 from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
+
+# Import the examples' shared checking code (examples/_harness.py) however this file is loaded.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _harness import f32, max_errors, report, simulate_steps, sum_over_ranks  # noqa: E402
 
 TOLERANCE = 1e-6  # max relative error vs torch.optim.SGD in float32
 
@@ -73,10 +78,6 @@ def program(dtype: cc.DType = cc.float32) -> cc.Program:
     )
 
 
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
 def make_inputs(
     world: int, size: int = 4096, seed: int = 0, step: int = 1, dtype: torch.dtype = torch.float32
 ) -> dict:
@@ -93,20 +94,12 @@ def make_inputs(
         "g": [randn() for _ in range(world)],
         "p": randn(),
         "buf": torch.zeros(size, dtype=dtype) if step == 1 else 0.1 * randn(),
-        "lr": _f32(LR),
-        "momentum": _f32(MOMENTUM),
-        "dampening": _f32(DAMPENING),
-        "weight_decay": _f32(WEIGHT_DECAY),
+        "lr": f32(LR),
+        "momentum": f32(MOMENTUM),
+        "dampening": f32(DAMPENING),
+        "weight_decay": f32(WEIGHT_DECAY),
         "step": step,
     }
-
-
-def _sum_over_ranks(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The data-parallel gradient, summed in rank order like the simulator's all_reduce."""
-    total = grads[0].clone()
-    for g in grads[1:]:
-        total = total + g
-    return total
 
 
 def reference(inputs: dict, steps: int = 1) -> dict[str, torch.Tensor]:
@@ -125,7 +118,7 @@ def reference(inputs: dict, steps: int = 1) -> dict[str, torch.Tensor]:
     )
     if inputs["step"] > 1 and inputs["momentum"] != 0:
         opt.state[param]["momentum_buffer"] = inputs["buf"].clone()
-    grad = _sum_over_ranks(inputs["g"])
+    grad = sum_over_ranks(inputs["g"])
     for _ in range(steps):
         param.grad = grad.clone()
         opt.step()
@@ -135,35 +128,10 @@ def reference(inputs: dict, steps: int = 1) -> dict[str, torch.Tensor]:
     return out
 
 
-def max_errors(
-    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
-) -> tuple[float, float]:
-    """(max absolute error, max relative error) over the tensors of ``expected``.
-
-    The relative error of a tensor is max|actual - expected| / max|expected|: element-wise ratios
-    blow up where a value crosses zero, which says nothing about the update's accuracy.
-    """
-    abs_err = rel_err = 0.0
-    for name, want in expected.items():
-        if want.numel() == 0:
-            continue
-        diff = (actual[name].double() - want.double()).abs().max().item()
-        scale = want.double().abs().max().item()
-        abs_err = max(abs_err, diff)
-        rel_err = max(rel_err, diff / scale if scale > 0 else diff)
-    return abs_err, rel_err
-
-
 def errors(world: int, size: int, steps: int = 3) -> tuple[float, float]:
     """Simulate ``steps`` steps (state fed back) and compare with the torch reference."""
     inputs = make_inputs(world, size)
-    prog = program()
-    state = dict(inputs)
-    for _ in range(steps):
-        result = cc.simulate(prog, state, world)
-        state.update({name: result.updated(name) for name in result.updates})
-        state["step"] += 1
-    return max_errors(state, reference(inputs, steps))
+    return max_errors(simulate_steps(program(), inputs, world, steps), reference(inputs, steps))
 
 
 def check(world: int, size: int, steps: int = 3) -> float:
@@ -172,16 +140,8 @@ def check(world: int, size: int, steps: int = 3) -> float:
 
 
 def main() -> int:
-    ok = True
-    for world in (2, 4):
-        abs_err, rel_err = errors(world, size=4096)
-        good = rel_err <= TOLERANCE
-        ok &= good
-        print(
-            f"sgd  world={world}  max abs err {abs_err:.3e}  max rel err {rel_err:.3e}  "
-            f"(tolerance {TOLERANCE:.0e})  {'ok' if good else 'MISMATCH'}"
-        )
-    return 0 if ok else 1
+    """Print the check on 2 and 4 virtual ranks; exit status 0 if within TOLERANCE."""
+    return report("sgd", errors, TOLERANCE, size=4096)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ Run ``python examples/tensor_parallel.py`` to simulate it on 2 and 4 virtual ran
 
 from __future__ import annotations
 
+import pathlib
 import sys
 
 import torch
@@ -37,6 +38,10 @@ import coconet as cc
 from coconet.random import dropout_mask
 from coconet.runtime import run_distributed
 from coconet.schedule import MM_AR_C, MM_RS_C_AG, ol_MM_fuse_RS_C_AG
+
+# Import the examples' shared checking code (examples/_harness.py) however this file is loaded.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _harness import max_errors, report  # noqa: E402
 
 # The all_reduce adds the ranks' partial sums in a different order than one matmul does.
 TOLERANCE = 1e-5  # max relative error vs the single-process layer in float32
@@ -115,24 +120,6 @@ def reference(inputs: dict, steps: int = 1, p: float = P) -> dict[str, torch.Ten
     return {"out": y * keep / (1 - p) + inputs["r"]}
 
 
-def max_errors(
-    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
-) -> tuple[float, float]:
-    """(max absolute error, max relative error) over the tensors of ``expected``.
-
-    The relative error of a tensor is max|actual - expected| / max|expected|.
-    """
-    abs_err = rel_err = 0.0
-    for name, want in expected.items():
-        if want.numel() == 0:
-            continue
-        diff = (actual[name].double() - want.double()).abs().max().item()
-        scale = want.double().abs().max().item()
-        abs_err = max(abs_err, diff)
-        rel_err = max(rel_err, diff / scale if scale > 0 else diff)
-    return abs_err, rel_err
-
-
 def errors(world: int, size: int, steps: int = 3, p: float = P) -> tuple[float, float]:
     """Simulate the layer at steps 1..``steps`` (a new mask each) against the reference."""
     prog = program(p)
@@ -151,17 +138,8 @@ def check(world: int, size: int, steps: int = 3, p: float = P) -> float:
 
 
 def main() -> int:
-    ok = True
-    for world in (2, 4):
-        abs_err, rel_err = errors(world, size=256)
-        good = rel_err <= TOLERANCE
-        ok &= good
-        print(
-            f"tensor_parallel  world={world}  max abs err {abs_err:.3e}  "
-            f"max rel err {rel_err:.3e}  (tolerance {TOLERANCE:.0e})  "
-            f"{'ok' if good else 'MISMATCH'}"
-        )
-    return 0 if ok else 1
+    """Print the check on 2 and 4 virtual ranks; exit status 0 if within TOLERANCE."""
+    return report("tensor_parallel", errors, TOLERANCE, size=256)
 
 
 if __name__ == "__main__":

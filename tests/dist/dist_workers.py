@@ -8,35 +8,22 @@ import only this, not pytest's test modules.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import signal
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
+from examples_loader import load_example
 
 import coconet as cc
 from coconet.errors import RuntimeFault
 from coconet.runtime import CommOptions, Communicator, check_distributed
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
 LAYERS = ("tensor_parallel",)
 PIPELINES = ("pipeline_parallel",)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_example(name: str):
-    key = f"coconet_example_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 def _row(**kw):
@@ -221,15 +208,28 @@ def _adam_case(comm, size=1000):
     return schedule, mine
 
 
+def _step_expecting_fault(step, mine: dict) -> dict:
+    """Run ``step`` on this rank's inputs ``mine``: "no error", or a RuntimeFault's message, the
+    seconds until it came and whether every tensor of ``mine`` was left as it was."""
+    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
+    t0 = time.perf_counter()
+    try:
+        step(**mine)
+        return dict(status="no error")
+    except RuntimeFault as e:
+        unchanged = all(torch.equal(before[k], mine[k]) for k in before)
+        return dict(
+            status="fault", message=str(e), seconds=time.perf_counter() - t0, unchanged=unchanged
+        )
+
+
 def fault_peer_dies(comm: Communicator, victim: int, where: str) -> dict:
     """``victim`` kills itself at ``where`` ("all_gather": mid-step, between the reduce_scatter
     and the all_gather; "commit": after every collective, before the commit vote). The others
     must get a RuntimeFault quickly and keep their tensors as they were."""
     schedule, mine = _adam_case(comm)
     step = cc.compile(schedule, comm=comm, fused_kernels=False)
-    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
     step(**mine)  # one good step first: the fault happens on a warm, agreed program
-    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
     if comm.rank == victim:
         if where == "all_gather":
             comm.all_gather_start = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
@@ -242,15 +242,7 @@ def fault_peer_dies(comm: Communicator, victim: int, where: str) -> dict:
                 return real(values, label, op)
 
             comm.agree_max = agree
-    t0 = time.perf_counter()
-    try:
-        step(**mine)
-        return dict(status="no error")
-    except RuntimeFault as e:
-        unchanged = all(torch.equal(before[k], mine[k]) for k in before)
-        return dict(
-            status="fault", message=str(e), seconds=time.perf_counter() - t0, unchanged=unchanged
-        )
+    return _step_expecting_fault(step, mine)
 
 
 def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
@@ -258,7 +250,6 @@ def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
     RuntimeFault after the communicator's timeout, their tensors unchanged."""
     schedule, mine = _adam_case(comm)
     step = cc.compile(schedule, comm=comm, fused_kernels=False)
-    before = {k: v.clone() for k, v in mine.items() if isinstance(v, torch.Tensor)}
     if comm.rank == victim:
         real = comm.all_gather_start
 
@@ -267,15 +258,7 @@ def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
             return real(*a, **k)
 
         comm.all_gather_start = slow
-    t0 = time.perf_counter()
-    try:
-        step(**mine)
-        return dict(status="no error")
-    except RuntimeFault as e:
-        unchanged = all(torch.equal(before[k], mine[k]) for k in before)
-        return dict(
-            status="fault", message=str(e), seconds=time.perf_counter() - t0, unchanged=unchanged
-        )
+    return _step_expecting_fault(step, mine)
 
 
 def fault_local_error(comm: Communicator, victim: int) -> dict:

@@ -10,6 +10,7 @@ import ast
 import dist_programs
 import pytest
 import torch
+from examples_loader import load_example
 
 import coconet as cc
 from coconet.codegen import Namer, bind_sizes, geometry, lower
@@ -78,8 +79,6 @@ def test_fused_group_with_collectives_is_one_kernel_between_them():
 
 
 def test_adam_fuse_rs_c_ag_has_a_single_kernel():
-    from dist_workers import load_example
-
     adam = load_example("adam")
     s = adam.SCHEDULES["fuse_RS_C_AG"](adam.program())
     plan = lower(s.program)
@@ -103,13 +102,7 @@ def test_waits_come_just_before_first_use():
 
 
 def test_overlap_groups_become_pipelined_chunk_loops():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
-    spec = importlib.util.spec_from_file_location("tp_for_codegen", path)
-    tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp)
+    tp = load_example("tensor_parallel")
     sched = tp.SCHEDULES["ol_MM_fuse_RS_C_AG"](tp.program(), chunks=3)
     (loop,) = lower(sched.program).loops
     # stage 0: matmul + start reduce_scatter; stage 1: wait, fused kernel, start all_gather;

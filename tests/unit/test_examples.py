@@ -1,16 +1,14 @@
 """Every example runs as a script and passes its own check; every example has the shared API."""
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from examples_loader import EXAMPLES, load_example
 
 import coconet as cc
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NAMES = ["sgd", "adam", "adamw", "lamb", "tensor_parallel"]
 
 # the named nodes each program promises to schedules: name -> op
@@ -36,16 +34,6 @@ NAMED = {
     },
     "tensor_parallel": {"partial": "matmul", "out_sum": "all_reduce", "dropped": "dropout"},
 }
-
-
-def load_example(name: str):
-    key = f"coconet_example_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 @pytest.fixture(scope="module")

@@ -5,29 +5,15 @@ Every step draws new per-rank gradients; torch gets their sum (in rank order, as
 all_reduce adds them) as ``.grad``. State is compared after every step.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from examples_loader import load_example
 
 import coconet as cc
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 5
 SIZE = 257
 TOLERANCE = 1e-6
-
-
-def load_example(name: str):
-    key = f"coconet_example_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 def f32(x: float) -> float:

@@ -10,12 +10,9 @@ order, every chunk of the overlapped matmul too) and within rtol 1e-5 on random 
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
+from examples_loader import load_example
 
 import coconet as cc
 from coconet.accounting import account
@@ -29,19 +26,6 @@ from coconet.schedule import (
     fuse_RS_C_AG,
 )
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
-
-
-def load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
 OPTIMIZER_SCHEDULES = ("AR_C", "RS_C_AG", "fuse_RS_C_AG")
 LAYER_SCHEDULES = ("MM_AR_C", "MM_RS_C_AG", "ol_MM_fuse_RS_C_AG")
@@ -50,9 +34,9 @@ PIPELINE_SCHEDULES = ("AR_P2P_C", "RS_P2P_C_AG", "ol_RS_fuse_P2P_C_AG")
 
 def test_examples_name_the_paper_schedules():
     for name in OPTIMIZERS:
-        assert tuple(load(name).SCHEDULES) == OPTIMIZER_SCHEDULES
-    assert tuple(load("tensor_parallel").SCHEDULES) == LAYER_SCHEDULES
-    assert tuple(load("pipeline_parallel").SCHEDULES) == PIPELINE_SCHEDULES
+        assert tuple(load_example(name).SCHEDULES) == OPTIMIZER_SCHEDULES
+    assert tuple(load_example("tensor_parallel").SCHEDULES) == LAYER_SCHEDULES
+    assert tuple(load_example("pipeline_parallel").SCHEDULES) == PIPELINE_SCHEDULES
 
 
 def assert_same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
@@ -67,7 +51,7 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("size", [12, 7, 2])  # 7 and 2 do not divide by every world size
 def test_optimizer_schedules_equal_the_program(example, schedule, world, size):
-    mod = load(example)
+    mod = load_example(example)
     prog = mod.program()
     sched = mod.SCHEDULES[schedule](prog)
     exact = example != "lamb"
@@ -85,7 +69,7 @@ def test_optimizer_schedules_equal_the_program(example, schedule, world, size):
 
 @pytest.mark.parametrize("example", OPTIMIZERS)
 def test_rs_c_ag_keeps_state_sliced_and_reads_no_whole_state(example):
-    mod = load(example)
+    mod = load_example(example)
     sched = mod.SCHEDULES["fuse_RS_C_AG"](mod.program())
     prog = sched.program
     for name in mod.STATE:
@@ -99,7 +83,7 @@ def test_rs_c_ag_keeps_state_sliced_and_reads_no_whole_state(example):
 
 
 def test_lamb_norms_become_partial_sums_not_gathers():
-    prog = RS_C_AG(load("lamb").program(), ("m", "v")).program
+    prog = RS_C_AG(load_example("lamb").program(), ("m", "v")).program
     for norm_name in ("p_norm", "dir_norm"):
         node = prog.node(norm_name)
         assert node.op.value == "sqrt"
@@ -126,7 +110,7 @@ def layer_inputs(mod, integer: bool, batch: int, size: int):
 @pytest.mark.parametrize("batch", [8, 7, 3])
 @pytest.mark.parametrize("integer", [True, False])
 def test_tensor_parallel_schedules_equal_the_program(schedule, world, batch, integer):
-    mod = load("tensor_parallel")
+    mod = load_example("tensor_parallel")
     prog = mod.program(p=0.25)
     chunks = {"chunks": 3} if schedule.startswith("ol_") else {}
     sched = mod.SCHEDULES[schedule](prog, **chunks)
@@ -140,7 +124,7 @@ def test_tensor_parallel_schedules_equal_the_program(schedule, world, batch, int
 @pytest.mark.parametrize("mesh", [cc.Mesh(pp=2, tp=2), cc.Mesh(pp=2, tp=3), cc.Mesh(pp=3, tp=2)])
 @pytest.mark.parametrize("size", [16, 7])
 def test_pipeline_schedules_equal_the_program(schedule, mesh, size):
-    mod = load("pipeline_parallel")
+    mod = load_example("pipeline_parallel")
     prog = mod.program()
     chunks = {"chunks": 2} if schedule.startswith("ol_") else {}
     sched = mod.SCHEDULES[schedule](prog, **chunks)
@@ -155,7 +139,7 @@ def test_pipeline_schedules_equal_the_program(schedule, mesh, size):
 
 def all_schedules():
     for name in (*OPTIMIZERS, "tensor_parallel", "pipeline_parallel"):
-        mod = load(name)
+        mod = load_example(name)
         for sname, make in mod.SCHEDULES.items():
             yield f"{name}:{sname}", lambda m=make, mod=mod: m(mod.program())
 
@@ -176,7 +160,7 @@ def test_paper_schedules_are_short_replayable_and_printable(make):
 
 
 def test_rs_c_ag_schedule_prints_as_a_few_lines():
-    sched = fuse_RS_C_AG(load("sgd").program(), ("buf",))
+    sched = fuse_RS_C_AG(load_example("sgd").program(), ("buf",))
     assert str(sched) == (
         "schedule fuse_RS_C_AG of sgd:\n"
         "  split(g_sum)\n"
@@ -193,7 +177,7 @@ def test_rs_c_ag_schedule_prints_as_a_few_lines():
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_as_slice_cuts_adam_state_by_the_world_size(world):
-    prog = load("adam").program()
+    prog = load_example("adam").program()
     n = 1200  # divisible by 2, 3, 4
     before = account(AR_C(prog).program, world, {"N": n})
     after = account(RS_C_AG(prog, ("m", "v")).program, world, {"N": n})
@@ -204,7 +188,7 @@ def test_as_slice_cuts_adam_state_by_the_world_size(world):
 
 
 def test_as_slice_with_uneven_sizes_keeps_every_element_once():
-    prog = RS_C_AG(load("adam").program(), ("m", "v")).program
+    prog = RS_C_AG(load_example("adam").program(), ("m", "v")).program
     acc = account(prog, 4, {"N": 10})
     assert acc.persistent_by_input["m"] == (12, 12, 8, 8)
     assert sum(acc.persistent_by_input["m"]) == 4 * 10
@@ -213,7 +197,7 @@ def test_as_slice_with_uneven_sizes_keeps_every_element_once():
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("n", [1200, 10])
 def test_split_sends_what_the_all_reduce_sends(world, n):
-    prog = load("adam").program()
+    prog = load_example("adam").program()
     ar = account(prog, world, {"N": n})
     split = Schedule(prog)
     split.split("g_sum")
@@ -228,7 +212,7 @@ def test_split_sends_what_the_all_reduce_sends(world, n):
 
 
 def test_sliced_pipeline_send_moves_one_tp_th_of_the_data():
-    prog = load("pipeline_parallel").program()
+    prog = load_example("pipeline_parallel").program()
     mesh = cc.Mesh(pp=2, tp=4)
     sizes = {"B": 8, "H": 16, "H2": 10}
     whole = account(AR_P2P_C(prog).program, mesh, sizes).sent_by_node["recv"]

@@ -27,3 +27,15 @@ def test_an_input_listed_twice_says_so():
     other = cc.Tensor("p", cc.float32, [n], cc.Replicated)
     with pytest.raises(cc.DSLError, match="two different values are named 'p'"):
         cc.Program("a", [p, other], [p + other])
+
+
+def test_a_sliced_update_value_must_not_broadcast():
+    k, n = cc.Dim("K"), cc.Dim("N")
+    x = cc.Tensor("x", cc.float32, [k, n], cc.Sliced(0))
+    v = cc.Tensor("v", cc.float32, [n], cc.Sliced(0))
+    with pytest.raises(cc.ShapeError, match="the new value of x has shape") as info:
+        cc.update(x, v)
+    assert (
+        info.value.hint
+        == "a Sliced new value must have the tensor's shape: slices do not broadcast"
+    )

@@ -1,29 +1,13 @@
 """The row-parallel layer example against one torch.nn.Linear + the same mask + residual, and the
 dropout mask's independence of how the tensor is sliced."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from examples_loader import load_example
 
 import coconet as cc
 from coconet.ir.types import slice_bounds
 from coconet.random import dropout_mask
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def load_example(name: str):
-    key = f"coconet_example_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
 
 tp = load_example("tensor_parallel")
 

@@ -5,29 +5,14 @@ forms of Adam and LAMB (reduce_scatter -> update on slices -> all_gather, the sh
 produce), and the row-parallel layer with H not divisible by the world size.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from examples_loader import load_example
 
 import coconet as cc
 from coconet.ir.types import slice_bounds
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
 UNEVEN = [(7, 2), (7, 3), (7, 4), (1, 4), (5, 3)]  # (size, world); (1, 4) leaves 3 ranks empty
-
-
-def load_example(name: str):
-    key = f"coconet_example_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

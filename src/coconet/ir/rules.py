@@ -520,12 +520,14 @@ def _update(inputs, attrs) -> TensorType:
         shape = broadcast_shapes([tt.shape, tv.shape])
     except _Violation:
         shape = None
-    if shape != tt.shape:
+    if shape != tt.shape or (tv.layout.is_sliced and tv.shape != tt.shape):
         raise _Violation(
             ShapeError,
             f"the new value of {target.name} has shape {format_shape(tv.shape)}, the tensor "
             f"{format_shape(tt.shape)}",
-            "the new value must have the tensor's shape, or broadcast to it",
+            "a Sliced new value must have the tensor's shape: slices do not broadcast"
+            if tv.layout.is_sliced
+            else "the new value must have the tensor's shape, or broadcast to it",
         )
     if tt.layout != tv.layout and not _update_layout_fits(target, value):
         hint = (

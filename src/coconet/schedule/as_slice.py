@@ -27,7 +27,7 @@ from coconet.errors import ScheduleError
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
-from coconet.ir.types import Sliced
+from coconet.ir.types import Sliced, format_shape
 from coconet.schedule.graph import new_node, resolve, rewrite
 
 __all__ = ["apply_as_slice", "check_as_slice"]
@@ -66,6 +66,16 @@ def check_as_slice(program: Program, tensors: Iterable[Any]) -> list[tuple[Node,
                         op="as_slice",
                         loc=new.loc,
                         hint=f"reorder the computation of {new.name} before the all_gather first",
+                    )
+                if new.type.shape != t.type.shape:
+                    # A broadcast new value: its slices are not slices of the tensor.
+                    raise ScheduleError(
+                        f"the new value of {t.name} ({new.describe()}) is broadcast to "
+                        f"{t.name}'s shape {format_shape(t.type.shape)}: its slices are not "
+                        f"{t.name}'s slices",
+                        op="as_slice",
+                        loc=new.loc,
+                        hint=f"update {t.name} with a value of its own shape",
                     )
                 lay = new.inputs[0].type.layout
                 geometry.add((lay.dim, lay.axis))

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from coconet.errors import DSLError, ScheduleError
-from coconet.ir.group import Group
+from coconet.ir.group import Group, GroupKind
 from coconet.ir.node import Node, make_node
 from coconet.ir.ops import LEAVES, Op
 from coconet.ir.program import Program
@@ -141,12 +141,44 @@ def rewrite(
         raise ScheduleError(
             f"the rewritten program is invalid: {e.message}", op=primitive, hint=e.hint
         ) from None
-    names = {n.name for n in result.nodes}
-    live_groups = []
+    live_groups, was = [], {}
     for g in kept_groups:
-        members = tuple(m for m in g.members if m in names)
+        # Members in the new program order (a rewrite may move them).
+        members = tuple(n.name for n in result.nodes if n.name in g.members)
         if members:
             live_groups.append(replace(g, members=members))
-    return Program.from_nodes(
+            was[live_groups[-1]] = g
+    final = Program.from_nodes(
         result.name, result.inputs, result.outputs, result.updates, groups=live_groups
     )
+    if groups is None:
+        _recheck_groups(primitive, final, was)
+    return final
+
+
+def _recheck_groups(primitive: str, program: Program, was: Mapping[Group, Group]) -> None:
+    """A rewrite of grouped nodes must leave each fused group and overlapped chain legal.
+
+    ``reorder`` after ``overlap`` can, for instance, turn a chain into nodes with an outside value
+    between them, which no longer run chunk by chunk; such a rewrite is refused.
+    """
+    # fuse and overlap import this module: import their checks here, when a rewrite runs.
+    from coconet.schedule.fuse import check_fuse
+    from coconet.schedule.overlap import check_overlap
+
+    for g in program.groups:
+        others = [h for h in program.groups if h is not g]
+        bare = Program.from_nodes(
+            program.name, program.inputs, program.outputs, program.updates, groups=others
+        )
+        try:
+            if g.kind is GroupKind.FUSE:
+                check_fuse(bare, g.members)
+            else:
+                check_overlap(bare, g.members, g.chunks)
+        except ScheduleError as e:
+            raise ScheduleError(
+                f"the rewrite would break {was.get(g, g)}: {e.message}",
+                op=primitive,
+                hint="apply fuse and overlap after split, reorder and as_slice",
+            ) from None

@@ -34,7 +34,7 @@ from coconet.ir.program import Program
 from coconet.schedule.fuse import check_no_cycle
 from coconet.schedule.graph import group_members, rewrite
 
-__all__ = ["apply_overlap", "check_overlap", "chunk_axis", "slices_rows"]
+__all__ = ["apply_overlap", "check_overlap"]
 
 _ROWWISE = (
     POINTWISE
@@ -49,18 +49,6 @@ _ROWWISE = (
     }
     | REDUCTIONS
 )
-
-
-def chunk_axis(members: list[Node]) -> str | None:
-    """The mesh axis whose row slicing defines the chunks (None: the chain slices no rows)."""
-    axes = {
-        n.type.layout.axis for n in members if n.type.layout.is_sliced and n.type.layout.dim == 0
-    }
-    return next(iter(axes)) if axes else None
-
-
-def slices_rows(members: list[Node]) -> bool:
-    return any(n.type.layout.is_sliced and n.type.layout.dim == 0 for n in members)
 
 
 def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[Node]:
@@ -95,6 +83,14 @@ def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[N
                 hint="overlap a producer-consumer chain, each node reading the one before",
             )
     rows = members[0].type.shape[0] if members[0].type.rank else None
+    if rows == 1:
+        raise ScheduleError(
+            f"{members[0].name} has a single row ({members[0].describe()}): there is nothing to "
+            "cut into chunks",
+            op="overlap",
+            loc=members[0].loc,
+            hint="overlap a chain whose values have many rows",
+        )
     slicing_axes = {
         n.type.layout.axis for n in members if n.type.layout.is_sliced and n.type.layout.dim == 0
     }

@@ -90,14 +90,21 @@ class Step:
     def from_dict(cls, d: dict[str, Any]) -> Step:
         try:
             primitive = Primitive(d["primitive"])
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, TypeError):
             known = ", ".join(p.value for p in Primitive)
             raise ScheduleError(
                 f"unknown schedule step {d!r}", hint=f"primitives: {known}"
             ) from None
-        return cls(
-            primitive, tuple(d.get("nodes", ())), d.get("target"), d.get("chunks"), d.get("dim")
-        )
+        nodes = d.get("nodes", ())
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise ScheduleError(f"schedule step {d!r}: nodes must be a list of value names")
+        if primitive is Primitive.SPLIT and len(nodes) != 1:
+            raise ScheduleError(f"schedule step {d!r}: split takes exactly one all_reduce")
+        for key, kind in (("target", str), ("chunks", int), ("dim", int)):
+            v = d.get(key)
+            if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
+                raise ScheduleError(f"schedule step {d!r}: {key} must be a {kind.__name__}")
+        return cls(primitive, tuple(nodes), d.get("target"), d.get("chunks"), d.get("dim"))
 
 
 def _apply(program: Program, step: Step) -> tuple[Program, list[str]]:
@@ -140,6 +147,9 @@ class Schedule:
     def split(self, all_reduce: Any, dim: int = 0) -> tuple[str, str]:
         """all_reduce -> reduce_scatter + all_gather; returns their names."""
         node = self._resolve(all_reduce, "split")
+        rank = self.program.node(node).type.rank
+        if isinstance(dim, int) and not isinstance(dim, bool) and rank and -rank <= dim < rank:
+            dim %= rank  # one spelling per schedule: split(x, dim=-1) records dim=rank-1
         rs, ag = self._do(Step(Primitive.SPLIT, (node,), dim=dim or None))
         return rs, ag
 
@@ -252,8 +262,11 @@ class Schedule:
                 f"{program.digest()}",
                 hint="replay a schedule onto the program it was made for",
             )
+        steps = data.get("steps", [])
+        if not isinstance(steps, list):
+            raise ScheduleError(f"the schedule's steps must be a list, got {steps!r}")
         s = cls(program, data.get("name"))
-        for d in data.get("steps", []):
+        for d in steps:
             s._do(Step.from_dict(d))
         return s
 

@@ -37,6 +37,8 @@ def check_split(program: Program, all_reduce: Any, dim: int = 0) -> Node:
             loc=node.loc,
             hint="split applies to all_reduce values only",
         )
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ScheduleError(f"split's dim must be an int, got {dim!r}", op="split", loc=node.loc)
     rank = node.type.rank
     if rank == 0:
         raise ScheduleError(
