@@ -244,12 +244,21 @@ def _runs(program: Program) -> dict[str, tuple[Group, int]]:
         members = [program.node(m) for m in g.members]
         comms = [m.name for m in sorted(members, key=_position(program)) if m.op in COMMUNICATION]
         for m in members:
-            if m.op not in KERNEL_OPS:
+            if m.op not in KERNEL_OPS or _scalar_only(m):
                 continue
             reached = _downstream(m.name, users)
             later = [j for j, c in enumerate(comms) if c in reached]
             out[m.name] = (g, min(later) if later else len(comms))
     return out
+
+
+def _scalar_only(n: Node) -> bool:
+    """Arithmetic on 0-d values only (``1 - beta1 ** step``): it runs once, before the kernel.
+
+    Inside a compiled kernel Inductor would recompute it for every element (a ``pow`` per
+    element, for Adam's bias corrections), which MACHINE-NOTES measured as a trap.
+    """
+    return n.type.rank == 0 and all(i.type.rank == 0 for i in n.inputs)
 
 
 def _position(program: Program):

@@ -83,6 +83,7 @@ class Program:
                     f"Scalar(...), got a computed value ({n.describe()})",
                     loc=n.loc,
                 )
+        self._key: str | None = None
         self._build(ins, outs, overrides)
         self.groups: tuple[Group, ...] = tuple(groups)
         self.verify()
@@ -240,7 +241,10 @@ class Program:
     __repr__ = __str__
 
     def structural_key(self) -> str:
-        return str(self)
+        # A program never changes after construction: print it once (runtimes hash it per step).
+        if self._key is None:
+            self._key = str(self)
+        return self._key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Program) and self.structural_key() == other.structural_key()
