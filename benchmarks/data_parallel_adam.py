@@ -1,0 +1,720 @@
+"""Data-parallel Adam: coconet's compiled schedules against what users run, in one process group.
+
+Two gloo ranks (spawned here with ``coconet.runtime.spawn``, 1 torch thread each unless
+``--threads`` says otherwise) each hold a gradient of ``--params`` float32 values; one step makes
+the data-parallel gradient (the SUM over ranks: coconet's convention, and what every contender
+computes) and applies torch.optim.Adam's update (L2 weight decay) to the parameters.
+
+Contenders (all in one process group, in alternation A B C ... A B C ..., a barrier before each
+step, the slowest rank's time of each step):
+
+- ``ddp``: ``dist.all_reduce(grad)`` then ``torch.optim.Adam(fused=True)``; the reference;
+- ``ddp_foreach``: the same with ``foreach=True`` (to show which of fused/foreach is faster here);
+- ``zero``: ``dist.all_reduce(grad)`` then ``ZeroRedundancyOptimizer`` over Adam(fused=True);
+  the parameter is split into ``--zero-chunks`` tensors (default: one per rank) because ZeRO
+  shards whole parameters: with one flat tensor, one rank would do all the work;
+- ``coconet:unscheduled`` and ``coconet:<schedule>`` for each of ``examples/adam.py``'s
+  SCHEDULES, compiled with ``coconet.compile(..., comm=comm)`` (fused kernels: torch.compile).
+
+Probes measured in the same alternation give the lower bound (BENCHMARKS.md): a copy loop (memory
+bandwidth) and a gloo all_reduce of the gradient (transport bandwidth).
+
+After the timed steps every contender's parameters are compared with ``ddp``'s (max abs error
+over max |ddp|, every rank), and ``ddp`` itself with a single-process torch.optim.Adam over the
+rank-order sum of the same gradients.
+
+    python benchmarks/data_parallel_adam.py --params 16777216 --steps 20 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTE_CORES = (
+    "NOTE: this machine has {cpus} CPU core(s) and the benchmark runs {world} ranks x {threads} "
+    "thread(s): the ranks fill the cores, so computation and gloo communication compete for "
+    "them (there is no free core to overlap on)."
+)
+# An extra coconet variant: the per-step safety checks off (fixed shapes, no commit vote), to show
+# what they cost. Not a baseline: coconet's defaults are the ones timed under the plain names.
+LEAN = "[lean]"
+LEAN_OPTIONS = {"check_every_step": False, "commit_vote": False}
+RTOL = 1e-5  # an element is an outlier beyond RTOL * max|reference param| (see is_correct)
+
+
+def load_adam():
+    """examples/adam.py as a module (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("coconet_example_adam", ROOT / "examples/adam.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def gradient(seed: int, rank: int, k: int, n: int) -> torch.Tensor:
+    """Rank ``rank``'s gradient number ``k`` (deterministic, so any rank can rebuild any)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + 1_009 * (rank + 1) + k)
+    return torch.randn(n, generator=gen)
+
+
+def initial_param(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+# -- contenders ---------------------------------------------------------------------------------
+
+
+class Contender:
+    name = ""
+    kind = "baseline"
+    schedule = ""
+
+    def prepare(self, g: torch.Tensor) -> None:
+        """Untimed: put this step's gradient where the contender expects it (as backward would)."""
+
+    def step(self, k: int, g: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def param(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchDDP(Contender):
+    """all_reduce(grad) + torch.optim.Adam on one flat parameter."""
+
+    def __init__(self, name: str, p0: torch.Tensor, hp: dict, impl: str) -> None:
+        self.name = name
+        self.p = torch.nn.Parameter(p0.clone())
+        self.p.grad = torch.empty_like(self.p)
+        self.opt = torch.optim.Adam([self.p], **hp, **{impl: True})
+
+    def prepare(self, g):
+        self.p.grad.copy_(g)
+
+    def step(self, k, g):
+        dist.all_reduce(self.p.grad)
+        self.opt.step()
+
+    def param(self):
+        return self.p.detach()
+
+
+class Zero(Contender):
+    """all_reduce(grad) + ZeroRedundancyOptimizer(Adam fused) over ``chunks`` parameters."""
+
+    def __init__(self, p0: torch.Tensor, hp: dict, chunks: int, bucket_view: bool) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        self.name = "zero"
+        self.params = [torch.nn.Parameter(c.clone()) for c in torch.tensor_split(p0, chunks)]
+        self.flat_grad = torch.empty_like(p0)
+        for p, view in zip(self.params, torch.tensor_split(self.flat_grad, chunks), strict=True):
+            p.grad = view  # as DDP's gradient_as_bucket_view: one buffer, one all_reduce
+        self.opt = ZeroRedundancyOptimizer(
+            self.params,
+            optimizer_class=torch.optim.Adam,
+            parameters_as_bucket_view=bucket_view,
+            fused=True,
+            **hp,
+        )
+
+    def prepare(self, g):
+        self.flat_grad.copy_(g)
+
+    def step(self, k, g):
+        dist.all_reduce(self.flat_grad)
+        self.opt.step()
+
+    def param(self):
+        return torch.cat([p.detach() for p in self.params])
+
+
+class Coconet(Contender):
+    kind = "coconet"
+
+    def __init__(self, name, target, comm, p0, hp, cache_dir, **options) -> None:
+        import coconet
+        from coconet.runtime import rank_inputs
+
+        self.name = name
+        self.fn = coconet.compile(target, comm=comm, cache_dir=cache_dir, **options)
+        lines = [s.strip() for s in self.fn.schedule.splitlines()[1:] if s.strip()]
+        self.schedule = "; ".join(lines) or "(none)"
+        zeros = torch.zeros_like(p0)
+        given = {"p": p0, "m": zeros, "v": zeros}
+        state = rank_inputs(self.fn.program, given, comm.mesh, comm.rank)
+        self.p, self.m, self.v = state["p"], state["m"], state["v"]
+        self.scalars = {
+            "lr": hp["lr"],
+            "beta1": hp["betas"][0],
+            "beta2": hp["betas"][1],
+            "eps": hp["eps"],
+            "weight_decay": hp["weight_decay"],
+        }
+
+    def step(self, k, g):
+        self.fn(g=g, p=self.p, m=self.m, v=self.v, step=float(k + 1), **self.scalars)
+
+    def param(self):
+        return self.p
+
+
+class CopyProbe(Contender):
+    """A copy loop: the memory bandwidth each rank sees while the other rank runs too."""
+
+    name, kind = "probe:copy", "probe"
+
+    def __init__(self, n: int) -> None:
+        self.src, self.dst = torch.randn(n), torch.empty(n)
+
+    def step(self, k, g):
+        self.dst.copy_(self.src)
+
+
+class AllReduceProbe(Contender):
+    """gloo all_reduce of the gradient's size: the transport bandwidth."""
+
+    name, kind = "probe:all_reduce", "probe"
+
+    def __init__(self, n: int) -> None:
+        self.buf = torch.ones(n)
+
+    def step(self, k, g):
+        dist.all_reduce(self.buf)
+
+
+# -- the ranks ----------------------------------------------------------------------------------
+
+
+def worker(comm, cfg: dict) -> dict:
+    torch.set_num_threads(cfg["threads"])
+    rank, world, n, seed = comm.rank, comm.world, cfg["params"], cfg["seed"]
+    adam = load_adam()
+    hp = {
+        "lr": f32(adam.LR),
+        "betas": (f32(adam.BETAS[0]), f32(adam.BETAS[1])),
+        "eps": f32(adam.EPS),
+        "weight_decay": f32(adam.WEIGHT_DECAY),
+    }
+    say = (lambda *a: print("  [rank 0]", *a, file=sys.stderr, flush=True)) if rank == 0 else None
+    grads = [gradient(seed, rank, k, n) for k in range(cfg["distinct_grads"])]
+    p0 = initial_param(seed, n)
+    wanted = cfg["contenders"]
+
+    # Collective algorithms: measured once here (coconet does it on first use otherwise), so that
+    # the first-call times below are compilation, not tuning.
+    from coconet.runtime.tuning import size_class
+
+    t0 = time.perf_counter()
+    cls = size_class(n * 4)
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        comm.measure(op, cls)
+    tuning_s = time.perf_counter() - t0
+    choices = {
+        op: vars(comm.table.get(op, cls, comm.backend, world))
+        for op in ("all_reduce", "reduce_scatter", "all_gather")
+    }
+    if say:
+        say(
+            f"collective algorithms measured in {tuning_s:.1f} s: "
+            + ", ".join(f"{op} -> {c['algorithm']}" for op, c in choices.items())
+        )
+
+    contenders: list[Contender] = [CopyProbe(n), AllReduceProbe(n)]
+    if "ddp" in wanted:
+        contenders.append(TorchDDP("ddp", p0, hp, "fused"))
+    if "ddp_foreach" in wanted:
+        contenders.append(TorchDDP("ddp_foreach", p0, hp, "foreach"))
+    if "zero" in wanted:
+        contenders.append(Zero(p0, hp, cfg["zero_chunks"] or world, cfg["zero_bucket_view"]))
+    program = adam.program()
+    targets: dict[str, Any] = {"coconet:unscheduled": program}
+    for sname, make in adam.SCHEDULES.items():
+        targets[f"coconet:{sname}"] = make(program)
+    for name, target in targets.items():
+        if name in wanted:
+            contenders.append(Coconet(name, target, comm, p0, hp, cfg["cache_dir"]))
+        if f"{name}{LEAN}" in wanted:
+            contenders.append(
+                Coconet(f"{name}{LEAN}", target, comm, p0, hp, cfg["cache_dir"], **LEAN_OPTIONS)
+            )
+    names = [c.name for c in contenders]
+
+    rounds = 1 + cfg["warmup"] + cfg["steps"]
+    first = torch.zeros(len(contenders), dtype=torch.float64)
+    times = torch.zeros(len(contenders), cfg["steps"], dtype=torch.float64)
+    for r in range(rounds):
+        if say and r <= 1:
+            say(
+                "first call of every contender (compiles coconet's kernels)"
+                if r == 0
+                else f"warm-up ({cfg['warmup']} rounds), then {cfg['steps']} timed rounds"
+            )
+        g = grads[r % len(grads)]
+        for i, c in enumerate(contenders):
+            c.prepare(g)
+            dist.barrier()
+            t = time.perf_counter()
+            c.step(r, g)
+            dt = (time.perf_counter() - t) * 1e3
+            if r == 0:
+                first[i] = dt
+            elif r > cfg["warmup"]:
+                times[i, r - 1 - cfg["warmup"]] = dt
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)  # the slowest rank's time, step by step
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+
+    # Correctness: every contender against ddp (and across ranks), ddp against plain torch.
+    if say:
+        say("checking every contender's parameters against ddp's")
+    ref = next(c for c in contenders if c.name == "ddp").param() if "ddp" in names else None
+    checked = [c for c in contenders if c.kind != "probe"]
+    vectors = []
+    for c in checked:
+        mine = c.param()
+        rank0 = mine.clone()
+        dist.broadcast(rank0, src=0)
+        across = (mine - rank0).abs().max().item()
+        if c.name == "ddp":
+            want = torch_reference(p0, hp, seed, world, n, cfg["distinct_grads"], rounds)
+        else:
+            want = ref
+        errs = compare(mine, want) if want is not None else dict.fromkeys(ERR_KEYS, float("nan"))
+        vectors.append([errs[k] for k in ERR_KEYS] + [across])
+    err_t = torch.tensor(vectors, dtype=torch.float64).reshape(len(checked), len(ERR_KEYS) + 1)
+    dist.all_reduce(err_t, op=dist.ReduceOp.MAX)  # the worst rank
+    errors = {}
+    for c, vec in zip(checked, err_t.tolist(), strict=True):
+        errors[c.name] = dict(zip(ERR_KEYS, vec[:-1], strict=True))
+        errors[c.name]["max_abs_diff_across_ranks"] = vec[-1]
+        errors[c.name]["correct"] = is_correct(errors[c.name], n, hp["lr"]) and vec[-1] == 0.0
+
+    out = []
+    for i, c in enumerate(contenders):
+        row = {
+            "name": c.name,
+            "kind": c.kind,
+            "first_call_ms": round(first[i].item(), 3),
+            "steps_ms": [round(x, 3) for x in times[i].tolist()],
+        }
+        if c.name in errors:
+            row.update(errors[c.name])
+            row["compared_with"] = "torch.optim.Adam (one process)" if c.name == "ddp" else "ddp"
+        if c.kind == "coconet":
+            row["schedule"] = c.schedule
+            row["kernel_first_call_s"] = {
+                k: round(v, 3) for k, v in c.fn.kernels.first_call_seconds.items()
+            }
+        out.append(row)
+    return {
+        "rows": out,
+        "tuning_s": tuning_s,
+        "choices": choices,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def torch_reference(p0, hp, seed, world, n, distinct, rounds) -> torch.Tensor:
+    """The parameters after ``rounds`` steps of a single-process torch.optim.Adam (single-tensor)
+    over the rank-order sum of every rank's gradients: what ddp must compute."""
+    sums = []
+    for k in range(distinct):
+        total = gradient(seed, 0, k, n)
+        for r in range(1, world):
+            total = total + gradient(seed, r, k, n)
+        sums.append(total)
+    p = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.Adam([p], **hp, foreach=False)
+    for r in range(rounds):
+        p.grad = sums[r % distinct]
+        opt.step()
+    return p.detach()
+
+
+ERR_KEYS = ("max_rel_err", "norm_rel_err", "outliers", "max_abs_err")
+
+
+def compare(actual: torch.Tensor, want: torch.Tensor) -> dict:
+    """Errors of ``actual`` against ``want`` (see ``is_correct``)."""
+    diff = (actual.double() - want.double()).abs()
+    scale = want.double().abs().max().item()
+    return {
+        "max_rel_err": diff.max().item() / scale,
+        "norm_rel_err": (diff.norm() / want.double().norm()).item(),
+        "outliers": float((diff > RTOL * scale).sum().item()),
+        "max_abs_err": diff.max().item(),
+    }
+
+
+def is_correct(errs: dict, n: int, lr: float) -> bool:
+    """Within float32 rounding of the reference.
+
+    Adam's update ``lr * m / (sqrt(v) + eps)`` is ill-conditioned where ``g + weight_decay * p``
+    cancels to about ``eps``: there the last bit of that sum (which implementations round
+    differently: fused multiply-add or not) moves the update by up to ``lr``. With random data a
+    few such elements occur per million (at 16M parameters the worst one is off by 3e-5 after one
+    step), so the criterion is: the error is at rounding level as a whole (norm-wise relative
+    error <= 1e-6), at most one element per million (at least one) is beyond RTOL * max|ref|, and
+    no element is off by more than ``lr`` (one step's largest move).
+    """
+    allowed = max(1, n // 1_000_000)
+    return bool(
+        errs["norm_rel_err"] <= 1e-6 and errs["outliers"] <= allowed and errs["max_abs_err"] <= lr
+    )
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def summarize(rows: list[dict]) -> None:
+    for row in rows:
+        ts = row["steps_ms"]
+        row["median_ms"] = round(statistics.median(ts), 3)
+        row["min_ms"] = round(min(ts), 3)
+        row["max_ms"] = round(max(ts), 3)
+
+
+def lower_bound(rows: list[dict], n: int, world: int) -> dict:
+    by = {r["name"]: r for r in rows}
+    copy_ms = by["probe:copy"]["median_ms"]
+    ar_ms = by["probe:all_reduce"]["median_ms"]
+    copy_gbs = 2 * 4 * n / copy_ms / 1e6  # read + write
+    bus_bytes = 2 * (world - 1) / world * 4 * n  # what an all_reduce puts on the wire per rank
+    bus_gbs = bus_bytes / ar_ms / 1e6
+    # A data-parallel step must at least reduce-scatter the gradient and all-gather the new
+    # parameters: (world-1)/world of the tensor each way, per rank = an all_reduce's bus bytes.
+    wire_bytes = bus_bytes
+    # and update its 1/world of the parameters: read g_sum, p, m, v; write p, m, v.
+    mem_bytes = 7 * 4 * n / world
+    comm_ms = wire_bytes / bus_gbs / 1e6
+    mem_ms = mem_bytes / copy_gbs / 1e6
+    return {
+        "copy_GBps": round(copy_gbs, 3),
+        "all_reduce_bus_GBps": round(bus_gbs, 3),
+        "wire_bytes_per_rank": int(wire_bytes),
+        "memory_bytes_per_rank": int(mem_bytes),
+        "communication_ms": round(comm_ms, 3),
+        "memory_ms": round(mem_ms, 3),
+        "overlapped_ms": round(max(comm_ms, mem_ms), 3),
+        "serial_ms": round(comm_ms + mem_ms, 3),
+    }
+
+
+def table(doc: dict) -> str:
+    rows = doc["results"] + doc["probes"]
+    lb = doc["lower_bound"]
+    ddp = next((r for r in rows if r["name"] == "ddp"), None)
+    cfg = doc["config"]
+    m = doc["machine"]
+    lines = [
+        f"data_parallel_adam: {doc['world_size']} gloo ranks x {cfg['threads_per_rank']} torch "
+        f"thread(s), {cfg['params']:,} float32 params ({cfg['params'] * 4 / 2**20:.1f} MiB), "
+        f"{cfg['steps']} timed steps after {cfg['warmup']} warm-up (+1 first call)",
+        f"machine: {m['cpus']} cpus ({m['cpu_model']}), torch {m['torch']}, load average "
+        f"{m['loadavg_before']} before / {m['loadavg_after']} after",
+        f"coconet source digest {m['coconet_source_digest']}; environment {m['env']}",
+        NOTE_CORES.format(cpus=m["cpus"], world=doc["world_size"], threads=cfg["threads_per_rank"]),
+        "",
+        f"{'name':<28} {'kind':<9} {'median ms':>10} {'min':>9} {'max':>9} {'ddp/this':>9} "
+        f"{'first call':>11}  {'correct':<8} {'norm err':>9} {'max err':>9} {'outliers':>8}",
+    ]
+    for r in rows:
+        speed = f"{ddp['median_ms'] / r['median_ms']:.2f}x" if ddp and r["kind"] != "probe" else ""
+        correct = ""
+        if "correct" in r:
+            correct = "yes" if r["correct"] else "NO !!!"
+        err = ""
+        if "max_rel_err" in r:
+            err = f"{r['norm_rel_err']:>9.1e} {r['max_rel_err']:>9.1e} {int(r['outliers']):>8}"
+        first = f"{r['first_call_ms'] / 1e3:.2f} s" if r["kind"] != "probe" else ""
+        lines.append(
+            f"{r['name']:<28} {r['kind']:<9} {r['median_ms']:>10.1f} {r['min_ms']:>9.1f} "
+            f"{r['max_ms']:>9.1f} {speed:>9} {first:>11}  {correct:<8} {err}".rstrip()
+        )
+    lines += [
+        "",
+        f"lower bound {doc['lower_bound_ms']:.1f} ms/step = max(communication "
+        f"{lb['communication_ms']:.1f} ms, memory {lb['memory_ms']:.1f} ms); without overlap "
+        f"(no free core here) {lb['serial_ms']:.1f} ms",
+        f"  communication: {lb['wire_bytes_per_rank'] / 2**20:.1f} MiB/rank on the wire "
+        f"(reduce-scatter the gradient + all-gather the parameters) at the all_reduce probe's "
+        f"{lb['all_reduce_bus_GBps']:.2f} GB/s bus bandwidth",
+        f"  memory: {lb['memory_bytes_per_rank'] / 2**20:.1f} MiB/rank (read g, p, m, v and write "
+        f"p, m, v for 1/{doc['world_size']} of the params) at the copy probe's "
+        f"{lb['copy_GBps']:.2f} GB/s",
+        f"coconet collective algorithms (measured in {doc['tuning_s']:.1f} s before compiling): "
+        + ", ".join(f"{op} -> {c['algorithm']}" for op, c in doc["collective_algorithms"].items()),
+        "first call = the first step, slowest rank (coconet: torch.compile of the fused kernel, "
+        f"Inductor cache {cfg['inductor_cache']})",
+        f"correct: the parameters after all {1 + cfg['warmup'] + cfg['steps']} steps, compared "
+        "with ddp's (ddp: with a single-process torch.optim.Adam over the summed gradients), on "
+        "every rank, and identical on every rank:",
+        "  norm err = |p - ref|_2 / |ref|_2 <= 1e-6; max err = max|p - ref| / max|ref| (reported);",
+        f"  outliers = elements with |p - ref| > {RTOL:g} max|ref|: at most 1 per million (min 1),"
+        " each within lr",
+        "  (outliers are elements where g + weight_decay*p cancels to ~eps and the update hangs on "
+        "its last bit)",
+    ]
+    wrong = [r["name"] for r in rows if r.get("correct") is False]
+    if wrong:
+        lines += [
+            "",
+            "!" * 78,
+            f"!!! WRONG RESULTS: {', '.join(wrong)} (times above do not count)",
+            "!" * 78,
+        ]
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            f"--plot {path}: matplotlib is not installed; no plot written "
+            "(pip install matplotlib to get one)"
+        )
+        return
+    rows = doc["results"]
+    names = [r["name"] for r in rows]
+    med = [r["median_ms"] for r in rows]
+    err = [
+        [r["median_ms"] - r["min_ms"] for r in rows],
+        [r["max_ms"] - r["median_ms"] for r in rows],
+    ]
+    colors = ["tab:gray" if r["kind"] == "baseline" else "tab:blue" for r in rows]
+    colors = [c if r.get("correct", True) else "tab:red" for c, r in zip(colors, rows, strict=True)]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    ax.barh(names, med, xerr=err, color=colors, capsize=3)
+    ax.axvline(doc["lower_bound_ms"], color="k", linestyle="--", label="lower bound (overlapped)")
+    ax.axvline(
+        doc["lower_bound"]["serial_ms"], color="k", linestyle=":", label="lower bound (serial)"
+    )
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (median, min-max bars; slowest rank)")
+    cfg = doc["config"]
+    ax.set_title(
+        f"data-parallel Adam, {cfg['params']:,} params, {doc['world_size']} gloo ranks "
+        f"on {doc['machine']['cpus']} cores"
+    )
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def coconet_digest() -> str:
+    """sha256 (16 hex digits) of coconet's source files: which tree the numbers came from."""
+    import hashlib
+
+    import coconet
+
+    h = hashlib.sha256()
+    src = Path(coconet.__file__).resolve().parent
+    for path in sorted(src.rglob("*.py")):
+        h.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+# Environment variables that change how memory is allocated (and so these timings).
+ENV_KNOBS = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "THP_MEM_ALLOC_ENABLE",
+    "LD_PRELOAD",
+    "OMP_NUM_THREADS",
+)
+
+
+def loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+ALL = [
+    "ddp",
+    "ddp_foreach",
+    "zero",
+    "coconet:unscheduled",
+    "coconet:AR_C",
+    "coconet:RS_C_AG",
+    "coconet:fuse_RS_C_AG",
+    f"coconet:AR_C{LEAN}",
+    f"coconet:fuse_RS_C_AG{LEAN}",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=int, default=16 * 1024 * 1024, help="float32 parameters")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (>= 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps after the first call")
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--distinct-grads",
+        type=int,
+        default=2,
+        help="distinct gradients per rank, cycled step by step",
+    )
+    ap.add_argument(
+        "--zero-chunks",
+        type=int,
+        default=0,
+        help="parameter tensors for ZeRO to shard (default: one per rank)",
+    )
+    ap.add_argument(
+        "--zero-bucket-view",
+        action="store_true",
+        help="ZeroRedundancyOptimizer(parameters_as_bucket_view=True)",
+    )
+    ap.add_argument(
+        "--contenders", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}"
+    )
+    ap.add_argument(
+        "--fresh-inductor-cache",
+        action="store_true",
+        help="compile with an empty Inductor cache (TORCHINDUCTOR_CACHE_DIR=new dir)",
+    )
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
+    args = ap.parse_args(argv)
+    if args.steps < 10:
+        ap.error("--steps must be at least 10")
+    wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(wanted) - set(ALL))
+    if unknown:
+        ap.error(f"unknown contenders {unknown}; choose from {ALL}")
+
+    from coconet.runtime import CommOptions, spawn
+
+    before = loadavg()
+    with tempfile.TemporaryDirectory(prefix="coconet-bench-") as tmp:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the ranks inherit it
+        if args.fresh_inductor_cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        cfg = {
+            "params": args.params,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "threads": args.threads,
+            "seed": args.seed,
+            "distinct_grads": args.distinct_grads,
+            "zero_chunks": args.zero_chunks,
+            "zero_bucket_view": args.zero_bucket_view,
+            "contenders": wanted,
+            "cache_dir": os.path.join(tmp, "coconet"),
+        }
+        print(
+            f"spawning {args.world} ranks ({args.params:,} params) ...", file=sys.stderr, flush=True
+        )
+        t0 = time.perf_counter()
+        res = spawn(
+            worker,
+            args.world,
+            cfg,
+            options=CommOptions(cache_dir=cfg["cache_dir"]),
+            timeout=args.timeout,
+        )[0]
+        wall = time.perf_counter() - t0
+    summarize(res["rows"])
+    lb = lower_bound(res["rows"], args.params, args.world)
+    rows = [r for r in res["rows"] if r["kind"] != "probe"]
+    probes = [r for r in res["rows"] if r["kind"] == "probe"]
+    ddp = next((r for r in rows if r["name"] == "ddp"), None)
+    for r in rows:
+        if ddp:
+            r["speedup_vs_ddp"] = round(ddp["median_ms"] / r["median_ms"], 3)
+    doc = {
+        "benchmark": "data_parallel_adam",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "device": "cpu",
+            "backend": "gloo",
+            "torch": torch.__version__.split("+")[0],
+            "torch_build": torch.__version__,
+            "python": platform.python_version(),
+            "cpu_model": cpu_model(),
+            "loadavg_before": before,
+            "loadavg_after": loadavg(),
+            "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
+            "coconet_source_digest": coconet_digest(),
+        },
+        "world_size": args.world,
+        "config": {
+            "params": args.params,
+            "dtype": "float32",
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "threads_per_rank": res["threads"],
+            "seed": args.seed,
+            "distinct_grads": args.distinct_grads,
+            "zero_chunks": args.zero_chunks or args.world,
+            "zero_bucket_view": args.zero_bucket_view,
+            "gradient": "sum over ranks (all_reduce SUM), every contender",
+            "adam": "lr=1e-2 betas=(0.9, 0.999) eps=1e-8 weight_decay=1e-2 (float32-rounded)",
+            "inductor_cache": (
+                "fresh (empty)" if args.fresh_inductor_cache else "default (may be warm)"
+            ),
+            "coconet_options": "compile defaults: fused_kernels, check_every_step, commit_vote",
+            "correct_if": "norm_rel_err <= 1e-6 and outliers (|diff| > rtol * max|ref|) <= "
+            "max(1, params // 1e6) and max_abs_err <= lr and identical on every rank",
+            "rtol": RTOL,
+        },
+        "lower_bound_ms": lb["overlapped_ms"],
+        "lower_bound": lb,
+        "tuning_s": round(res["tuning_s"], 3),
+        "collective_algorithms": res["choices"],
+        "wall_s": round(wall, 1),
+        "probes": probes,
+        "note": NOTE_CORES.format(cpus=os.cpu_count(), world=args.world, threads=res["threads"]),
+        "results": rows,
+    }
+    print(table(doc))
+    print(f"(wall time {wall:.0f} s)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        plot(doc, args.plot)
+    return 0 if all(r.get("correct", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
