@@ -57,13 +57,17 @@ class CommOptions:
       ``{"reduce_scatter": "all_to_all"}`` that fixes an algorithm per op (others stay native);
     - ``cache_dir``: where the measured choices are kept (default ``~/.cache/coconet``);
     - ``measure_reps``: timed repetitions per candidate when measuring (2-3x that for the small
-      size classes, whose timings are noisier).
+      size classes, whose timings are noisier);
+    - ``keep_buffers_mapped``: ``init()`` tunes glibc's malloc so that the large buffers a step
+      allocates stay mapped between steps instead of page-faulting every step (process-wide;
+      see ``coconet.runtime.allocator``). False leaves the allocator alone.
     """
 
     timeout: float = 60.0
     algorithms: str | Mapping[str, str] = "auto"
     cache_dir: str | Path | None = None
     measure_reps: int = 5
+    keep_buffers_mapped: bool = True
 
     def fixed_algorithm(self, op: str) -> str | None:
         if isinstance(self.algorithms, Mapping):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from coconet.errors import RuntimeFault
 from coconet.ir.mesh import Mesh
+from coconet.runtime.allocator import keep_large_buffers_mapped
 from coconet.runtime.comm import CommOptions, Communicator
 
 __all__ = ["RankFailure", "current", "free_port", "init", "run_script", "shutdown", "spawn"]
@@ -57,12 +58,17 @@ def init(
 ) -> Communicator:
     """Join the job's process group (torchrun's environment) and build the communicator.
 
-    ``timeout`` (seconds) bounds every wait for a peer; it overrides ``options.timeout``.
+    ``timeout`` (seconds) bounds every wait for a peer; it overrides ``options.timeout``. With
+    ``options.keep_buffers_mapped`` (the default) it also tunes this process's glibc malloc to
+    keep large freed buffers mapped (``coconet.runtime.allocator``): steps stop page-faulting
+    their buffers, at the cost of keeping about one step's temporaries allocated.
     """
     global _current
     options = options or CommOptions()
     if timeout is not None:
         options = dataclasses.replace(options, timeout=float(timeout))
+    if options.keep_buffers_mapped:
+        keep_large_buffers_mapped()
     env = os.environ
     rank = int(env.get("RANK", "0"))
     world = int(env.get("WORLD_SIZE", "1"))
