@@ -26,9 +26,3 @@ mkdir -p "$R"
 
 "$PY" benchmarks/step_breakdown.py --params 4194304 --steps 10 | tee "$R/step_breakdown_4M.txt"
 "$PY" benchmarks/step_breakdown.py --params 16777216 --steps 10 | tee "$R/step_breakdown_16M.txt"
-
-# An explanatory experiment, not a headline: the same 16M benchmark with glibc told to keep
-# freed memory (no munmap/trim), so that fresh 64 MiB tensors stop page-faulting every step.
-MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 \
-  "$PY" benchmarks/data_parallel_adam.py --params 16777216 --steps 20 \
-  --json "$R/data_parallel_adam_16M_malloc.json" | tee "$R/data_parallel_adam_16M_malloc.txt"
