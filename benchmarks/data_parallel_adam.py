@@ -154,7 +154,11 @@ class Coconet(Contender):
         from coconet.runtime import rank_inputs
 
         self.name = name
-        self.fn = coconet.compile(target, comm=comm, cache_dir=cache_dir, **options)
+        # Like ddp's all_reduce of its own .grad buffer, the step may reduce the gradient in
+        # place: each contender gets its own gradient buffer (filled untimed, in prepare) and
+        # donates it.
+        self.fn = coconet.compile(target, comm=comm, cache_dir=cache_dir, donate=("g",), **options)
+        self.g = torch.empty_like(p0)
         lines = [s.strip() for s in self.fn.schedule.splitlines()[1:] if s.strip()]
         self.schedule = "; ".join(lines) or "(none)"
         zeros = torch.zeros_like(p0)
@@ -169,8 +173,11 @@ class Coconet(Contender):
             "weight_decay": hp["weight_decay"],
         }
 
+    def prepare(self, g):
+        self.g.copy_(g)
+
     def step(self, k, g):
-        self.fn(g=g, p=self.p, m=self.m, v=self.v, step=float(k + 1), **self.scalars)
+        self.fn(g=self.g, p=self.p, m=self.m, v=self.v, step=float(k + 1), **self.scalars)
 
     def param(self):
         return self.p

@@ -49,7 +49,10 @@ class CompileOptions:
     - ``check_every_step``: exchange the program hash and input shapes at every step (one tiny
       all_reduce), not only at the first; with False, shapes must not change between steps;
     - ``commit_vote``: before committing updates, all ranks confirm that the step succeeded
-      everywhere (one tiny all_reduce), so that no rank commits a step that failed elsewhere.
+      everywhere (one tiny all_reduce), so that no rank commits a step that failed elsewhere;
+    - ``donate``: names of inputs the step may overwrite, as DDP does with gradients: a donated
+      input read only by a collective is reduced in place instead of on a copy. Its content is
+      undefined after the step, even after a failed one (the other inputs stay untouched).
     """
 
     fused_kernels: bool = True
@@ -57,6 +60,7 @@ class CompileOptions:
     cache_dir: str | Path | None = None
     check_every_step: bool = True
     commit_vote: bool = True
+    donate: tuple[str, ...] = ()
 
 
 # Generated modules of this process, by key: compiling the same thing twice reuses the module.
@@ -109,11 +113,12 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
             )
     mesh = _mesh(program, world, comm)
     device = options.device or (comm.device.type if comm is not None else "cpu")
-    key = _key(program, schedule, mesh, device, __version__)
+    donate = _donated(program, options.donate)
+    key = _key(program, schedule + f"|donate={sorted(donate)}", mesh, device, __version__)
     module = _MODULES.get(key)
     source = None
     if module is None:
-        plan = lower(program)
+        plan = lower(program, donate)
         header = [
             f"program:  {program.name}  (digest {program.digest()})",
             "schedule: " + _schedule_line(schedule),
@@ -160,6 +165,21 @@ def _options(options: CompileOptions | None, overrides: dict[str, Any]) -> Compi
             f"unknown compile option(s) {unknown}", hint=f"CompileOptions has {sorted(known)}"
         )
     return dataclasses.replace(options, **overrides)
+
+
+def _donated(program: Program, names: Any) -> frozenset[str]:
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise CodegenError(
+            f"donate takes a tuple of input names, got {names!r}", hint='donate=("g",)'
+        )
+    inputs = {n.name for n in program.inputs}
+    unknown = sorted(set(names) - inputs)
+    if unknown:
+        raise CodegenError(
+            f"donate names {unknown}, which are not inputs of program {program.name}",
+            hint=f"its inputs are {sorted(inputs)}",
+        )
+    return frozenset(names)
 
 
 def _mesh(program: Program, world: int | Mesh | None, comm: Any) -> Mesh:

@@ -334,3 +334,26 @@ def handshake_faults(comm: Communicator) -> dict:
     attempt("good", schedule, mine)  # the communicator still works
     out["changed_after_good"] = not torch.equal(before["p"], mine["p"])
     return out
+
+
+# -- donated inputs ------------------------------------------------------------------------------
+
+
+def run_donated(comm: Communicator, size: int) -> dict:
+    """Adam's AR_C with the gradient donated: the same result as without, and the gradient buffer
+    reduced in place (what donation is for)."""
+    mod = load_example("adam")
+    program = mod.program()
+    sched = mod.SCHEDULES["AR_C"](program)
+    inputs = mod.make_inputs(comm.world, size, seed=5)
+    want = cc.simulate(program, inputs, comm.world)
+    mine = {k: (v[comm.rank] if isinstance(v, list) else v) for k, v in inputs.items()}
+    mine = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in mine.items()}
+    g_before = mine["g"].clone()
+    step = cc.compile(sched, comm=comm, fused_kernels=False, donate=("g",))
+    step(**mine)
+    return {
+        "equal": all(torch.equal(mine[k], want.updated(k)) for k in ("p", "m", "v")),
+        "g_reduced_in_place": torch.equal(mine["g"], sum(inputs["g"][1:], inputs["g"][0])),
+        "g_changed": not torch.equal(mine["g"], g_before),
+    }

@@ -122,12 +122,16 @@ class Plan:
         return tuple(s for s in self.steps if isinstance(s, ChunkLoop))
 
 
-def lower(program: Program) -> Plan:
-    """The per-rank steps of ``program`` in an order that respects every dependency."""
+def lower(program: Program, donate: frozenset[str] = frozenset()) -> Plan:
+    """The per-rank steps of ``program`` in an order that respects every dependency.
+
+    ``donate``: inputs the caller lets the step overwrite (a collective reading only them reduces
+    in place).
+    """
     _check_groups(program)
     units = _units(program)
     order = _topo(units)
-    steps = _with_waits(program, order)
+    steps = _with_waits(program, order, donate=donate)
     consts = tuple(n for n in program.nodes if n.op is Op.CONST)
     return Plan(program, tuple(steps), consts)
 
@@ -319,7 +323,9 @@ def _topo(units: list[_Unit]) -> list[_Unit]:
 # -- steps --------------------------------------------------------------------------------------
 
 
-def _with_waits(program: Program, order: list[_Unit], prefix: str = "") -> list[Step]:
+def _with_waits(
+    program: Program, order: list[_Unit], prefix: str = "", donate: frozenset[str] = frozenset()
+) -> list[Step]:
     users = program.users()
     returned = {n.name for n in program.outputs} | {u.inputs[1].name for u in program.updates}
     pending: dict[str, Node] = {}  # started collectives not yet waited for
@@ -335,7 +341,7 @@ def _with_waits(program: Program, order: list[_Unit], prefix: str = "") -> list[
     for u in order:
         wait_for(u.nodes)
         if u.group is not None and u.group.kind is GroupKind.OVERLAP:
-            steps.append(_loop(program, u.group, users, returned))
+            steps.append(_loop(program, u.group, users, returned, donate))
             continue
         if u.group is not None:
             kernel_count += 1
@@ -344,7 +350,7 @@ def _with_waits(program: Program, order: list[_Unit], prefix: str = "") -> list[
             continue
         (n,) = u.nodes
         if n.op in COMMUNICATION:
-            steps.append(Start(n, _donatable(n, users, returned)))
+            steps.append(Start(n, _donatable(n, users, returned, donate)))
             pending[n.name] = n
         else:
             steps.append(Compute(n))
@@ -369,17 +375,23 @@ def _kernel(name: str, u: _Unit, users: dict[str, list[Node]], returned: set[str
     return Kernel(name, u.group, tuple(u.nodes), tuple(inputs), tuple(outputs))
 
 
-def _donatable(n: Node, users: dict[str, list[Node]], returned: set[str]) -> bool:
-    """The operand is a temporary that only this collective reads: its buffer can be reused."""
+def _donatable(
+    n: Node, users: dict[str, list[Node]], returned: set[str], donate: frozenset[str]
+) -> bool:
+    """The operand is a temporary (or a donated input) that only this collective reads: its
+    buffer can be reused."""
     x = n.inputs[0]
-    return x.op in _FRESH and len(users[x.name]) == 1 and x.name not in returned
+    reusable = x.op in _FRESH or (x.op is Op.INPUT and x.name in donate)
+    return reusable and len(users[x.name]) == 1 and x.name not in returned
 
 
-def _loop(program: Program, group: Group, users, returned: set[str]) -> ChunkLoop:
+def _loop(
+    program: Program, group: Group, users, returned: set[str], donate: frozenset[str]
+) -> ChunkLoop:
     """An overlap group as a chunk loop: its members' steps, cut into stages at each wait."""
     name = loop_name(program, group)
     members = set(group.members)
-    inner = _with_waits(program, _topo(_units(program, members)), prefix=f"{name}_")
+    inner = _with_waits(program, _topo(_units(program, members)), f"{name}_", donate)
     stages: list[list[Step]] = [[]]
     for step in inner:
         if isinstance(step, Wait) and stages[-1] and not isinstance(stages[-1][-1], Wait):
