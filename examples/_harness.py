@@ -3,9 +3,10 @@
 Each example keeps what documents it: its DSL ``program``, ``make_inputs`` and the plain-PyTorch
 ``reference``. This module holds the rest, the same for all of them: float32 rounding of runtime
 scalars, the reference's gradient sum, the error measure, the multi-step simulation loop and the
-lines ``main`` prints. The examples import it as ``_harness`` after putting their own folder on
-``sys.path`` (so it is found however an example is loaded: as a script, by ``coconet show`` or
-``coconet run``, or by file path from the tests).
+lines ``main`` prints; and, for the Adam family (Adam, AdamW, LAMB), the shared random inputs
+and the ``torch.optim`` reference. The examples import it as ``_harness`` after putting their
+own folder on ``sys.path`` (so it is found however an example is loaded: as a script, by
+``coconet show`` or ``coconet run``, or by file path from the tests).
 """
 
 from __future__ import annotations
@@ -84,3 +85,68 @@ def report(
             f"(tolerance {tolerance:.0e})  {'ok' if good else 'MISMATCH'}"
         )
     return 0 if ok else 1
+
+
+def adam_family_inputs(
+    world: int,
+    size: int,
+    seed: int,
+    step: int,
+    dtype: torch.dtype,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> dict:
+    """Random inputs of an Adam-family program: one gradient per rank, parameters, the moments
+    ``m`` and ``v`` of ``step``, and the hyper-parameters rounded to float32.
+
+    On step 1 the moments are zeros, as torch starts them; later steps get plausible random ones.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn() -> torch.Tensor:
+        return torch.randn(size, generator=gen, dtype=torch.float32).to(dtype)
+
+    first = step == 1
+    return {
+        "g": [randn() for _ in range(world)],
+        "p": randn(),
+        "m": torch.zeros(size, dtype=dtype) if first else 0.1 * randn(),
+        "v": torch.zeros(size, dtype=dtype) if first else 0.01 * randn() ** 2,
+        "lr": f32(lr),
+        "beta1": f32(betas[0]),
+        "beta2": f32(betas[1]),
+        "eps": f32(eps),
+        "weight_decay": f32(weight_decay),
+        "step": step,
+    }
+
+
+def torch_adam_reference(
+    optimizer: type[torch.optim.Optimizer], inputs: dict, steps: int
+) -> dict[str, torch.Tensor]:
+    """``steps`` steps of ``torch.optim.Adam`` or ``AdamW`` from ``inputs``, each with the summed
+    gradient; the new ``p``, ``m`` (torch's ``exp_avg``) and ``v`` (``exp_avg_sq``)."""
+    param = torch.nn.Parameter(inputs["p"].clone())
+    opt = optimizer(
+        [param],
+        lr=inputs["lr"],
+        betas=(inputs["beta1"], inputs["beta2"]),
+        eps=inputs["eps"],
+        weight_decay=inputs["weight_decay"],
+        foreach=False,
+    )
+    if inputs["step"] > 1:  # resume from the given state, as if steps 1..step-1 had run
+        opt.state[param] = {
+            "step": torch.tensor(float(inputs["step"] - 1)),
+            "exp_avg": inputs["m"].clone(),
+            "exp_avg_sq": inputs["v"].clone(),
+        }
+    grad = sum_over_ranks(inputs["g"])
+    for _ in range(steps):
+        param.grad = grad.clone()
+        opt.step()
+    state = opt.state[param]
+    return {"p": param.detach(), "m": state["exp_avg"], "v": state["exp_avg_sq"]}

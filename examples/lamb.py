@@ -44,7 +44,13 @@ from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
 
 # Import the examples' shared checking code (examples/_harness.py) however this file is loaded.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _harness import f32, max_errors, report, simulate_steps, sum_over_ranks  # noqa: E402
+from _harness import (  # noqa: E402
+    adam_family_inputs,
+    max_errors,
+    report,
+    simulate_steps,
+    sum_over_ranks,
+)
 
 TOLERANCE = 1e-6  # max relative error vs the plain-PyTorch LAMB in float32
 
@@ -97,28 +103,10 @@ def program(dtype: cc.DType = cc.float32) -> cc.Program:
 def make_inputs(
     world: int, size: int = 4096, seed: int = 0, step: int = 1, dtype: torch.dtype = torch.float32
 ) -> dict:
-    """Random simulator inputs: one gradient per rank, parameters, and the moments of ``step``.
-
-    On step 1 the moments are zeros (fresh state); later steps get plausible random ones.
-    """
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn() -> torch.Tensor:
-        return torch.randn(size, generator=gen, dtype=torch.float32).to(dtype)
-
-    first = step == 1
-    return {
-        "g": [randn() for _ in range(world)],
-        "p": randn(),
-        "m": torch.zeros(size, dtype=dtype) if first else 0.1 * randn(),
-        "v": torch.zeros(size, dtype=dtype) if first else 0.01 * randn() ** 2,
-        "lr": f32(LR),
-        "beta1": f32(BETAS[0]),
-        "beta2": f32(BETAS[1]),
-        "eps": f32(EPS),
-        "weight_decay": f32(WEIGHT_DECAY),
-        "step": step,
-    }
+    """Random simulator inputs: one gradient per rank, parameters, the moments of ``step``
+    (zeros on step 1) and this example's hyper-parameters (``adam_family_inputs``)."""
+    hyper = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
+    return adam_family_inputs(world, size, seed, step, dtype, **hyper)
 
 
 def reference(inputs: dict, steps: int = 1) -> dict[str, torch.Tensor]:
