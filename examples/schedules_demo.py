@@ -18,6 +18,7 @@ import torch
 import coconet as cc
 from coconet.accounting import account
 from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
+from coconet.sim.exactness import reassociations
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import adam  # noqa: E402 - the example next to this file
@@ -48,12 +49,17 @@ def main() -> int:
         cost = account(sched.program, WORLD, {"N": SIZE})
         got = run(sched.program)
         diff = max((got[k] - want[k]).abs().max().item() for k in want)
-        same = diff == 0.0
+        # Bitwise equal unless the schedule re-associates a sum (coconet.sim.exactness): Adam's
+        # schedules only move data and run the same elementwise maths on slices.
+        reasons = reassociations(program, sched.program)
+        scale = max(w.abs().max().item() for w in want.values())
+        same = diff == 0.0 if not reasons else diff <= 1e-5 * scale
         ok &= same
+        verdict = ("identical" if diff == 0.0 else "within rounding") if same else "MISMATCH"
         print(
             f"  per rank: keeps {cost.max_persistent_bytes} B of parameters and state, sends "
             f"{cost.max_sent_bytes} B per step; max difference from the program over 3 steps: "
-            f"{diff:.1e} ({'identical' if same else 'MISMATCH'})"
+            f"{diff:.1e} ({verdict})"
         )
     return 0 if ok else 1
 

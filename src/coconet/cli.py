@@ -154,8 +154,9 @@ def _print(args) -> int:
 
 
 def _show(args) -> int:
+    from coconet.cache import keyed_cache_dir
     from coconet.compiler import compile
-    from coconet.runtime.tuning import AlgorithmTable, default_cache_dir
+    from coconet.runtime.tuning import AlgorithmTable
 
     obj, namespace = _load(args.target)
     if args.schedule:
@@ -164,7 +165,7 @@ def _show(args) -> int:
     world = _mesh(args)
     step = compile(obj, world=world, cache_dir=args.cache_dir)
     print(step.source, end="")
-    table = AlgorithmTable.load(args.cache_dir or default_cache_dir())
+    table = AlgorithmTable.load(keyed_cache_dir(args.cache_dir))
     print()
     for line in table.format("gloo").splitlines():
         print(f"# {line}")

@@ -9,8 +9,8 @@
 Compilation lowers the scheduled program to per-rank steps, writes them as a readable Python
 module (``step.source``; ``coconet show`` prints it), loads it, and wraps its fused groups as
 ``torch.compile`` kernels. Generated modules are cached by a hash of (program, schedule, mesh,
-device, coconet version): compiling the same thing twice in one
-process reuses the module, and the source is kept under ``<cache_dir>/generated``.
+device, coconet version, build key): compiling the same thing twice in one process reuses the
+module, and the source is kept under ``<cache_dir>/<build key>/generated`` (``coconet.cache``).
 
 Everything that changes what is generated is in ``CompileOptions``; nothing is read from the
 environment.
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coconet.cache import build_key, keyed_cache_dir
 from coconet.codegen import emit, load_module, lower
 from coconet.errors import CodegenError
 from coconet.ir.mesh import Mesh
@@ -44,8 +45,9 @@ class CompileOptions:
     - ``fused_kernels``: compile each fused group with torch.compile (False: run it eagerly, op by
       op, for debugging; the results are the same up to floating-point contraction);
     - ``device``: ``"cpu"`` or ``"cuda"``; None takes the communicator's (cpu on gloo);
-    - ``cache_dir``: where generated modules (and measured collective choices) are kept; None is
-      ``~/.cache/coconet``;
+    - ``cache_dir``: the base of coconet's caches (generated modules, measured collective
+      choices, Inductor's kernels), each under a subdirectory keyed by torch version and CPU
+      (``coconet.cache``); None is ``$XDG_CACHE_HOME/coconet`` or ``~/.cache/coconet``;
     - ``check_every_step``: exchange the program hash and input shapes at every step (one tiny
       all_reduce), not only at the first; with False, shapes must not change between steps;
     - ``commit_vote``: before committing updates, all ranks confirm that the step succeeded
@@ -98,7 +100,6 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     from coconet import __version__
     from coconet.runtime.launch import current
     from coconet.runtime.step import CompiledStep
-    from coconet.runtime.tuning import default_cache_dir
 
     program, schedule = resolve_target(target)
     options = _options(options, overrides)
@@ -131,8 +132,8 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
             "before their first use.",
         ]
         source = emit(plan, header)
-        cache_dir = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
-        module = load_module(source, f"{program.name}_{key}", cache_dir / "generated")
+        generated = keyed_cache_dir(options.cache_dir) / "generated"
+        module = load_module(source, f"{program.name}_{key}", generated)
         module.__coconet_source__ = source
         _MODULES[key] = module
     return CompiledStep(
@@ -232,5 +233,6 @@ def _key(
         device,
         version,
         str(GENERATOR_VERSION),
+        build_key(),  # torch version and CPU: never reuse another build's module
     ]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from coconet.cache import keyed_cache_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
@@ -208,7 +210,7 @@ def test_calibrate_records_choices_that_show_prints(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     for op in ("all_reduce", "reduce_scatter", "all_gather", "reduce"):
         assert f"{op}" in out.stdout
-    assert (tmp_path / "algorithms.json").exists()
+    assert (keyed_cache_dir(tmp_path) / "algorithms.json").exists()
     shown = _coconet(
         "show", "examples/sgd.py:program", "--world", "2", "--cache-dir", str(tmp_path)
     )

@@ -1,11 +1,13 @@
 """Every paper schedule of every example equals the unscheduled program in the simulator.
 
-Tolerances: the schedules of SGD, Adam and AdamW only move data and run the same elementwise
-maths on slices, and the simulator's reduce_scatter adds the ranks' values in the same order as
-its all_reduce, so results are bit-identical. LAMB's reorder turns ``norm(x)`` into
-``sqrt(all_reduce(sum(x_slice * x_slice)))``: the sum is re-associated, hence rtol 1e-5.
-The layer schedules are checked bit-exactly on integer-valued data (every sum exact in any
-order, every chunk of the overlapped matmul too) and within rtol 1e-5 on random data.
+Tolerances (``tests/tolerances.py``): a schedule is checked bit for bit unless
+``coconet.sim.exactness.reassociations`` names a sum it re-associates. The schedules of SGD,
+Adam and AdamW only move data and run the same elementwise maths on slices, and the simulator's
+reduce_scatter adds the ranks' values in the same order as its all_reduce, so results are
+bit-identical. LAMB's reorder turns ``norm(x)`` into ``sqrt(all_reduce(sum(x_slice * x_slice)))``
+and the overlapped layer schedule runs its matmul chunk by chunk: rtol 1e-5. Those are also
+checked bit-exactly on integer-valued data (every sum exact in any order, every chunk of the
+overlapped matmul too).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from coconet.schedule import (
     Schedule,
     fuse_RS_C_AG,
 )
+from coconet.sim.exactness import reassociations
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
 OPTIMIZER_SCHEDULES = ("AR_C", "RS_C_AG", "fuse_RS_C_AG")
@@ -54,7 +57,8 @@ def test_optimizer_schedules_equal_the_program(example, schedule, world, size):
     mod = load_example(example)
     prog = mod.program()
     sched = mod.SCHEDULES[schedule](prog)
-    exact = example != "lamb"
+    exact = not reassociations(prog, sched.program)
+    assert exact == (example != "lamb" or schedule == "AR_C")  # LAMB's partial norms
     state = mod.make_inputs(world, size, seed=world + size, step=1)
     got_state = dict(state)
     for step in (1, 2, 3):  # several steps: the sliced state carries over between them
@@ -117,7 +121,7 @@ def test_tensor_parallel_schedules_equal_the_program(schedule, world, batch, int
     inputs = layer_inputs(mod, integer, batch, size=6)
     want = cc.simulate(prog, inputs, world).output("out")
     got = cc.simulate(sched.program, inputs, world).output("out")
-    assert_same(want, got, exact=integer)
+    assert_same(want, got, exact=integer or not reassociations(prog, sched.program))
 
 
 @pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
@@ -131,8 +135,9 @@ def test_pipeline_schedules_equal_the_program(schedule, mesh, size):
     inputs = mod.program_inputs(mod.make_inputs(mesh, size, batch=5))
     want = cc.simulate(prog, inputs, mesh).output("out")
     got = cc.simulate(sched.program, inputs, mesh).output("out")
+    exact = not reassociations(prog, sched.program)  # the pipeline schedules only move data
     for a, b in zip(want, got, strict=True):
-        assert_same(a, b, exact=False)
+        assert_same(a, b, exact=exact)
     expect = mod.reference(mod.make_inputs(mesh, size, batch=5))
     assert mod.max_relative_error(got, mesh, expect) <= mod.TOLERANCE
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coconet.cache import keyed_cache_dir
 from coconet.errors import RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import ReduceOp
@@ -30,7 +31,6 @@ from coconet.runtime import algorithms as algos
 from coconet.runtime.tuning import (
     AlgorithmTable,
     class_bytes,
-    default_cache_dir,
     measure_choice,
     reps_for,
     size_class,
@@ -55,7 +55,8 @@ class CommOptions:
       (torch's own collective always), ``"exact"`` (the all_to_all forms, which reduce in rank
       order: results bitwise equal to the simulator's), or a mapping such as
       ``{"reduce_scatter": "all_to_all"}`` that fixes an algorithm per op (others stay native);
-    - ``cache_dir``: where the measured choices are kept (default ``~/.cache/coconet``);
+    - ``cache_dir``: the base of coconet's caches; the measured choices are kept under its
+      build-keyed subdirectory (``coconet.cache.keyed_cache_dir``);
     - ``measure_reps``: timed repetitions per candidate when measuring (2-3x that for the small
       size classes, whose timings are noisier);
     - ``keep_buffers_mapped``: ``init()`` tunes glibc's malloc so that the large buffers a step
@@ -125,7 +126,7 @@ class Communicator:
                 if self.rank in ranks:
                     self._groups[axis] = (pg or dist.group.WORLD, ranks)
         cache = self.options.cache_dir
-        self.table = AlgorithmTable.load(Path(cache) if cache else default_cache_dir())
+        self.table = AlgorithmTable.load(keyed_cache_dir(cache))
         self._share_table()
 
     # -- groups ---------------------------------------------------------------------------------

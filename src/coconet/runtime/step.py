@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from coconet.cache import use_inductor_cache
 from coconet.codegen.geometry import Geometry, geometry
 from coconet.codegen.kernels import KernelSet
 from coconet.errors import RuntimeFault
@@ -70,6 +71,8 @@ class CompiledStep:
     def kernels(self) -> KernelSet:
         """The fused kernels (compiled on their first call unless fused_kernels=False)."""
         if self._kernels is None:
+            if self.options.fused_kernels:
+                use_inductor_cache(self.options.cache_dir)  # keyed by torch and CPU
             self._kernels = KernelSet(self.module.KERNELS, fused=self.options.fused_kernels)
         return self._kernels
 

@@ -1,10 +1,11 @@
 """Choosing a collective's algorithm by measuring it: once per (op, size class, backend, world).
 
-The table of choices lives in a JSON file under the cache directory (``~/.cache/coconet`` unless
-the options name another) so that later runs, and ``coconet show``, see what was measured. Rank 0's
-table is the one every rank uses (the communicator broadcasts it at start), and a measurement's
-timings are reduced over the whole world before choosing, so every rank always makes the same
-choice: ranks choosing differently would run mismatched collectives.
+The table of choices lives in a JSON file under the build-keyed cache directory
+(``coconet.cache.keyed_cache_dir``: timings of one machine and torch are never reused by another)
+so that later runs, and ``coconet show``, see what was measured. Rank 0's table is the one every
+rank uses (the communicator broadcasts it at start), and a measurement's timings are reduced over
+the whole world before choosing, so every rank always makes the same choice: ranks choosing
+differently would run mismatched collectives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from coconet.cache import default_cache_dir
 
 __all__ = [
     "SIZE_CLASSES",
@@ -51,12 +54,6 @@ def class_bytes(label: str) -> int:
         if name == label:
             return nbytes
     raise KeyError(label)
-
-
-def default_cache_dir() -> Path:
-    """Where coconet keeps its caches when the options do not say: ``~/.cache/coconet``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "coconet"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""Where coconet keeps what it writes to disk, keyed by what changes the compiled result.
+
+Everything coconet caches depends on the machine that produced it: Inductor's kernels are C++
+built with ``-march=native`` for the ATen vector width in force (``ATEN_CPU_CAPABILITY``), the
+measured collective algorithms are timings of one machine, and generated modules depend on the
+torch that runs them. Nodes that share a home directory but differ in CPU (an AVX-512 and an AVX2
+node of one cluster), or one machine run with ``ATEN_CPU_CAPABILITY=default``, must never load
+each other's entries. So every cache lives under a directory named by the **build key**::
+
+    <cache_dir>/<build key>/generated/        generated per-rank modules
+    <cache_dir>/<build key>/algorithms.json   measured collective algorithm choices
+    <cache_dir>/<build key>/inductor/         Inductor's cache (TORCHINDUCTOR_CACHE_DIR), see below
+
+with ``<cache_dir>`` from ``CompileOptions.cache_dir`` / ``CommOptions.cache_dir``, else
+``$XDG_CACHE_HOME/coconet``, else ``~/.cache/coconet``, and the build key
+``torch-<version>-<capability>-<cpu digest>`` (the CPU digest hashes the processor's model name
+and feature flags, so ``-march=native`` code is never shared across CPU models).
+
+Inductor's own cache is not keyed by the CPU capability (its FX-graph cache hands vectorized C++
+to a process that compiles without vector flags: ``error: 'at::vec' has not been declared``).
+Before compiling fused kernels, coconet points ``TORCHINDUCTOR_CACHE_DIR`` at the keyed directory
+above. A value the user set explicitly is respected (whoever sets it owns its keying); the value
+torch itself writes back (its default under the temp directory) and a value coconet set for
+another build key are replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+__all__ = ["build_key", "default_cache_dir", "keyed_cache_dir", "use_inductor_cache"]
+
+_INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# What coconet last wrote into TORCHINDUCTOR_CACHE_DIR: a child process inherits both, and a value
+# equal to this marker is coconet's own (replaced when the child's build key differs).
+_MARKER_ENV = "COCONET_SET_TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/coconet``, else ``~/.cache/coconet``: the base of every coconet cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "coconet"
+
+
+@functools.cache
+def _cpu_digest() -> str:
+    """A short hash of what ``-march=native`` compiles for: the CPU's model and feature flags."""
+    ident = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("vendor_id", "model name", "flags", "Features", "CPU part"):
+                    ident.append(line.strip())
+                elif not line.strip() and len(ident) > 2:
+                    break  # the first processor's block is enough
+    except OSError:
+        pass  # not Linux: machine + processor name is the best evidence there is
+    return hashlib.sha256("\n".join(ident).encode()).hexdigest()[:10]
+
+
+def build_key() -> str:
+    """``torch-<version>-<capability>-<cpu digest>``: what a cached artifact must match.
+
+    The capability is the one in force (``torch.backends.cpu.get_cpu_capability()``, which honours
+    ``ATEN_CPU_CAPABILITY``), so one machine run with another kernel family gets other caches.
+    """
+    version = torch.__version__.replace("+", "_")
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return f"torch-{version}-{capability}-{_cpu_digest()}"
+
+
+def keyed_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """``<cache_dir or default_cache_dir()>/<build_key()>``: where this build's caches live."""
+    base = Path(cache_dir) if cache_dir else default_cache_dir()
+    return base / build_key()
+
+
+def use_inductor_cache(cache_dir: str | Path | None = None) -> Path:
+    """Point Inductor at ``keyed_cache_dir(cache_dir)/inductor`` (unless the user chose one).
+
+    Returns the directory Inductor will use. Called before coconet compiles fused kernels; it
+    changes this process's environment (inherited by the ranks it spawns), which is the only
+    switch Inductor offers.
+    """
+    current = os.environ.get(_INDUCTOR_ENV)
+    ours = os.environ.get(_MARKER_ENV)
+    if current and current != ours and current != _torch_default_inductor_dir():
+        return Path(current)  # the user's explicit choice
+    target = os.path.abspath(keyed_cache_dir(cache_dir) / "inductor")
+    os.environ[_INDUCTOR_ENV] = target
+    os.environ[_MARKER_ENV] = target
+    return Path(target)
+
+
+def _torch_default_inductor_dir() -> str:
+    """Inductor's default cache directory (``<tmp>/torchinductor_<user>``), which torch writes
+    back into TORCHINDUCTOR_CACHE_DIR the first time it compiles anything."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
+    return os.path.abspath(inductor_default())
