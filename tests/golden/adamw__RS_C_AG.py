@@ -1,0 +1,102 @@
+"""coconet: the generated step of program adamw."""
+
+# program:  adamw  (digest c7e2e3e005b0625e)
+# schedule: schedule RS_C_AG of adamw: split(g_sum); reorder(computations(g_sum), g_sum);
+#   as_slice([m, v])
+# mesh:     Mesh(world=2)    device: cpu
+# key:      <masked: depends on torch and the CPU>
+#
+# step() runs one step on the calling rank and returns (outputs, updates); the
+# runtime commits the updates into the caller's tensors once every rank succeeded.
+# Collectives start as soon as their inputs are ready and are waited for just
+# before their first use.
+
+import torch
+
+from coconet.ir.ops import Op, ReduceOp  # noqa: F401
+from coconet.sim import local_ops as _ops
+
+# the program's constants: 0-d tensors of their dtype, as in the simulator
+_c1 = torch.tensor(1, dtype=torch.float32)  # const_1, const_2, const_3, const_4, const_5
+
+# each op's local meaning, shared with the simulator (sim.local_ops)
+_add = _ops.POINTWISE[Op.ADD]
+_div = _ops.POINTWISE[Op.DIV]
+_mul = _ops.POINTWISE[Op.MUL]
+_pow = _ops.POINTWISE[Op.POW]
+_sqrt = _ops.POINTWISE[Op.SQRT]
+_sub = _ops.POINTWISE[Op.SUB]
+
+# the program's inputs, in the order step() takes them
+INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'step')
+
+
+KERNELS = {}
+
+
+def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, step_):
+    """One step on this rank: (outputs, updates); the caller commits."""
+    # g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at examples/adamw.py:75
+    g_sum_rs_work = comm.reduce_scatter_start(
+        g, ReduceOp.SUM, dim=0, axis=None, donate=False, label='g_sum_rs'
+    )
+    # p_slice = scatter(p, dim=0)  at examples/adamw.py:70
+    p_slice = p.narrow(0, *env.bounds['p_slice'])
+    # mul_1 = mul(lr, weight_decay)  at examples/adamw.py:76
+    mul_1 = _mul(lr, weight_decay)
+    # sub_1 = sub(1, mul_1)  at examples/adamw.py:76
+    sub_1 = _sub(_c1, mul_1)
+    # p_decayed_slice = mul(p_slice, sub_1)  at examples/adamw.py:76
+    p_decayed_slice = _mul(p_slice, sub_1)
+    # pow_1 = pow(beta1, step)  at examples/adamw.py:79
+    pow_1 = _pow(beta1, step_)
+    # sub_2 = sub(1, pow_1)  at examples/adamw.py:79
+    sub_2 = _sub(_c1, pow_1)
+    # div_1 = div(lr, sub_2)  at examples/adamw.py:82
+    div_1 = _div(lr, sub_2)
+    # mul_2_slice = mul(beta1, m)  at examples/adamw.py:77
+    mul_2_slice = _mul(beta1, m)
+    # sub_3 = sub(1, beta1)  at examples/adamw.py:77
+    sub_3 = _sub(_c1, beta1)
+    g_sum_rs = comm.wait(g_sum_rs_work)
+    # mul_3_slice = mul(sub_3, g_sum_rs)  at examples/adamw.py:77
+    mul_3_slice = _mul(sub_3, g_sum_rs)
+    # m_new_slice = add(mul_2_slice, mul_3_slice)  at examples/adamw.py:77
+    m_new_slice = _add(mul_2_slice, mul_3_slice)
+    # mul_4_slice = mul(beta2, v)  at examples/adamw.py:78
+    mul_4_slice = _mul(beta2, v)
+    # sub_4 = sub(1, beta2)  at examples/adamw.py:78
+    sub_4 = _sub(_c1, beta2)
+    # mul_5_slice = mul(sub_4, g_sum_rs)  at examples/adamw.py:78
+    mul_5_slice = _mul(sub_4, g_sum_rs)
+    # mul_6_slice = mul(mul_5_slice, g_sum_rs)  at examples/adamw.py:78
+    mul_6_slice = _mul(mul_5_slice, g_sum_rs)
+    # v_new_slice = add(mul_4_slice, mul_6_slice)  at examples/adamw.py:78
+    v_new_slice = _add(mul_4_slice, mul_6_slice)
+    # sqrt_1_slice = sqrt(v_new_slice)  at examples/adamw.py:81
+    sqrt_1_slice = _sqrt(v_new_slice)
+    # pow_2 = pow(beta2, step)  at examples/adamw.py:80
+    pow_2 = _pow(beta2, step_)
+    # sub_5 = sub(1, pow_2)  at examples/adamw.py:80
+    sub_5 = _sub(_c1, pow_2)
+    # sqrt_2 = sqrt(sub_5)  at examples/adamw.py:81
+    sqrt_2 = _sqrt(sub_5)
+    # div_2_slice = div(sqrt_1_slice, sqrt_2)  at examples/adamw.py:81
+    div_2_slice = _div(sqrt_1_slice, sqrt_2)
+    # denom_slice = add(div_2_slice, eps)  at examples/adamw.py:81
+    denom_slice = _add(div_2_slice, eps)
+    # div_3_slice = div(m_new_slice, denom_slice)  at examples/adamw.py:82
+    div_3_slice = _div(m_new_slice, denom_slice)
+    # mul_7_slice = mul(div_1, div_3_slice)  at examples/adamw.py:82
+    mul_7_slice = _mul(div_1, div_3_slice)
+    # p_new_slice = sub(p_decayed_slice, mul_7_slice)  at examples/adamw.py:82
+    p_new_slice = _sub(p_decayed_slice, mul_7_slice)
+    # p_new = all_gather(p_new_slice)  at examples/adamw.py:82
+    p_new_work = comm.all_gather_start(
+        p_new_slice, dim=0, parts=env.parts['p_new'], axis=None, label='p_new'
+    )
+    p_new = comm.wait(p_new_work)
+    # update(p, p_new)  at examples/adamw.py:86  (committed after the step succeeds)
+    # update(m, m_new_slice)  at examples/adamw.py:86  (committed after the step succeeds)
+    # update(v, v_new_slice)  at examples/adamw.py:86  (committed after the step succeeds)
+    return {}, {'p': p_new, 'm': m_new_slice, 'v': v_new_slice}

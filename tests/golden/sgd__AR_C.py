@@ -1,0 +1,69 @@
+"""coconet: the generated step of program sgd."""
+
+# program:  sgd  (digest 74a1b8682b830809)
+# schedule: schedule AR_C of sgd: fuse([eq_1, mul_1, d_p, mul_2, ..., mul_4, p_new (10 values)])
+# mesh:     Mesh(world=2)    device: cpu
+# key:      <masked: depends on torch and the CPU>
+#
+# step() runs one step on the calling rank and returns (outputs, updates); the
+# runtime commits the updates into the caller's tensors once every rank succeeded.
+# Collectives start as soon as their inputs are ready and are waited for just
+# before their first use.
+
+import torch
+
+from coconet.ir.ops import Op, ReduceOp  # noqa: F401
+from coconet.sim import local_ops as _ops
+
+# the program's constants: 0-d tensors of their dtype, as in the simulator
+_c1 = torch.tensor(1, dtype=torch.float32)  # const_1, const_2
+
+# each op's local meaning, shared with the simulator (sim.local_ops)
+_add = _ops.POINTWISE[Op.ADD]
+_eq = _ops.POINTWISE[Op.EQ]
+_mul = _ops.POINTWISE[Op.MUL]
+_sub = _ops.POINTWISE[Op.SUB]
+_where = _ops.POINTWISE[Op.WHERE]
+
+# the program's inputs, in the order step() takes them
+INPUTS = ('g', 'p', 'buf', 'lr', 'momentum', 'dampening', 'weight_decay', 'step')
+
+
+def _kernel_fused_1(weight_decay, p, g_sum, momentum, buf, sub_1, eq_1, lr):
+    """fuse([eq_1, mul_1, d_p, ..., p_new (10 values)]): one kernel (torch.compile, or eager)."""
+    # mul_1 = mul(weight_decay, p)  at examples/sgd.py:69
+    mul_1 = _mul(weight_decay, p)
+    # d_p = add(g_sum, mul_1)  at examples/sgd.py:69
+    d_p = _add(g_sum, mul_1)
+    # mul_2 = mul(momentum, buf)  at examples/sgd.py:72
+    mul_2 = _mul(momentum, buf)
+    # mul_3 = mul(sub_1, d_p)  at examples/sgd.py:72
+    mul_3 = _mul(sub_1, d_p)
+    # add_1 = add(mul_2, mul_3)  at examples/sgd.py:72
+    add_1 = _add(mul_2, mul_3)
+    # buf_new = where(eq_1, d_p, add_1)  at examples/sgd.py:72
+    buf_new = _where(eq_1, d_p, add_1)
+    # mul_4 = mul(lr, buf_new)  at examples/sgd.py:73
+    mul_4 = _mul(lr, buf_new)
+    # p_new = sub(p, mul_4)  at examples/sgd.py:73
+    p_new = _sub(p, mul_4)
+    return (buf_new, p_new)
+
+
+KERNELS = {"fused_1": _kernel_fused_1}
+
+
+def step(comm, env, kernels, g, p, buf, lr, momentum, dampening, weight_decay, step_):
+    """One step on this rank: (outputs, updates); the caller commits."""
+    # g_sum = all_reduce(g, reduce_op=sum)  at examples/sgd.py:68
+    g_sum_work = comm.all_reduce_start(g, ReduceOp.SUM, axis=None, donate=False, label='g_sum')
+    # eq_1 = eq(step, 1)  at examples/sgd.py:71
+    eq_1 = _eq(step_, _c1)
+    # sub_1 = sub(1, dampening)  at examples/sgd.py:72
+    sub_1 = _sub(_c1, dampening)
+    g_sum = comm.wait(g_sum_work)
+    # fuse: mul_1, d_p, mul_2, mul_3, add_1, buf_new, mul_4, p_new  (one kernel)
+    buf_new, p_new = kernels.fused_1(weight_decay, p, g_sum, momentum, buf, sub_1, eq_1, lr)
+    # update(p, p_new)  at examples/sgd.py:77  (committed after the step succeeds)
+    # update(buf, buf_new)  at examples/sgd.py:77  (committed after the step succeeds)
+    return {}, {'p': p_new, 'buf': buf_new}
