@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coconet.errors import SimulationError
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
-from coconet.ir.ops import COMMUNICATION, Op
+from coconet.ir.opspec import Prop, Work, spec
 from coconet.ir.program import Program
-from coconet.ir.types import Dim, Layout, Sliced, TensorType, slice_bounds
+from coconet.ir.types import Dim, Layout, TensorType, slice_bounds
 
 __all__ = ["Accounting", "account"]
 
@@ -33,6 +33,8 @@ class Accounting:
     sent_bytes: tuple[int, ...]  # bytes each rank sends in one step
     persistent_by_input: dict[str, tuple[int, ...]]  # updated input -> bytes on each rank
     sent_by_node: dict[str, tuple[int, ...]]  # communication node -> bytes each rank sends
+    # computation node -> its local bytes read/written and flops on each rank (the op specs' model)
+    work_by_node: dict[str, tuple[Work, ...]] = field(default_factory=dict)
 
     @property
     def max_persistent_bytes(self) -> int:
@@ -41,6 +43,18 @@ class Accounting:
     @property
     def max_sent_bytes(self) -> int:
         return max(self.sent_bytes)
+
+    @property
+    def max_flops(self) -> int:
+        """Flops of the busiest rank's local computation in one step."""
+        ranks = range(len(self.sent_bytes))
+        return max(sum(w[r].flops for w in self.work_by_node.values()) for r in ranks)
+
+    @property
+    def max_bytes_moved(self) -> int:
+        """Bytes the busiest rank's local computation reads and writes in one step (unfused)."""
+        ranks = range(len(self.sent_bytes))
+        return max(sum(w[r].bytes_moved for w in self.work_by_node.values()) for r in ranks)
 
     def __str__(self) -> str:
         return (
@@ -63,11 +77,16 @@ def account(program: Program, world: int | Mesh, sizes: Mapping[str, int]) -> Ac
     by_node = {
         n.name: tuple(counter.sent(n, r) for r in ranks)
         for n in program.nodes
-        if n.op in COMMUNICATION
+        if spec(n.op).has(Prop.COMMUNICATES)
+    }
+    work = {
+        n.name: tuple(counter.work(n, r) for r in ranks)
+        for n in program.nodes
+        if spec(n.op).has(Prop.KERNEL)
     }
     persistent = tuple(sum(v[r] for v in by_input.values()) for r in ranks)
     sent = tuple(sum(v[r] for v in by_node.values()) for r in ranks)
-    return Accounting(persistent, sent, by_input, by_node)
+    return Accounting(persistent, sent, by_input, by_node, work)
 
 
 class _Counter:
@@ -106,26 +125,25 @@ class _Counter:
             return self.slice_bytes(ty, ty.layout, rank)
         return self.full_bytes(ty)
 
+    def local_shape(self, ty: TensorType, rank: int) -> tuple[int, ...]:
+        shape = list(self.shape(ty))
+        if ty.layout.is_sliced:
+            lay = ty.layout
+            lo, hi = slice_bounds(
+                shape[lay.dim], self.mesh.axis_size(lay.axis), self.mesh.index_in(rank, lay.axis)
+            )
+            shape[lay.dim] = hi - lo
+        return tuple(shape)
+
+    def local_numel(self, ty: TensorType, rank: int) -> int:
+        return math.prod(self.local_shape(ty, rank))
+
     def sent(self, node: Node, rank: int) -> int:
-        op = node.op
-        if op in (Op.REDUCE_SCATTER, Op.ALL_GATHER, Op.ALL_REDUCE):
-            axis = node.attr("axis")
-            if self.mesh.axis_size(axis) == 1:
-                return 0
-            if node.type.rank == 0:  # a scalar all_reduce: its element out and back
-                return 2 * node.type.dtype.itemsize
-            if op is Op.REDUCE_SCATTER:
-                sliced = node.type.layout
-            elif op is Op.ALL_GATHER:
-                sliced = node.inputs[0].type.layout
-            else:
-                sliced = Sliced(0, axis)
-            once = self.full_bytes(node.type) - self.slice_bytes(node.type, sliced, rank)
-            return 2 * once if op is Op.ALL_REDUCE else once
-        if op in (Op.BROADCAST, Op.REDUCE):
-            return self.full_bytes(node.type) if self.mesh.axis_size(node.attr("axis")) > 1 else 0
-        if op is Op.SEND:
-            index = self.mesh.index_in(rank, node.attr("axis"))
-            last = self.mesh.axis_size(node.attr("axis")) - 1
-            return 0 if index == last else self.local_bytes(node.inputs[0].type, rank)
-        return 0
+        """Bytes ``rank`` sends for ``node``: the op spec's model (``coconet.ir.opspec``)."""
+        model = spec(node.op).sent
+        return model(node, self, rank) if model is not None else 0
+
+    def work(self, node: Node, rank: int) -> Work:
+        """Bytes read and written and flops of ``node``'s local computation on ``rank``."""
+        model = spec(node.op).work
+        return model(node, self, rank) if model is not None else Work()

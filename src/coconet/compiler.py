@@ -35,7 +35,7 @@ from coconet.ir.program import Program
 __all__ = ["CompileOptions", "compile", "resolve_target"]
 
 # Bump when the generated code changes shape, so cached modules of older coconets are not reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 
 @dataclass(frozen=True)

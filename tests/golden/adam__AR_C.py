@@ -14,12 +14,12 @@
 import torch
 
 from coconet.ir.ops import Op, ReduceOp  # noqa: F401
-from coconet.sim import local_ops as _ops
+from coconet.ir import semantics as _ops
 
 # the program's constants: 0-d tensors of their dtype, as in the simulator
 _c1 = torch.tensor(1, dtype=torch.float32)  # const_1, const_2, const_3, const_4
 
-# each op's local meaning, shared with the simulator (sim.local_ops)
+# each op's local meaning, shared with the simulator (coconet.ir.semantics)
 _add = _ops.POINTWISE[Op.ADD]
 _div = _ops.POINTWISE[Op.DIV]
 _mul = _ops.POINTWISE[Op.MUL]

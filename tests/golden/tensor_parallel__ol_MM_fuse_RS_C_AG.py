@@ -16,10 +16,10 @@
 import torch
 
 from coconet.ir.ops import Op, ReduceOp  # noqa: F401
-from coconet.sim import local_ops as _ops
-from coconet.sim import chunked as _chunked
+from coconet.ir import semantics as _ops
+from coconet.ir import chunks as _chunked
 
-# each op's local meaning, shared with the simulator (sim.local_ops)
+# each op's local meaning, shared with the simulator (coconet.ir.semantics)
 _add = _ops.POINTWISE[Op.ADD]
 
 # the program's inputs, in the order step() takes them

@@ -3,10 +3,12 @@
 The module defines ``step(comm, env, kernels, <inputs...>)``, which runs one step on the calling
 rank and returns ``(outputs, updates)``, both dicts of tensors; the caller commits the updates. Each
 DSL op is one line with a comment giving the op as the program prints it and the user's file:line.
-Local ops call the simulator's definitions (``coconet.sim.local_ops``), so the generated code and
-the reference cannot drift apart. Collectives are explicit start/wait pairs on ``comm``; ``env``
-holds this rank's sizes (``coconet.codegen.geometry``); ``kernels`` holds the fused kernels,
-compiled or not (``coconet.codegen.kernels``).
+Local ops call the definitions the simulator uses (``coconet.ir.semantics``), so the generated
+code and the reference cannot drift apart; the form each op takes is its spec's ``Lowering``
+(``coconet.ir.opspec``). Collectives are explicit start/wait pairs on ``comm``, calling the
+transport operation and arguments their spec names; ``env`` holds this rank's sizes
+(``coconet.codegen.geometry``); ``kernels`` holds the fused kernels, compiled or not
+(``coconet.codegen.kernels``).
 """
 
 from __future__ import annotations
@@ -19,20 +21,13 @@ from coconet.codegen.names import Namer
 from coconet.codegen.plan import ChunkLoop, Compute, Kernel, Plan, Start, Wait
 from coconet.errors import CodegenError
 from coconet.ir.node import Node
-from coconet.ir.ops import POINTWISE, REDUCTIONS, Op
+from coconet.ir.ops import Op
+from coconet.ir.opspec import Arg, Lowering, spec
 from coconet.ir.types import DType
 
 __all__ = ["emit"]
 
 _INDENT = "    "
-_START = {
-    Op.ALL_REDUCE: "all_reduce_start",
-    Op.REDUCE_SCATTER: "reduce_scatter_start",
-    Op.ALL_GATHER: "all_gather_start",
-    Op.BROADCAST: "broadcast_start",
-    Op.REDUCE: "reduce_start",
-    Op.SEND: "send_start",
-}
 
 GeoRef = Callable[[Node, str], str]  # (node, "shapes"|"offsets"|"bounds"|"parts") -> code
 
@@ -80,8 +75,8 @@ class _Emitter:
             "import torch",
             "",
             "from coconet.ir.ops import Op, ReduceOp  # noqa: F401",
-            "from coconet.sim import local_ops as _ops",
-            *(["from coconet.sim import chunked as _chunked"] if self.plan.loops else []),
+            "from coconet.ir import semantics as _ops",
+            *(["from coconet.ir import chunks as _chunked"] if self.plan.loops else []),
             "",
         ]
         if self.const_names:
@@ -92,11 +87,13 @@ class _Emitter:
                 )
             out.append("")
         used = sorted(
-            {n.op for n in self.program.nodes if n.op in POINTWISE} - {Op.CAST, Op.DROPOUT},
+            {n.op for n in self.program.nodes if spec(n.op).lowering is Lowering.POINTWISE},
             key=lambda op: op.value,
         )
         if used:
-            out.append("# each op's local meaning, shared with the simulator (sim.local_ops)")
+            out.append(
+                "# each op's local meaning, shared with the simulator (coconet.ir.semantics)"
+            )
             out += [f"_{op.value} = _ops.POINTWISE[Op.{op.name}]" for op in used]
             out.append("")
         names = ", ".join(repr(n.name) for n in self.program.inputs)
@@ -240,30 +237,11 @@ class _Emitter:
         return [self.comment(n), f"{self.var[n.name]} = {self.expr(n, geo)}"]
 
     def expr(self, n: Node, geo: GeoRef) -> str:
-        a = [self.var[i.name] for i in n.inputs]
-        op = n.op
-        if op is Op.CAST:
-            return f"{a[0]}.to({_dtype(n.type.dtype)})"
-        if op is Op.DROPOUT:
-            p = n.attr("p")
-            rows = geo(n, "rows")
-            return (
-                f"_ops.apply_dropout({a[0]}, {p!r}, {a[1]}, {a[2]}, "
-                f"{geo(n, 'shapes')}, {geo(n, 'offsets')}{', ' + rows if rows else ''})"
-            )
-        if op in POINTWISE:
-            return f"_{op.value}({', '.join(a)})"
-        if op in REDUCTIONS:
-            e = f"_ops.reduction(Op.{op.name}, {a[0]}, {n.attr('dim')!r}, {n.attr('keepdim')!r})"
-            # torch sums small ints and bools into int64; the program's type says otherwise.
-            if not n.type.dtype.is_float and n.type.dtype is not DType.int64:
-                e += f".to({_dtype(n.type.dtype)})"
-            return e
-        if op is Op.MATMUL:
-            return f"torch.matmul({a[0]}, {a[1]})"
-        if op is Op.SCATTER:
-            return f"{a[0]}.narrow({n.type.layout.dim}, *{geo(n, 'bounds')})"
-        raise CodegenError(f"no code generation rule for {op}", op=str(op), loc=n.loc)
+        """The right-hand side of a local op, in the form its spec's lowering names."""
+        form = _EXPRESSIONS.get(spec(n.op).lowering)
+        if form is None:
+            raise CodegenError(f"no code generation rule for {n.op}", op=str(n.op), loc=n.loc)
+        return form(n, [self.var[i.name] for i in n.inputs], geo)
 
     def kernel_call(self, k: Kernel, geo: GeoRef) -> list[str]:
         args = [self.var[i.name] for i in k.inputs]
@@ -277,22 +255,55 @@ class _Emitter:
         ]
 
     def start_lines(self, s: Start, geo: GeoRef) -> list[str]:
+        """``<node>_work = comm.<transport>_start(x, <the spec's arguments>, label=...)``."""
         n = s.node
-        x = self.var[n.inputs[0].name]
-        args = [x]
-        if n.attr("reduce_op") is not None:
-            args.append(f"ReduceOp.{n.attr('reduce_op').name}")
-        if n.op is Op.REDUCE_SCATTER:
-            args.append(f"dim={n.type.layout.dim}")
-        if n.op is Op.ALL_GATHER:
-            args += [f"dim={n.inputs[0].type.layout.dim}", f"parts={geo(n, 'parts')}"]
-        if n.op in (Op.BROADCAST, Op.REDUCE):
-            args.append(f"root={n.attr('root')}")
-        args.append(f"axis={n.attr('axis')!r}")
-        if n.op not in (Op.ALL_GATHER, Op.SEND):
-            args.append(f"donate={s.donate}")
+        op = spec(n.op)
+        args = [self.var[n.inputs[0].name]]
+        for arg in op.arguments:
+            args += _ARGUMENTS[arg](n, s, geo)
         args.append(f"label={n.name!r}")
-        return [self.comment(n), *_call(self.work[n.name], f"comm.{_START[n.op]}", args)]
+        return [self.comment(n), *_call(self.work[n.name], f"comm.{op.transport}_start", args)]
+
+
+# -- the code of each lowering form and each transport argument (coconet.ir.opspec) -------------
+
+
+def _reduction_expr(n: Node, a: list[str], geo: GeoRef) -> str:
+    e = f"_ops.reduction(Op.{n.op.name}, {a[0]}, {n.attr('dim')!r}, {n.attr('keepdim')!r})"
+    # torch sums small ints and bools into int64; the program's type says otherwise.
+    if not n.type.dtype.is_float and n.type.dtype is not DType.int64:
+        e += f".to({_dtype(n.type.dtype)})"
+    return e
+
+
+def _dropout_expr(n: Node, a: list[str], geo: GeoRef) -> str:
+    rows = geo(n, "rows")
+    return (
+        f"_ops.apply_dropout({a[0]}, {n.attr('p')!r}, {a[1]}, {a[2]}, "
+        f"{geo(n, 'shapes')}, {geo(n, 'offsets')}{', ' + rows if rows else ''})"
+    )
+
+
+_EXPRESSIONS: dict[Lowering, Callable[[Node, list[str], GeoRef], str]] = {
+    Lowering.CAST: lambda n, a, geo: f"{a[0]}.to({_dtype(n.type.dtype)})",
+    Lowering.DROPOUT: _dropout_expr,
+    Lowering.POINTWISE: lambda n, a, geo: f"_{n.op.value}({', '.join(a)})",
+    Lowering.REDUCTION: _reduction_expr,
+    Lowering.MATMUL: lambda n, a, geo: f"torch.matmul({a[0]}, {a[1]})",
+    Lowering.SCATTER: lambda n, a, geo: f"{a[0]}.narrow({n.type.layout.dim}, *{geo(n, 'bounds')})",
+}
+
+_ARGUMENTS: dict[Arg, Callable[[Node, Start, GeoRef], list[str]]] = {
+    Arg.REDUCE_OP: lambda n, s, geo: [f"ReduceOp.{n.attr('reduce_op').name}"],
+    Arg.DIM: lambda n, s, geo: [f"dim={n.type.layout.dim}"],
+    Arg.GATHER_DIM: lambda n, s, geo: [
+        f"dim={n.inputs[0].type.layout.dim}",
+        f"parts={geo(n, 'parts')}",
+    ],
+    Arg.ROOT: lambda n, s, geo: [f"root={n.attr('root')}"],
+    Arg.AXIS: lambda n, s, geo: [f"axis={n.attr('axis')!r}"],
+    Arg.DONATE: lambda n, s, geo: [f"donate={s.donate}"],
+}
 
 
 def _call(target: str, fn: str, args: Sequence[str], width: int = 96) -> list[str]:

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from coconet.ir.chunks import ChunkPlan, chunk_rows, local_rows
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
+from coconet.ir.opspec import Arg, Lowering, spec
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, Shape, format_shape, slice_bounds
-from coconet.sim.chunked import ChunkPlan, chunk_rows, local_rows
 
 __all__ = ["Geometry", "bind_sizes", "geometry", "resolve_shape"]
 
@@ -38,7 +39,7 @@ class Geometry:
       ``chunk_rows`` (this rank's local rows of a value read in chunks), ``chunk_global_rows``
       (their global rows, for dropout), ``chunk_bounds`` and ``chunk_parts`` (scatter and
       all_gather of a chunk); ``chunk_order`` puts a member's chunks back in row order (None when
-      they are consecutive). The chunks are the simulator's (``coconet.sim.chunked``).
+      they are consecutive). The chunks are the simulator's (``coconet.ir.chunks``).
     """
 
     sizes: dict[str, int] = field(default_factory=dict)
@@ -128,19 +129,20 @@ def geometry(program: Program, mesh: Mesh, rank: int, sizes: Mapping[str, int]) 
     """The sizes the generated code needs on ``rank``, given the bound Dim ``sizes``."""
     geo = Geometry(sizes=dict(sizes))
     for node in program.nodes:
-        if node.op is Op.SCATTER:
+        form = spec(node.op)
+        if form.lowering is Lowering.SCATTER:  # its bounds
             lay = node.type.layout
             total = resolve_shape(node.type.shape, sizes)[lay.dim]
             lo, hi = _bounds(mesh, rank, lay.axis, total)
             geo.bounds[node.name] = (lo, hi - lo)
-        elif node.op is Op.ALL_GATHER:
+        elif Arg.GATHER_DIM in form.arguments:  # the parts it gathers
             src = node.inputs[0].type.layout
             total = resolve_shape(node.type.shape, sizes)[src.dim]
             n = mesh.axis_size(src.axis)
             geo.parts[node.name] = tuple(
                 hi - lo for lo, hi in (slice_bounds(total, n, i) for i in range(n))
             )
-        elif node.op is Op.DROPOUT:
+        elif form.lowering is Lowering.DROPOUT:  # the block's place in the whole tensor
             gshape = resolve_shape(node.type.shape, sizes)
             offs = [0] * len(gshape)
             lay = node.type.layout
@@ -180,7 +182,8 @@ def _chunk_geometry(
         order = torch.cat([local for local, _ in pairs])
         consecutive = torch.equal(order, torch.arange(held, dtype=order.dtype))
         geo.chunk_order[key] = None if consecutive else order
-        if node.op is Op.SCATTER and name in group.members:
+        form = spec(node.op)
+        if form.lowering is Lowering.SCATTER and name in group.members:
             # this rank's part of the chunk of the whole input (rows of every rank's block)
             lay = node.type.layout
             whole = resolve_shape(node.inputs[0].type.shape, sizes)[0]
@@ -192,7 +195,7 @@ def _chunk_geometry(
                 )
                 for c in range(plan.chunks)
             )
-        elif node.op is Op.ALL_GATHER and name in group.members:
+        elif Arg.GATHER_DIM in form.arguments and name in group.members:
             axis = node.inputs[0].type.layout.axis
             n = mesh.axis_size(axis)
             geo.chunk_parts[key] = tuple(

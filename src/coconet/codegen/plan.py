@@ -2,7 +2,7 @@
 
 A step is one of
 
-- ``Compute(node)``: one local op, evaluated with the simulator's meaning (``sim.local_ops``);
+- ``Compute(node)``: one local op, with the meaning the simulator uses (``coconet.ir.semantics``);
 - ``Kernel``: a run of computations of one ``fuse`` group, written as one function that the
   runtime compiles with ``torch.compile`` (or runs eagerly when fused kernels are off);
 - ``Start(node)`` / ``Wait(node)``: an asynchronous collective, started as soon as its input is
@@ -21,18 +21,16 @@ import heapq
 from dataclasses import dataclass, replace
 
 from coconet.errors import CodegenError
+from coconet.ir.chunks import read_in_chunks
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.node import Node
 from coconet.ir.ops import (
-    COLLECTIVES,
     COMMUNICATION,
     LEAVES,
-    POINTWISE,
-    REDUCTIONS,
     Op,
 )
+from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
-from coconet.sim.chunked import read_in_chunks
 
 __all__ = [
     "KERNEL_OPS",
@@ -49,10 +47,10 @@ __all__ = [
 
 # Ops a fused kernel may contain: local computation with no communication and no rank geometry
 # other than what is passed in as arguments.
-KERNEL_OPS = POINTWISE | REDUCTIONS | {Op.MATMUL}
+KERNEL_OPS = ops_with(Prop.KERNEL)
 
 # Ops whose result is a new tensor that no one else holds, so a collective may reuse its buffer.
-_FRESH = (POINTWISE - {Op.CAST}) | REDUCTIONS | {Op.MATMUL} | COLLECTIVES | {Op.SEND}
+_FRESH = ops_with(Prop.FRESH)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from coconet.ir.ops import ReduceOp
-from coconet.sim.local_ops import reduce_values
+from coconet.ir.semantics import reduce_values
 
 __all__ = [
     "ALL_GATHER",

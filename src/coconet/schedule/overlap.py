@@ -29,26 +29,15 @@ from typing import Any
 from coconet.errors import ScheduleError
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.node import Node
-from coconet.ir.ops import COMMUNICATION, POINTWISE, REDUCTIONS, Op
+from coconet.ir.ops import COMMUNICATION, REDUCTIONS, Op
+from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
 from coconet.schedule.fuse import check_no_cycle
 from coconet.schedule.graph import group_members, rewrite
 
 __all__ = ["apply_overlap", "check_overlap"]
 
-_ROWWISE = (
-    POINTWISE
-    | {
-        Op.MATMUL,
-        Op.ALL_REDUCE,
-        Op.REDUCE_SCATTER,
-        Op.ALL_GATHER,
-        Op.SEND,
-        Op.SCATTER,
-        Op.BROADCAST,
-    }
-    | REDUCTIONS
-)
+_ROWWISE = ops_with(Prop.ROWWISE)
 
 
 def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[Node]:

@@ -31,13 +31,14 @@ from typing import Any
 
 from coconet.errors import ScheduleError
 from coconet.ir.node import Node
-from coconet.ir.ops import POINTWISE, REDUCTIONS, Op, ReduceOp
+from coconet.ir.ops import REDUCTIONS, Op, ReduceOp
+from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
 from coconet.schedule.graph import fresh_name, new_node, resolve, rewrite
 
 __all__ = ["REORDERABLE", "apply_reorder", "check_reorder"]
 
-REORDERABLE = POINTWISE | REDUCTIONS | {Op.SEND}
+REORDERABLE = ops_with(Prop.REORDERABLE)
 
 
 def check_reorder(

@@ -42,15 +42,15 @@ from __future__ import annotations
 
 from coconet.ir.group import GroupKind
 from coconet.ir.node import Node
-from coconet.ir.ops import Op
+from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
 
 __all__ = ["REASSOCIATING", "SHAPE_DEPENDENT_ROUNDING", "SHAPE_SENSITIVE", "reassociations"]
 
 # Ops whose additions run in an order that depends on the operand's shape and the kernel chosen.
-REASSOCIATING = frozenset({Op.SUM, Op.NORM, Op.MATMUL})
+REASSOCIATING = ops_with(Prop.REASSOCIATES)
 # Pointwise ops that are not correctly rounded: vectorized and scalar kernels differ in last bits.
-SHAPE_DEPENDENT_ROUNDING = frozenset({Op.EXP, Op.LOG, Op.GELU, Op.POW})
+SHAPE_DEPENDENT_ROUNDING = ops_with(Prop.ROUNDS_PER_KERNEL)
 SHAPE_SENSITIVE = REASSOCIATING | SHAPE_DEPENDENT_ROUNDING
 
 

@@ -1,9 +1,10 @@
 """The reference interpreter: any Program on N virtual ranks, in one process.
 
 Each value is a list of per-rank torch tensors. Computation runs per rank with the local meaning
-of each op (``local_ops``); communication moves and reduces those tensors between the virtual
-ranks of each mesh group, in rank order. This interpreter defines what a coconet program means;
-schedules, generated code and the distributed runtime are all checked against it.
+of each op (``coconet.ir.semantics``, reached through its ``coconet.ir.opspec``); communication
+moves and reduces those tensors between the virtual ranks of each mesh group, in rank order
+(``semantics.COLLECTIVES``). This interpreter defines what a coconet program means; schedules,
+generated code and the distributed runtime are all checked against it.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from typing import Any
 import torch
 
 from coconet.errors import SimulationError
+from coconet.ir import semantics
+from coconet.ir.chunks import ChunkPlan
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
-from coconet.ir.ops import COLLECTIVES, POINTWISE, REDUCTIONS, Op
+from coconet.ir.ops import Op
+from coconet.ir.opspec import Lowering, spec
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, Layout, Shape, format_shape, slice_bounds
-from coconet.sim import local_ops
-from coconet.sim.chunked import ChunkPlan
 
 __all__ = ["SimResult", "simulate"]
 
@@ -288,84 +290,84 @@ class _Simulator:
         when a chunk of an overlapped chain is evaluated."""
         values = self.values if values is None else values
         args = [values[i.name] for i in node.inputs]
-        op = node.op
-        ranks = range(self.world)
-        if op is Op.CONST:
-            t = torch.tensor(node.attr("value"), dtype=node.type.dtype.torch)
-            return [t] * self.world
-        if op is Op.CAST:
-            return [a.to(node.type.dtype.torch) for a in args[0]]
-        if op is Op.DROPOUT:
-            gshape = self.shape(node.type.shape)
-            return [
-                local_ops.apply_dropout(
-                    args[0][r],
-                    node.attr("p"),
-                    int(args[1][r]),
-                    int(args[2][r]),
-                    gshape,
-                    self.offsets(node, r),
-                    rows[r] if rows else None,
-                )
-                for r in ranks
-            ]
-        if op in POINTWISE:
-            fn = local_ops.POINTWISE[op]
-            return [fn(*(a[r] for a in args)) for r in ranks]
-        if op in REDUCTIONS:
-            return [
-                local_ops.reduction(op, args[0][r], node.attr("dim"), node.attr("keepdim"))
-                for r in ranks
-            ]
-        if op is Op.MATMUL:
-            return [torch.matmul(args[0][r], args[1][r]) for r in ranks]
-        if op in COLLECTIVES:
-            return self.collective(node, args[0])
-        if op is Op.SEND:
-            return self.send(node, args[0])
-        if op is Op.SCATTER:
-            dim = node.type.layout.dim
-            out = []
-            for r in ranks:
-                lo, hi = self.slice_range(node.type.layout, args[0][r].shape[dim], r)
-                out.append(args[0][r].narrow(dim, lo, hi - lo).clone())
-            return out
-        if op is Op.UPDATE:
-            target, value = args
-            return [value[r].expand_as(target[r]).clone() for r in ranks]
-        raise NotImplementedError(f"simulator has no rule for {op}")  # pragma: no cover
+        return self._BY_LOWERING[spec(node.op).lowering](self, node, args, rows)
 
-    def collective(self, node: Node, x: PerRank) -> PerRank:
-        op = node.op
-        axis = node.attr("axis")
-        out: PerRank = [torch.empty(0)] * self.world
-        for group in self.mesh.groups(axis):
-            vals = [x[r] for r in group]
-            if op is Op.ALL_REDUCE:
-                total = local_ops.reduce_values(node.attr("reduce_op"), vals)
-                for r in group:
-                    out[r] = total.clone()
-            elif op is Op.REDUCE_SCATTER:
-                total = local_ops.reduce_values(node.attr("reduce_op"), vals)
-                dim = node.type.layout.dim
-                for i, r in enumerate(group):
-                    lo, hi = slice_bounds(total.shape[dim], len(group), i)
-                    out[r] = total.narrow(dim, lo, hi - lo).clone()
-            elif op is Op.ALL_GATHER:
-                dim = node.inputs[0].type.layout.dim
-                whole = torch.cat(vals, dim=dim)
-                for r in group:
-                    out[r] = whole.clone()
-            elif op is Op.BROADCAST:
-                root = self._root(node, group)
-                for r in group:
-                    out[r] = x[group[root]].clone()
-            elif op is Op.REDUCE:
-                root = self._root(node, group)
-                total = local_ops.reduce_values(node.attr("reduce_op"), vals)
-                for i, r in enumerate(group):
-                    out[r] = total.clone() if i == root else torch.zeros_like(total)
+    # -- one method per lowering form (coconet.ir.opspec.Lowering) ------------------------------
+
+    def _leaf(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        if node.op is Op.INPUT:  # pragma: no cover - inputs are bound before evaluation
+            raise SimulationError(f"input {node.name} was evaluated, not bound", op="input")
+        t = torch.tensor(node.attr("value"), dtype=node.type.dtype.torch)
+        return [t] * self.world
+
+    def _cast(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        return [a.to(node.type.dtype.torch) for a in args[0]]
+
+    def _dropout(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        gshape = self.shape(node.type.shape)
+        return [
+            semantics.apply_dropout(
+                args[0][r],
+                node.attr("p"),
+                int(args[1][r]),
+                int(args[2][r]),
+                gshape,
+                self.offsets(node, r),
+                rows[r] if rows else None,
+            )
+            for r in range(self.world)
+        ]
+
+    def _pointwise(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        fn = spec(node.op).local
+        return [fn(*(a[r] for a in args)) for r in range(self.world)]
+
+    def _reduction(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        dim, keepdim = node.attr("dim"), node.attr("keepdim")
+        return [semantics.reduction(node.op, x, dim, keepdim) for x in args[0]]
+
+    def _matmul(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        return [torch.matmul(a, b) for a, b in zip(args[0], args[1], strict=True)]
+
+    def _scatter(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        dim = node.type.layout.dim
+        out = []
+        for r in range(self.world):
+            lo, hi = self.slice_range(node.type.layout, args[0][r].shape[dim], r)
+            out.append(args[0][r].narrow(dim, lo, hi - lo).clone())
         return out
+
+    def _update(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        target, value = args
+        return [value[r].expand_as(target[r]).clone() for r in range(self.world)]
+
+    def _collective(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        """The op's group meaning (``semantics.COLLECTIVES``) on each group of its axis."""
+        x = args[0]
+        meaning = semantics.COLLECTIVES[node.op]
+        out: PerRank = [torch.empty(0)] * self.world
+        for group in self.mesh.groups(node.attr("axis")):
+            if node.op in (Op.BROADCAST, Op.REDUCE):
+                self._root(node, group)
+            for r, value in zip(group, meaning(node, [x[r] for r in group]), strict=True):
+                out[r] = value
+        return out
+
+    def _point_to_point(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        return self.send(node, args[0])
+
+    _BY_LOWERING = {
+        Lowering.LEAF: _leaf,
+        Lowering.CAST: _cast,
+        Lowering.DROPOUT: _dropout,
+        Lowering.POINTWISE: _pointwise,
+        Lowering.REDUCTION: _reduction,
+        Lowering.MATMUL: _matmul,
+        Lowering.SCATTER: _scatter,
+        Lowering.UPDATE: _update,
+        Lowering.COLLECTIVE: _collective,
+        Lowering.POINT_TO_POINT: _point_to_point,
+    }
 
     def _root(self, node: Node, group: list[int]) -> int:
         root = node.attr("root")

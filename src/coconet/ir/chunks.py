@@ -15,7 +15,7 @@ import torch
 from coconet.ir.group import Group
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
-from coconet.ir.ops import REDUCTIONS, Op
+from coconet.ir.opspec import Lowering, spec
 from coconet.ir.types import slice_bounds
 
 __all__ = ["ChunkPlan", "assemble_rows", "chunk_rows", "local_rows", "read_in_chunks"]
@@ -42,12 +42,10 @@ def read_in_chunks(consumer: Node, k: int, value: Node, members: set[str], rows)
     """
     if value.name in members:
         return True
-    if consumer.op is Op.MATMUL and k == 1:
-        return False  # the weight
-    if consumer.op is Op.DROPOUT and k > 0:
-        return False  # seed, step
+    if k in spec(consumer.op).whole_operands:
+        return False  # a matmul's weight, dropout's seed and step
     ty = value.type
-    if consumer.op in REDUCTIONS:
+    if spec(consumer.op).lowering is Lowering.REDUCTION:
         # Overlap only admits reductions that keep the rows: the operand's rows are the
         # result's, whatever the ranks (``sum(x[B, H], dim=1)`` is [B]).
         return ty.rank > 0 and ty.shape[0] == rows and ty.shape[0] != 1

@@ -1,7 +1,8 @@
-"""What each computation op does to one rank's tensors (plain torch), and how values reduce.
+"""What each op does to tensors (plain torch): one rank's computation, one group's collective.
 
-The simulator applies these per virtual rank; generated code calls the same functions, so there is
-one definition of each op's local meaning.
+The simulator applies these per virtual rank and per group; generated code calls the same local
+functions, so there is one definition of each op's meaning (``coconet.ir.opspec`` points here).
+Reductions across ranks run in rank order (``reduce_values``): the order the simulator defines.
 """
 
 from __future__ import annotations
@@ -12,9 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.types import slice_bounds
 from coconet.random import dropout_mask
 
-__all__ = ["POINTWISE", "apply_dropout", "combine", "reduce_values", "reduction"]
+__all__ = [
+    "COLLECTIVES",
+    "POINTWISE",
+    "apply_dropout",
+    "combine",
+    "reduce_values",
+    "reduction",
+]
 
 POINTWISE: dict[Op, Callable[..., torch.Tensor]] = {
     Op.NEG: torch.neg,
@@ -96,3 +105,47 @@ def reduce_values(op: ReduceOp, values: Sequence[torch.Tensor]) -> torch.Tensor:
     for v in values[1:]:
         acc = combine(op, acc, v)
     return acc
+
+
+# -- collectives: the values of one group (in group-rank order) -> each member's result ---------
+# The simulator runs these per mesh group; they are what every transport must compute (bitwise
+# with rank-ordered reductions). ``root`` is a group rank, checked by the caller.
+
+
+def _all_reduce(node, vals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    total = reduce_values(node.attr("reduce_op"), vals)
+    return [total.clone() for _ in vals]
+
+
+def _reduce_scatter(node, vals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    total = reduce_values(node.attr("reduce_op"), vals)
+    dim = node.type.layout.dim
+    out = []
+    for i in range(len(vals)):
+        lo, hi = slice_bounds(total.shape[dim], len(vals), i)
+        out.append(total.narrow(dim, lo, hi - lo).clone())
+    return out
+
+
+def _all_gather(node, vals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    whole = torch.cat(list(vals), dim=node.inputs[0].type.layout.dim)
+    return [whole.clone() for _ in vals]
+
+
+def _broadcast(node, vals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [vals[node.attr("root")].clone() for _ in vals]
+
+
+def _reduce(node, vals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    total = reduce_values(node.attr("reduce_op"), vals)
+    root = node.attr("root")
+    return [total.clone() if i == root else torch.zeros_like(total) for i in range(len(vals))]
+
+
+COLLECTIVES: dict[Op, Callable[..., list[torch.Tensor]]] = {
+    Op.ALL_REDUCE: _all_reduce,
+    Op.REDUCE_SCATTER: _reduce_scatter,
+    Op.ALL_GATHER: _all_gather,
+    Op.BROADCAST: _broadcast,
+    Op.REDUCE: _reduce,
+}

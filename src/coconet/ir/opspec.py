@@ -1,0 +1,310 @@
+"""One place per op: its typing rule, local meaning, lowering, cost model and properties.
+
+Every layer reads what it needs of an op from its ``OpSpec`` (``spec(op)``), never from an
+ad-hoc set or an if-chain over ops of its own:
+
+- the **typing rule** (``rule``): dtype, global shape and layout (``coconet.ir.rules``);
+- the **local meaning** (``local``): what a computation op does to one rank's tensors
+  (``coconet.ir.semantics``), shared by the simulator and the generated code; collectives have
+  their group meaning there too (``semantics.COLLECTIVES``);
+- the **lowering** (``lowering``: the form of code the emitter writes and the simulator runs) and,
+  for communication, the **transport operation** it calls (``transport``) with the arguments it
+  passes (``arguments``);
+- the **cost model**: ``sent`` (bytes a rank sends, ring algorithms; ``coconet.accounting``) and
+  ``work`` (bytes read and written and flops of the local computation, for cost models);
+- its **properties** (``Prop``): row-wise (``overlap`` may chunk it), kernel-able (may be part of
+  a fused kernel), fresh result (a collective may reuse its buffer), reorderable (may run on
+  slices before an all_gather), communicates, and the exactness classes of
+  ``coconet.sim.exactness``.
+
+A new op is its ``Op`` member, its typing rule, its local meaning, one ``OpSpec`` below and its DSL
+function; a new collective also needs each transport's implementation. The check at the end of
+this module names any op that lacks a part it needs, at import.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from coconet.ir import semantics
+from coconet.ir.ops import BINARY, UNARY, Op
+from coconet.ir.rules import RULES
+from coconet.ir.types import Layout, Sliced, TensorType
+
+if TYPE_CHECKING:
+    from coconet.ir.mesh import Mesh
+    from coconet.ir.node import Node
+
+__all__ = [
+    "SPECS",
+    "Arg",
+    "Lowering",
+    "OpSpec",
+    "Prop",
+    "Sizes",
+    "Work",
+    "missing_parts",
+    "ops_with",
+    "spec",
+]
+
+
+class Lowering(enum.Enum):
+    """The form of an op in generated code (and in the simulator's dispatch)."""
+
+    LEAF = "leaf"  # an input or a constant: nothing to compute
+    POINTWISE = "pointwise"  # local(*operands), elementwise with broadcasting
+    CAST = "cast"  # a dtype conversion
+    DROPOUT = "dropout"  # the counter-based mask needs the block's place in the whole tensor
+    REDUCTION = "reduction"  # semantics.reduction(op, x, dim, keepdim)
+    MATMUL = "matmul"
+    SCATTER = "scatter"  # this rank's slice: a view of its bounds
+    UPDATE = "update"  # committed by the runtime after the step
+    COLLECTIVE = "collective"  # a transport start/wait pair over a group
+    POINT_TO_POINT = "point_to_point"  # a send along a mesh axis, start/wait
+
+
+class Prop(enum.Flag):
+    NONE = 0
+    ROWWISE = enum.auto()  # row r of the result reads row r of its row-carrying operands
+    KERNEL = enum.auto()  # local computation a fused kernel may contain
+    FRESH = enum.auto()  # the result is a new tensor no one else holds
+    REORDERABLE = enum.auto()  # may run on slices, before the all_gather (``reorder``)
+    COMMUNICATES = enum.auto()  # moves data between ranks
+    REASSOCIATES = enum.auto()  # its additions' order depends on the operand's shape and kernel
+    ROUNDS_PER_KERNEL = enum.auto()  # not correctly rounded: vector and scalar loops differ
+
+
+class Arg(enum.Enum):
+    """An argument a communication op passes to its transport operation, besides its input."""
+
+    REDUCE_OP = "reduce_op"  # the ReduceOp
+    DIM = "dim"  # the dim the result is sliced along (reduce_scatter)
+    GATHER_DIM = "gather_dim"  # the dim the input is sliced along (all_gather), and its parts
+    ROOT = "root"  # the group rank that holds or receives the value
+    AXIS = "axis"  # the mesh axis of the group
+    DONATE = "donate"  # whether the transport may overwrite its input (a temporary)
+
+
+class Sizes(Protocol):
+    """Concrete sizes of a program's values on a mesh (what ``sent`` and ``work`` measure)."""
+
+    mesh: Mesh
+
+    def full_bytes(self, ty: TensorType) -> int: ...
+
+    def slice_bytes(self, ty: TensorType, layout: Layout, rank: int) -> int: ...
+
+    def local_bytes(self, ty: TensorType, rank: int) -> int: ...
+
+    def local_numel(self, ty: TensorType, rank: int) -> int: ...
+
+    def local_shape(self, ty: TensorType, rank: int) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True)
+class Work:
+    """The local computation of one op on one rank: bytes it reads and writes, and flops."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    flops: int = 0
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    op: Op
+    lowering: Lowering
+    props: Prop = Prop.NONE
+    local: Callable | None = None  # the per-rank meaning of a POINTWISE op
+    transport: str | None = None  # the transport operation a communication op starts
+    arguments: tuple[Arg, ...] = ()  # what it passes besides its input, in this order
+    sent: Callable[[Node, Sizes, int], int] | None = None  # bytes a rank sends (communication)
+    work: Callable[[Node, Sizes, int], Work] | None = None  # local bytes and flops (computation)
+    # operands read whole when the op runs chunk by chunk (``overlap``): a matmul's weight,
+    # dropout's seed and step; the others are chunked with the chain's rows
+    whole_operands: frozenset[int] = frozenset()
+
+    @property
+    def rule(self) -> Callable:
+        """The typing rule (``coconet.ir.rules``)."""
+        return RULES[self.op]
+
+    def has(self, prop: Prop) -> bool:
+        return prop in self.props
+
+
+# -- cost models ----------------------------------------------------------------------------------
+
+
+def _elementwise_work(node: Node, sizes: Sizes, rank: int) -> Work:
+    out = sizes.local_numel(node.type, rank)
+    read = sum(sizes.local_bytes(i.type, rank) for i in node.inputs)
+    return Work(read, sizes.local_bytes(node.type, rank), out)
+
+
+def _reduction_work(node: Node, sizes: Sizes, rank: int) -> Work:
+    (x,) = node.inputs
+    flops = sizes.local_numel(x.type, rank) * (2 if node.op is Op.NORM else 1)
+    return Work(sizes.local_bytes(x.type, rank), sizes.local_bytes(node.type, rank), flops)
+
+
+def _matmul_work(node: Node, sizes: Sizes, rank: int) -> Work:
+    a, b = node.inputs
+    contracted = sizes.local_shape(a.type, rank)[-1]
+    flops = 2 * sizes.local_numel(node.type, rank) * contracted
+    read = sizes.local_bytes(a.type, rank) + sizes.local_bytes(b.type, rank)
+    return Work(read, sizes.local_bytes(node.type, rank), flops)
+
+
+def _no_work(node: Node, sizes: Sizes, rank: int) -> Work:
+    return Work()
+
+
+def _ring_sent(node: Node, sizes: Sizes, rank: int) -> int:
+    """Ring algorithms: reduce_scatter and all_gather send S - s, all_reduce 2 (S - s)."""
+    axis = node.attr("axis")
+    if sizes.mesh.axis_size(axis) == 1:
+        return 0
+    if node.type.rank == 0:  # a scalar all_reduce: its element out and back
+        return 2 * node.type.dtype.itemsize
+    if node.op is Op.REDUCE_SCATTER:
+        sliced = node.type.layout
+    elif node.op is Op.ALL_GATHER:
+        sliced = node.inputs[0].type.layout
+    else:
+        sliced = Sliced(0, axis)
+    once = sizes.full_bytes(node.type) - sizes.slice_bytes(node.type, sliced, rank)
+    return 2 * once if node.op is Op.ALL_REDUCE else once
+
+
+def _rooted_sent(node: Node, sizes: Sizes, rank: int) -> int:
+    """broadcast and reduce forward the whole tensor once (nothing in a group of one)."""
+    return sizes.full_bytes(node.type) if sizes.mesh.axis_size(node.attr("axis")) > 1 else 0
+
+
+def _send_sent(node: Node, sizes: Sizes, rank: int) -> int:
+    """A stage sends its own value to the next stage; the last stage sends nothing."""
+    axis = node.attr("axis")
+    last = sizes.mesh.axis_size(axis) - 1
+    return (
+        0
+        if sizes.mesh.index_in(rank, axis) == last
+        else sizes.local_bytes(node.inputs[0].type, rank)
+    )
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+_COMPUTE = Prop.KERNEL | Prop.FRESH | Prop.ROWWISE | Prop.REORDERABLE
+_ROUNDS = frozenset({Op.EXP, Op.LOG, Op.GELU, Op.POW})
+
+
+def _pointwise(op: Op) -> OpSpec:
+    if op is Op.CAST:
+        # a cast to the same dtype returns its operand: not a fresh tensor
+        return OpSpec(op, Lowering.CAST, _COMPUTE & ~Prop.FRESH, work=_elementwise_work)
+    if op is Op.DROPOUT:
+        return OpSpec(
+            op, Lowering.DROPOUT, _COMPUTE, work=_elementwise_work, whole_operands=frozenset({1, 2})
+        )
+    props = _COMPUTE | (Prop.ROUNDS_PER_KERNEL if op in _ROUNDS else Prop.NONE)
+    return OpSpec(op, Lowering.POINTWISE, props, semantics.POINTWISE[op], work=_elementwise_work)
+
+
+def _collective(
+    op: Op, *arguments: Arg, donate: bool = True, sent=_ring_sent, rowwise: bool = True
+) -> OpSpec:
+    props = Prop.COMMUNICATES | Prop.FRESH | (Prop.ROWWISE if rowwise else Prop.NONE)
+    return OpSpec(
+        op,
+        Lowering.COLLECTIVE,
+        props,
+        transport=op.value,
+        arguments=(*arguments, Arg.AXIS, *((Arg.DONATE,) if donate else ())),
+        sent=sent,
+        work=_no_work,
+    )
+
+
+SPECS: dict[Op, OpSpec] = {
+    Op.INPUT: OpSpec(Op.INPUT, Lowering.LEAF),
+    Op.CONST: OpSpec(Op.CONST, Lowering.LEAF),
+    **{op: _pointwise(op) for op in UNARY | BINARY | {Op.WHERE}},
+    **{
+        op: OpSpec(
+            op,
+            Lowering.REDUCTION,
+            _COMPUTE | (Prop.REASSOCIATES if op is not Op.MAX else Prop.NONE),
+            work=_reduction_work,
+        )
+        for op in (Op.SUM, Op.MAX, Op.NORM)
+    },
+    # Not reorderable: a matmul's operands are sliced by its own layout rules, not by reorder.
+    Op.MATMUL: OpSpec(
+        Op.MATMUL,
+        Lowering.MATMUL,
+        Prop.KERNEL | Prop.FRESH | Prop.ROWWISE | Prop.REASSOCIATES,
+        work=_matmul_work,
+        whole_operands=frozenset({1}),
+    ),
+    Op.ALL_REDUCE: _collective(Op.ALL_REDUCE, Arg.REDUCE_OP),
+    Op.REDUCE_SCATTER: _collective(Op.REDUCE_SCATTER, Arg.REDUCE_OP, Arg.DIM),
+    # an all_gather's input is a slice it copies from: never donated
+    Op.ALL_GATHER: _collective(Op.ALL_GATHER, Arg.GATHER_DIM, donate=False),
+    Op.BROADCAST: _collective(Op.BROADCAST, Arg.ROOT, sent=_rooted_sent),
+    # reduce leaves zeros on the other ranks: not row-wise for overlap
+    Op.REDUCE: _collective(Op.REDUCE, Arg.REDUCE_OP, Arg.ROOT, sent=_rooted_sent, rowwise=False),
+    Op.SEND: OpSpec(
+        Op.SEND,
+        Lowering.POINT_TO_POINT,
+        Prop.COMMUNICATES | Prop.FRESH | Prop.ROWWISE | Prop.REORDERABLE,
+        transport="send",
+        arguments=(Arg.AXIS,),
+        sent=_send_sent,
+        work=_no_work,
+    ),
+    Op.SCATTER: OpSpec(Op.SCATTER, Lowering.SCATTER, Prop.ROWWISE, work=_no_work),
+    Op.UPDATE: OpSpec(Op.UPDATE, Lowering.UPDATE),
+}
+
+
+def spec(op: Op) -> OpSpec:
+    """The spec of ``op``."""
+    return SPECS[op]
+
+
+def ops_with(prop: Prop) -> frozenset[Op]:
+    """Every op that has ``prop``."""
+    return frozenset(op for op, s in SPECS.items() if prop in s.props)
+
+
+def missing_parts() -> list[str]:
+    """What each op lacks, as sentences (empty when every op is complete)."""
+    problems = [f"{op} has no OpSpec" for op in Op if op not in SPECS]
+    for op, s in SPECS.items():
+        if s.op is not op:
+            problems.append(f"SPECS[{op}] describes {s.op}")
+        if op not in RULES:
+            problems.append(f"{op} has no typing rule (coconet.ir.rules.RULES)")
+        if s.lowering is Lowering.POINTWISE and s.local is None:
+            problems.append(f"{op} has no local meaning (coconet.ir.semantics.POINTWISE)")
+        if s.lowering is Lowering.COLLECTIVE and op not in semantics.COLLECTIVES:
+            problems.append(f"{op} has no group meaning (coconet.ir.semantics.COLLECTIVES)")
+        if s.has(Prop.COMMUNICATES) and (s.transport is None or s.sent is None):
+            problems.append(f"{op} communicates but names no transport operation or bytes model")
+        if s.lowering not in (Lowering.LEAF, Lowering.UPDATE) and s.work is None:
+            problems.append(f"{op} has no work model (bytes and flops)")
+    return problems
+
+
+_problems = missing_parts()  # checked at import: an incomplete op never gets as far as a test
+if _problems:  # pragma: no cover - an incomplete op is a bug in coconet itself
+    raise ImportError("incomplete op specs: " + "; ".join(_problems))

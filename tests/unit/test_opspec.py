@@ -1,0 +1,64 @@
+"""coconet.ir.opspec: one spec per op, complete, and the single source every layer reads."""
+
+from __future__ import annotations
+
+import pytest
+
+import coconet as cc
+from coconet.accounting import account
+from coconet.ir import semantics
+from coconet.ir.ops import COLLECTIVES, COMMUNICATION, POINTWISE, REDUCTIONS, Op
+from coconet.ir.opspec import SPECS, Lowering, Prop, missing_parts, ops_with, spec
+from coconet.ir.rules import RULES
+
+
+def test_every_op_has_a_complete_spec():
+    assert set(SPECS) == set(Op)
+    assert missing_parts() == []
+    for op, s in SPECS.items():
+        assert s.rule is RULES[op]
+
+
+def test_properties_match_the_op_groups():
+    """The sets that codegen, overlap and reorder used to keep for themselves."""
+    assert ops_with(Prop.KERNEL) == POINTWISE | REDUCTIONS | {Op.MATMUL}
+    assert ops_with(Prop.FRESH) == (POINTWISE - {Op.CAST}) | REDUCTIONS | {Op.MATMUL} | (
+        COLLECTIVES | {Op.SEND}
+    )
+    assert ops_with(Prop.REORDERABLE) == POINTWISE | REDUCTIONS | {Op.SEND}
+    assert ops_with(Prop.COMMUNICATES) == COMMUNICATION
+    assert Op.REDUCE not in ops_with(Prop.ROWWISE)
+    assert {Op.MATMUL, Op.SCATTER, Op.ALL_GATHER, Op.SEND} <= ops_with(Prop.ROWWISE)
+
+
+@pytest.mark.parametrize("op", sorted(COMMUNICATION, key=lambda o: o.value))
+def test_communication_names_its_transport_operation(op):
+    s = spec(op)
+    assert s.transport is not None and s.sent is not None
+    if s.lowering is Lowering.COLLECTIVE:
+        assert op in semantics.COLLECTIVES
+
+
+def test_work_model_counts_matmul_flops_and_pointwise_bytes():
+    B, H, H2 = cc.Dim("B"), cc.Dim("H"), cc.Dim("H2")
+    x = cc.Tensor("x", cc.float32, [B, H], cc.Replicated)
+    w = cc.Tensor("w", cc.float32, [H, H2], cc.Replicated)
+    y = cc.matmul(x, w).named("y")
+    z = (y + y).named("z")
+    prog = cc.Program("mm", [x, w], {"z": z})
+    acc = account(prog, 2, {"B": 4, "H": 8, "H2": 3})
+    (mm,) = {acc.work_by_node["y"][0]}
+    assert mm.flops == 2 * 4 * 3 * 8
+    assert mm.bytes_read == (4 * 8 + 8 * 3) * 4 and mm.bytes_written == 4 * 3 * 4
+    add = acc.work_by_node["z"][0]
+    assert add.flops == 12 and add.bytes_read == 2 * 12 * 4 and add.bytes_written == 12 * 4
+    assert acc.max_flops == mm.flops + add.flops
+
+
+def test_sliced_work_is_per_rank():
+    N = cc.Dim("N")
+    g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    rs = cc.reduce_scatter(g, name="g_rs")
+    prog = cc.Program("p", [g], {"h": (rs * 2.0).named("h")})
+    acc = account(prog, 3, {"N": 7})  # uneven: 3, 2, 2 elements
+    assert [w.flops for w in acc.work_by_node["h"]] == [3, 2, 2]
