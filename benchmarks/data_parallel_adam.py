@@ -151,7 +151,7 @@ class Coconet(Contender):
 
     def __init__(self, name, target, comm, p0, hp, cache_dir, **options) -> None:
         import coconet
-        from coconet.runtime import rank_inputs
+        from coconet.testing import rank_inputs
 
         self.name = name
         # Like ddp's all_reduce of its own .grad buffer, the step may reduce the gradient in
@@ -227,17 +227,14 @@ def worker(comm, cfg: dict) -> dict:
 
     # Collective algorithms: measured once here (coconet does it on first use otherwise), so that
     # the first-call times below are compilation, not tuning.
+    from coconet.ir.ops import Op
     from coconet.runtime.tuning import size_class
 
     t0 = time.perf_counter()
     cls = size_class(n * 4)
-    for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        comm.measure(op, cls)
+    tuned = (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER)
+    choices = {op.value: comm.measure(op, cls).to_json() for op in tuned}
     tuning_s = time.perf_counter() - t0
-    choices = {
-        op: vars(comm.table.get(op, cls, comm.backend, world))
-        for op in ("all_reduce", "reduce_scatter", "all_gather")
-    }
     if say:
         say(
             f"collective algorithms measured in {tuning_s:.1f} s: "

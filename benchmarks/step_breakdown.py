@@ -49,7 +49,8 @@ PHASES = [
 
 def worker(comm, cfg):
     import coconet
-    from coconet.runtime import handshake, rank_inputs
+    from coconet.runtime import handshake
+    from coconet.testing import rank_inputs
 
     torch.set_num_threads(cfg["threads"])
     n = cfg["params"]

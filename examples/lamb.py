@@ -39,7 +39,7 @@ import sys
 import torch
 
 import coconet as cc
-from coconet.runtime import run_distributed
+from coconet.testing import run_distributed
 from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
 
 # Import the examples' shared checking code (examples/_harness.py) however this file is loaded.

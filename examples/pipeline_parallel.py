@@ -33,7 +33,7 @@ import torch
 
 import coconet as cc
 from coconet.random import dropout_mask
-from coconet.runtime import run_distributed
+from coconet.testing import run_distributed
 from coconet.schedule import AR_P2P_C, RS_P2P_C_AG, ol_RS_fuse_P2P_C_AG
 
 # The all_reduce adds the ranks' partial sums in another order than one matmul does.

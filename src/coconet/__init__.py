@@ -59,8 +59,7 @@ from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Layout, Local, Replicated, Sliced
 from coconet.schedule import Schedule
 from coconet.sim import SimResult, simulate
-
-__version__ = "0.1.0"
+from coconet.version import __version__  # noqa: E402
 
 float32 = DType.float32
 float16 = DType.float16

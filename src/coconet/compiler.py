@@ -3,7 +3,7 @@
 ::
 
     comm = coconet.runtime.init()                       # reads torchrun's environment
-    step = coconet.compile(schedule)                    # or compile(program), fused_kernels=False
+    step = coconet.compile(schedule, comm=comm)         # or compile(program, ...), fused_kernels=False
     outputs = step(g=grad, p=param, m=m, v=v, lr=1e-3)  # updates p, m, v in place on success
 
 Compilation lowers the scheduled program to per-rank steps, writes them as a readable Python
@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import types
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from coconet.cache import build_key, keyed_cache_dir
@@ -31,38 +29,16 @@ from coconet.errors import CodegenError
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
+from coconet.options import CompileOptions
+from coconet.runtime.comm import Communicator
+from coconet.runtime.step import CompiledStep
+from coconet.runtime.transport import TransportKind
+from coconet.version import __version__
 
 __all__ = ["CompileOptions", "compile", "resolve_target"]
 
 # Bump when the generated code changes shape, so cached modules of older coconets are not reused.
 GENERATOR_VERSION = 2
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """What ``coconet.compile`` does.
-
-    - ``fused_kernels``: compile each fused group with torch.compile (False: run it eagerly, op by
-      op, for debugging; the results are the same up to floating-point contraction);
-    - ``device``: ``"cpu"`` or ``"cuda"``; None takes the communicator's (cpu on gloo);
-    - ``cache_dir``: the base of coconet's caches (generated modules, measured collective
-      choices, Inductor's kernels), each under a subdirectory keyed by torch version and CPU
-      (``coconet.cache``); None is ``$XDG_CACHE_HOME/coconet`` or ``~/.cache/coconet``;
-    - ``check_every_step``: exchange the program hash and input shapes at every step (one tiny
-      all_reduce), not only at the first; with False, shapes must not change between steps;
-    - ``commit_vote``: before committing updates, all ranks confirm that the step succeeded
-      everywhere (one tiny all_reduce), so that no rank commits a step that failed elsewhere;
-    - ``donate``: names of inputs the step may overwrite, as DDP does with gradients: a donated
-      input read only by a collective is reduced in place instead of on a copy. Its content is
-      undefined after the step, even after a failed one (the other inputs stay untouched).
-    """
-
-    fused_kernels: bool = True
-    device: str | None = None
-    cache_dir: str | Path | None = None
-    check_every_step: bool = True
-    commit_vote: bool = True
-    donate: tuple[str, ...] = ()
 
 
 # Generated modules of this process, by key: compiling the same thing twice reuses the module.
@@ -86,36 +62,34 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     target: Any,
     *,
     world: int | Mesh | None = None,
-    comm: Any = None,
+    comm: Communicator | None = None,
     options: CompileOptions | None = None,
     **overrides: Any,
-):
+) -> CompiledStep:
     """Compile ``target`` (a Program or Schedule) into a ``CompiledStep``.
 
-    The mesh comes from ``comm`` (a ``coconet.runtime.Communicator``), else from ``world`` (an int
-    or a Mesh; enough to generate and show code), else from the communicator
-    ``coconet.runtime.init()`` made. ``overrides`` set ``CompileOptions`` fields by name, e.g.
+    The mesh comes from ``comm`` (the ``coconet.runtime.Communicator`` that
+    ``coconet.runtime.init()`` returned: needed to run steps), else from ``world`` (an int or a
+    Mesh: enough to generate and show code). Nothing is taken from global state.
+    ``overrides`` set ``CompileOptions`` fields by name, e.g.
     ``compile(p, fused_kernels=False)``.
     """
-    from coconet import __version__
-    from coconet.runtime.launch import current
-    from coconet.runtime.step import CompiledStep
-
     program, schedule = resolve_target(target)
     options = _options(options, overrides)
     if comm is None and world is None:
-        comm = current()
-        if comm is None:
-            raise CodegenError(
-                "compile needs to know the ranks: no world= was given and "
-                "coconet.runtime.init() has not been called",
-                hint="call coconet.runtime.init() first, or pass world=N (or a Mesh) to only "
-                "generate the code",
-            )
+        raise CodegenError(
+            "compile needs to know the ranks: pass comm= (the communicator "
+            "coconet.runtime.init() returned) to run steps, or world=N (or a Mesh) to only "
+            "generate the code",
+            hint="comm = coconet.runtime.init(); step = coconet.compile(program, comm=comm)",
+        )
     mesh = _mesh(program, world, comm)
     device = options.device or (comm.device.type if comm is not None else "cpu")
     donate = _donated(program, options.donate)
-    key = _key(program, schedule + f"|donate={sorted(donate)}", mesh, device, __version__)
+    transport = (comm.transport.kind if comm is not None else TransportKind.TORCH_DISTRIBUTED).value
+    key = _key(
+        program, schedule + f"|donate={sorted(donate)}|{transport}", mesh, device, __version__
+    )
     module = _MODULES.get(key)
     source = None
     if module is None:
@@ -131,7 +105,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
             "Collectives start as soon as their inputs are ready and are waited for just",
             "before their first use.",
         ]
-        source = emit(plan, header)
+        source = emit(plan, header, transport)
         generated = keyed_cache_dir(options.cache_dir) / "generated"
         module = load_module(source, f"{program.name}_{key}", generated)
         module.__coconet_source__ = source

@@ -18,7 +18,8 @@ from examples_loader import load_example
 
 import coconet as cc
 from coconet.errors import RuntimeFault
-from coconet.runtime import CommOptions, Communicator, check_distributed
+from coconet.runtime import CommOptions, Communicator
+from coconet.testing import check_distributed
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
 LAYERS = ("tensor_parallel",)
@@ -180,7 +181,7 @@ def run_compiled(comm: Communicator, cache_dir: str) -> dict:
         )
     # A second step of the same compiled program reuses the kernel: no recompilation.
     step = cc.compile(schedule, comm=comm, cache_dir=cache_dir)
-    from coconet.runtime import rank_inputs
+    from coconet.testing import rank_inputs
 
     mine = rank_inputs(schedule.program, inputs, comm.mesh, comm.rank)
     t0 = time.perf_counter()
@@ -202,7 +203,7 @@ def _adam_case(comm, size=1000):
     program = adam.program()
     schedule = adam.SCHEDULES["fuse_RS_C_AG"](program)
     inputs = adam.make_inputs(comm.world, size, step=2)
-    from coconet.runtime import rank_inputs
+    from coconet.testing import rank_inputs
 
     mine = rank_inputs(schedule.program, inputs, comm.mesh, comm.rank)
     return schedule, mine
@@ -306,7 +307,7 @@ def handshake_faults(comm: Communicator) -> dict:
     sgd = load_example("sgd")
     other = sgd.program() if comm.rank == 1 else schedule
     other_inputs = (
-        __import__("coconet.runtime", fromlist=["rank_inputs"]).rank_inputs(
+        __import__("coconet.testing", fromlist=["rank_inputs"]).rank_inputs(
             sgd.program(), sgd.make_inputs(comm.world, 10), comm.mesh, comm.rank
         )
         if comm.rank == 1

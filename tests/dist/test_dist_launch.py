@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     g = cc.Tensor("g", cc.float32, [N], cc.Local)
     w = cc.Tensor("w", cc.float32, [N], cc.Replicated)
     prog = cc.Program("tiny", [g, w], {"total": cc.all_reduce(g), "wu": cc.update(w, w + 1.0)})
-    step = cc.compile(prog, fused_kernels=False)
+    step = cc.compile(prog, comm=comm, fused_kernels=False)
     w_t = torch.zeros(3)
     out = step(g=torch.full((3,), float(comm.rank + 1)), w=w_t)
     print(f"rank {comm.rank} of {comm.world}: total={out['total'].tolist()} w={w_t.tolist()} "

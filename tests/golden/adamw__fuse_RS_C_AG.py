@@ -70,12 +70,14 @@ KERNELS = {"fused_1": _kernel_fused_1}
 
 def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, step_):
     """One step on this rank: (outputs, updates); the caller commits."""
+    # p_slice = scatter(p, dim=0)  at examples/adamw.py:70
+    p_slice = p.narrow(0, *env.bounds['p_slice'])
+    # fused_collective_1: reduce_scatter g_sum_rs, kernel fused_1, all_gather p_new -- one fused
+    #   collective; torch.distributed runs its collectives and kernels one after the other
     # g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at examples/adamw.py:75
     g_sum_rs_work = comm.reduce_scatter_start(
         g, ReduceOp.SUM, dim=0, axis=None, donate=False, label='g_sum_rs'
     )
-    # p_slice = scatter(p, dim=0)  at examples/adamw.py:70
-    p_slice = p.narrow(0, *env.bounds['p_slice'])
     # mul_1 = mul(lr, weight_decay)  at examples/adamw.py:76
     mul_1 = _mul(lr, weight_decay)
     # sub_1 = sub(1, mul_1)  at examples/adamw.py:76
@@ -108,6 +110,7 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
         p_new_slice, dim=0, parts=env.parts['p_new'], axis=None, label='p_new'
     )
     p_new = comm.wait(p_new_work)
+    # end of fused_collective_1
     # update(p, p_new)  at examples/adamw.py:86  (committed after the step succeeds)
     # update(m, m_new_slice)  at examples/adamw.py:86  (committed after the step succeeds)
     # update(v, v_new_slice)  at examples/adamw.py:86  (committed after the step succeeds)

@@ -90,10 +90,6 @@ KERNELS = {"fused_1": _kernel_fused_1, "fused_2": _kernel_fused_2}
 
 def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, step_):
     """One step on this rank: (outputs, updates); the caller commits."""
-    # g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at examples/lamb.py:81
-    g_sum_rs_work = comm.reduce_scatter_start(
-        g, ReduceOp.SUM, dim=0, axis=None, donate=False, label='g_sum_rs'
-    )
     # p_slice = scatter(p, dim=0)  at examples/lamb.py:76
     p_slice = p.narrow(0, *env.bounds['p_slice'])
     # p_norm_sq = mul(p_slice, p_slice)  at examples/lamb.py:88
@@ -105,6 +101,12 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
         p_norm_partial, ReduceOp.SUM, axis=None, donate=True, label='p_norm_sumsq'
     )
     p_norm_sumsq = comm.wait(p_norm_sumsq_work)
+    # fused_collective_1: reduce_scatter g_sum_rs, kernel fused_1 -- one fused collective;
+    #   torch.distributed runs its collectives and kernels one after the other
+    # g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at examples/lamb.py:81
+    g_sum_rs_work = comm.reduce_scatter_start(
+        g, ReduceOp.SUM, dim=0, axis=None, donate=False, label='g_sum_rs'
+    )
     # p_norm = sqrt(p_norm_sumsq)  at examples/lamb.py:88
     p_norm = _sqrt(p_norm_sumsq)
     # gt_1 = gt(p_norm, 0)  at examples/lamb.py:92
@@ -128,11 +130,14 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     m_new_slice, v_new_slice, direction_slice, dir_norm_partial = kernels.fused_1(
         beta1, m, sub_1, g_sum_rs, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay, p_slice
     )
+    # end of fused_collective_1
     # dir_norm_sumsq = all_reduce(dir_norm_partial, reduce_op=sum)  at examples/lamb.py:89
     dir_norm_sumsq_work = comm.all_reduce_start(
         dir_norm_partial, ReduceOp.SUM, axis=None, donate=True, label='dir_norm_sumsq'
     )
     dir_norm_sumsq = comm.wait(dir_norm_sumsq_work)
+    # fused_collective_2: kernel fused_2, all_gather p_new -- one fused collective; torch.distributed
+    #   runs its collectives and kernels one after the other
     # dir_norm = sqrt(dir_norm_sumsq)  at examples/lamb.py:89
     dir_norm = _sqrt(dir_norm_sumsq)
     # gt_2 = gt(dir_norm, 0)  at examples/lamb.py:91
@@ -150,6 +155,7 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
         p_new_slice, dim=0, parts=env.parts['p_new'], axis=None, label='p_new'
     )
     p_new = comm.wait(p_new_work)
+    # end of fused_collective_2
     # update(p, p_new)  at examples/lamb.py:99  (committed after the step succeeds)
     # update(m, m_new_slice)  at examples/lamb.py:99  (committed after the step succeeds)
     # update(v, v_new_slice)  at examples/lamb.py:99  (committed after the step succeeds)

@@ -57,12 +57,14 @@ KERNELS = {"fused_1": _kernel_fused_1}
 
 def step(comm, env, kernels, g, p, buf, lr, momentum, dampening, weight_decay, step_):
     """One step on this rank: (outputs, updates); the caller commits."""
+    # p_slice = scatter(p, dim=0)  at examples/sgd.py:62
+    p_slice = p.narrow(0, *env.bounds['p_slice'])
+    # fused_collective_1: reduce_scatter g_sum_rs, kernel fused_1, all_gather p_new -- one fused
+    #   collective; torch.distributed runs its collectives and kernels one after the other
     # g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at examples/sgd.py:68
     g_sum_rs_work = comm.reduce_scatter_start(
         g, ReduceOp.SUM, dim=0, axis=None, donate=False, label='g_sum_rs'
     )
-    # p_slice = scatter(p, dim=0)  at examples/sgd.py:62
-    p_slice = p.narrow(0, *env.bounds['p_slice'])
     # eq_1 = eq(step, 1)  at examples/sgd.py:71
     eq_1 = _eq(step_, _c1)
     # sub_1 = sub(1, dampening)  at examples/sgd.py:72
@@ -78,6 +80,7 @@ def step(comm, env, kernels, g, p, buf, lr, momentum, dampening, weight_decay, s
         p_new_slice, dim=0, parts=env.parts['p_new'], axis=None, label='p_new'
     )
     p_new = comm.wait(p_new_work)
+    # end of fused_collective_1
     # update(p, p_new)  at examples/sgd.py:77  (committed after the step succeeds)
     # update(buf, buf_new_slice)  at examples/sgd.py:77  (committed after the step succeeds)
     return {}, {'p': p_new, 'buf': buf_new_slice}

@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 
 from coconet.codegen.names import Namer
-from coconet.codegen.plan import ChunkLoop, Compute, Kernel, Plan, Start, Wait
+from coconet.codegen.plan import ChunkLoop, Compute, FusedCollective, Kernel, Plan, Start, Wait
 from coconet.errors import CodegenError
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
@@ -32,14 +32,16 @@ _INDENT = "    "
 GeoRef = Callable[[Node, str], str]  # (node, "shapes"|"offsets"|"bounds"|"parts") -> code
 
 
-def emit(plan: Plan, header: Sequence[str]) -> str:
-    """The module's source. ``header`` lines go first, as comments (program, schedule, key...)."""
-    return _Emitter(plan).module(header)
+def emit(plan: Plan, header: Sequence[str], transport: str = "torch.distributed") -> str:
+    """The module's source. ``header`` lines go first, as comments (program, schedule, key...);
+    ``transport`` names what runs the collectives (said at each fused collective)."""
+    return _Emitter(plan, transport).module(header)
 
 
 class _Emitter:
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, transport: str) -> None:
         self.plan = plan
+        self.transport = transport
         self.program = plan.program
         namer = Namer()
         self.namer = namer
@@ -137,9 +139,11 @@ class _Emitter:
             f'{_INDENT}"""One step on this rank: (outputs, updates); the caller commits."""',
         ]
         body: list[str] = []
-        for s in self.plan.steps:
+        for s in self.plan.body:
             if isinstance(s, ChunkLoop):
                 body += self.loop_lines(s)
+            elif isinstance(s, FusedCollective):
+                body += self.fused_collective_lines(s)
             else:
                 body += self.step_lines(s, _env_geo)
         outs = ", ".join(f"{n.name!r}: {self.var[n.name]}" for n in self.program.outputs)
@@ -158,6 +162,23 @@ class _Emitter:
             return self.start_lines(s, geo)
         name = s.node.name
         return [f"{self.var[name]} = comm.wait({self.work[name]})"]
+
+    def fused_collective_lines(self, unit: FusedCollective) -> list[str]:
+        """A fused collective: a header naming its collectives and kernels, then its steps."""
+        parts = []
+        for s in unit.steps:
+            if isinstance(s, Start):
+                parts.append(f"{s.node.op} {s.node.name}")
+            elif isinstance(s, Kernel):
+                parts.append(f"kernel {s.name}")
+        lines = _comment_lines(
+            f"{unit.name}: {', '.join(parts)} -- one fused collective; {self.transport} runs "
+            "its collectives and kernels one after the other",
+            "# ",
+        )
+        for s in unit.steps:
+            lines += self.step_lines(s, _env_geo)
+        return lines + [f"# end of {unit.name}"]
 
     # -- overlapped chains ----------------------------------------------------------------------
 

@@ -12,7 +12,11 @@ Keeping the plan a flat list of small steps is what lets later passes wrap a sub
 loop (overlap groups) without touching the emitter's per-step code.
 
 Fused groups with a collective inside (``fuse(reduce_scatter, update, all_gather)``) become their
-collectives plus one kernel per run of computations between them (see ``_units``).
+collectives plus one kernel per run of computations between them (see ``_units``), wrapped in one
+``FusedCollective`` step: the unit a transport may run as one pass (CoCoNet's fused collective:
+a shared-memory transport reads the peers' slices, reduces, computes and publishes in one kernel).
+torch.distributed runs its steps one after the other. ``Plan.body`` is the structured list;
+``Plan.steps`` the same with every fused collective flattened into its steps.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ from coconet.ir.ops import (
     LEAVES,
     Op,
 )
-from coconet.ir.opspec import Prop, ops_with
+from coconet.ir.opspec import Prop, ops_with, spec
 from coconet.ir.program import Program
 
 __all__ = [
     "KERNEL_OPS",
     "ChunkLoop",
     "Compute",
+    "FusedCollective",
     "Kernel",
     "Plan",
     "Start",
@@ -96,14 +101,49 @@ class ChunkLoop:
         return tuple(s for stage in self.stages for s in stage if isinstance(s, Kernel))
 
 
-Step = Compute | Start | Wait | Kernel | ChunkLoop
+@dataclass(frozen=True)
+class FusedCollective:
+    """A ``fuse`` group with collectives inside, as one unit: its collectives and the computation
+    between them (kernels, and the scalar arithmetic that runs once), in the order they run.
+
+    Nothing outside the unit runs between its first and its last step, so a transport can run it
+    as one pass. Its steps read only values computed before it, and what it computes is read
+    after it.
+    """
+
+    name: str  # "fused_collective_<k>"
+    group: Group
+    steps: tuple[Compute | Start | Wait | Kernel, ...]
+
+    @property
+    def collectives(self) -> tuple[Node, ...]:
+        return tuple(s.node for s in self.steps if isinstance(s, Start))
+
+    @property
+    def kernels(self) -> tuple[Kernel, ...]:
+        return tuple(s for s in self.steps if isinstance(s, Kernel))
+
+
+Step = Compute | Start | Wait | Kernel | ChunkLoop | FusedCollective
 
 
 @dataclass(frozen=True)
 class Plan:
     program: Program
-    steps: tuple[Step, ...]
+    body: tuple[Step, ...]  # what the emitter writes: fused collectives as units
     constants: tuple[Node, ...]
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """The body with each fused collective replaced by its steps: the order they run in."""
+        out: list[Step] = []
+        for s in self.body:
+            out.extend(s.steps if isinstance(s, FusedCollective) else (s,))
+        return tuple(out)
+
+    @property
+    def fused_collectives(self) -> tuple[FusedCollective, ...]:
+        return tuple(s for s in self.body if isinstance(s, FusedCollective))
 
     @property
     def kernels(self) -> tuple[Kernel, ...]:
@@ -131,7 +171,7 @@ def lower(program: Program, donate: frozenset[str] = frozenset()) -> Plan:
     order = _topo(units)
     steps = _with_waits(program, order, donate=donate)
     consts = tuple(n for n in program.nodes if n.op is Op.CONST)
-    return Plan(program, tuple(steps), consts)
+    return Plan(program, tuple(_fused_collectives(program, steps)), consts)
 
 
 def loop_name(program: Program, group: Group) -> str:
@@ -413,3 +453,83 @@ def _loop(
     return ChunkLoop(
         name, group, tuple(tuple(st) for st in stages), tuple(chunked.values()), outputs
     )
+
+
+# -- fused collectives ---------------------------------------------------------------------------
+
+
+def _fused_collectives(program: Program, steps: list[Step]) -> list[Step]:
+    """Wrap the steps of each fuse group that contains a collective into a ``FusedCollective``.
+
+    The group's steps span from its first to its last step; other steps that fall in that span
+    (independent work the scheduler interleaved) move before it when they read nothing the group
+    computes, else after it when the group reads nothing they compute. A group whose span cannot
+    be cleared that way stays as flat steps (it still runs correctly, just not as one unit).
+    Groups inside overlapped chains are pipelined stage by stage instead (``ChunkLoop``).
+    """
+    out = list(steps)
+    count = 0
+    for group in program.groups:
+        members = set(group.members)
+        if group.kind is not GroupKind.FUSE:
+            continue
+        if not any(spec(program.node(m).op).has(Prop.COMMUNICATES) for m in members):
+            continue
+        inside = [i for i, s in enumerate(out) if _belongs(s, group, members)]
+        if not inside or not any(isinstance(out[i], Start) for i in inside):
+            continue  # the group lies inside a chunk loop
+        lo, hi = inside[0], inside[-1]
+        mine = [out[i] for i in inside]
+        others = [s for s in out[lo : hi + 1] if not _belongs(s, group, members)]
+        tainted = {n for s in mine for n in _produces(s)}  # the group's values and their users'
+        before, after = [], []
+        for s in others:
+            if _reads(s) & tainted:
+                after.append(s)
+                tainted |= _produces(s)
+            else:
+                before.append(s)
+        read = {n for s in mine for n in _reads(s)}
+        if any(_produces(s) & read for s in after):
+            continue  # interleaved both ways: leave the group as flat steps
+        count += 1
+        unit = FusedCollective(f"fused_collective_{count}", group, tuple(mine))
+        out = out[:lo] + before + [unit] + after + out[hi + 1 :]
+    return out
+
+
+def _belongs(step: Step, group: Group, members: set[str]) -> bool:
+    if isinstance(step, Kernel):
+        return step.group == group
+    return isinstance(step, (Compute, Start, Wait)) and step.node.name in members
+
+
+def _produces(step: Step) -> set[str]:
+    """Values a step makes available (a collective's at its wait)."""
+    if isinstance(step, Kernel):
+        return {n.name for n in step.nodes}
+    if isinstance(step, (Compute, Wait)):
+        return {step.node.name}
+    if isinstance(step, ChunkLoop):
+        return set(step.group.members)
+    return set()
+
+
+def _reads(step: Step) -> set[str]:
+    if isinstance(step, Kernel):
+        return {i.name for i in step.inputs}
+    if isinstance(step, (Compute, Start)):
+        return {i.name for i in step.node.inputs}
+    if isinstance(step, ChunkLoop):
+        members = set(step.group.members)
+        nodes = [n for n in step.stages for n in n]
+        return {i.name for s in nodes for i in _step_inputs(s)} - members
+    return set()  # a wait reads its own collective's buffer
+
+
+def _step_inputs(step: Step) -> tuple[Node, ...]:
+    if isinstance(step, Kernel):
+        return step.inputs
+    if isinstance(step, (Compute, Start)):
+        return step.node.inputs
+    return ()

@@ -12,6 +12,7 @@ from typing import Any
 
 from coconet.errors import SourceLoc
 from coconet.ir.ops import Op
+from coconet.ir.rules import infer_type  # rules name Node for typing only: no cycle
 from coconet.ir.types import TensorType
 
 __all__ = ["Node", "make_node"]
@@ -62,8 +63,6 @@ def make_node(
     A rule violation becomes the matching ``DSLError`` subclass carrying the op, the operands and
     the user's line ``loc``.
     """
-    from coconet.ir.rules import infer_type  # rules import Node for typing only
-
     frozen = tuple(sorted((attrs or {}).items()))
     ty = infer_type(op, inputs, dict(frozen), loc)
     return Node(op, tuple(inputs), ty, frozen, name, loc)

@@ -3,8 +3,10 @@ group.
 
 gloo's own reduce_scatter and all_gather are several times slower than its all_reduce or
 all_to_all for large tensors on one host (see MACHINE-NOTES), so each has alternatives built from
-the fast collectives; ``tuning`` measures them and picks one per size class. all_reduce and reduce
-have all_to_all forms too, which reduce in rank order: bitwise what the simulator computes.
+the fast collectives; the communicator measures them and picks one per size class
+(``coconet.runtime.torchdist.ALGORITHMS`` registers them per op and ``Algorithm``). all_reduce
+and reduce have all_to_all forms too, which reduce in rank order: bitwise what the simulator
+computes.
 
 Every function takes ``x0``, the tensor with the collective's dim moved to the front and made
 contiguous, the group's process group and layout (``parts``: each member's part size along dim 0,
@@ -20,24 +22,16 @@ and are exact whatever the algorithm.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from coconet.ir.ops import ReduceOp
 from coconet.ir.semantics import reduce_values
+from coconet.runtime.transport import Pending
 
-__all__ = [
-    "ALL_GATHER",
-    "ALL_REDUCE",
-    "REDUCE",
-    "REDUCE_SCATTER",
-    "TORCH_REDUCE_OP",
-    "Pending",
-    "offsets",
-]
+__all__ = ["TORCH_REDUCE_OP", "offsets"]
 
 TORCH_REDUCE_OP = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -45,14 +39,6 @@ TORCH_REDUCE_OP = {
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.PROD: dist.ReduceOp.PRODUCT,
 }
-
-
-@dataclass
-class Pending:
-    """A collective in flight: its work handles and what builds the result when they are done."""
-
-    works: list
-    finish: Callable[[], torch.Tensor]
 
 
 def offsets(parts: Sequence[int]) -> list[int]:
@@ -152,9 +138,6 @@ def ar_all_to_all(x0, op: ReduceOp, pg, parts, index, donate) -> Pending:
     return Pending(first.works, finish)
 
 
-ALL_REDUCE = {"native": ar_native, "all_to_all": ar_all_to_all}
-
-
 # -- reduce: the root (index ``root`` of the group) gets the reduction, the others zeros ---------
 
 
@@ -173,8 +156,3 @@ def rd_all_to_all(x0, op: ReduceOp, pg, parts, index, donate, root) -> Pending:
         return out if index == root else out.zero_()
 
     return Pending(whole.works, finish)
-
-
-REDUCE = {"native": rd_native, "all_to_all": rd_all_to_all}
-REDUCE_SCATTER = {"native": rs_native, "all_reduce": rs_all_reduce, "all_to_all": rs_all_to_all}
-ALL_GATHER = {"native": ag_native, "all_reduce": ag_all_reduce, "all_to_all": ag_all_to_all}

@@ -9,12 +9,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from coconet.ir.ops import Op
+from coconet.ir.opspec import Prop, spec
 from coconet.runtime.comm import CommOptions, Communicator
-from coconet.runtime.tuning import SIZE_CLASSES, AlgorithmTable
+from coconet.runtime.launch import spawn
+from coconet.runtime.transport import Transport
+from coconet.runtime.tuning import SIZE_CLASSES, AlgorithmTable, TuningKey
 
 __all__ = ["calibrate", "calibrate_local"]
 
-TUNED_OPS = ("all_reduce", "reduce_scatter", "all_gather", "reduce")
+
+def tuned_ops(transport: Transport) -> tuple[Op, ...]:
+    """The communication ops for which ``transport`` has algorithms to choose between."""
+    return tuple(
+        op for op in Op if spec(op).has(Prop.COMMUNICATES) and len(transport.algorithms(op)) > 1
+    )
 
 
 def calibrate(
@@ -28,10 +37,10 @@ def calibrate(
     Collective: every rank calls it. Classes already in the table are skipped unless ``force``.
     """
     labels = list(classes) if classes else [label for _, label, _ in SIZE_CLASSES]
-    size = len(comm.group(axis)[1])
-    for op in TUNED_OPS:
+    size = comm.group(axis).size
+    for op in tuned_ops(comm.transport):
         for cls in labels:
-            if force or comm.table.get(op, cls, comm.backend, size) is None:
+            if force or comm.table.get(TuningKey(op, cls, comm.backend, size)) is None:
                 comm.measure(op, cls, axis)
     return comm.table
 
@@ -48,7 +57,5 @@ def calibrate_local(
     timeout: float = 600.0,
 ) -> str:
     """Spawn ``nproc`` local ranks, calibrate, and return the table as text."""
-    from coconet.runtime.launch import spawn
-
     options = CommOptions(algorithms="auto", cache_dir=cache_dir)
     return spawn(_worker, nproc, classes, force, options=options, timeout=timeout)[0]

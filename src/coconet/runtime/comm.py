@@ -25,11 +25,13 @@ import torch.distributed as dist
 from coconet.cache import keyed_cache_dir
 from coconet.errors import RuntimeFault
 from coconet.ir.mesh import Mesh
-from coconet.ir.ops import ReduceOp
-from coconet.ir.types import slice_bounds
-from coconet.runtime import algorithms as algos
+from coconet.ir.ops import Op, ReduceOp
+from coconet.runtime.torchdist import TorchDistributedTransport
+from coconet.runtime.transport import Algorithm, AlgorithmPolicy, Group, Pending, Transport
 from coconet.runtime.tuning import (
     AlgorithmTable,
+    Choice,
+    TuningKey,
     class_bytes,
     measure_choice,
     reps_for,
@@ -38,23 +40,17 @@ from coconet.runtime.tuning import (
 
 __all__ = ["CommOptions", "Communicator", "Work"]
 
-_TUNED = {
-    "all_reduce": algos.ALL_REDUCE,
-    "reduce": algos.REDUCE,
-    "reduce_scatter": algos.REDUCE_SCATTER,
-    "all_gather": algos.ALL_GATHER,
-}
-
 
 @dataclass(frozen=True)
 class CommOptions:
     """How the communicator runs.
 
     - ``timeout``: seconds a collective may wait for a peer before failing with ``RuntimeFault``;
-    - ``algorithms``: ``"auto"`` (measure once per size class, cache the choice), ``"native"``
-      (torch's own collective always), ``"exact"`` (the all_to_all forms, which reduce in rank
-      order: results bitwise equal to the simulator's), or a mapping such as
-      ``{"reduce_scatter": "all_to_all"}`` that fixes an algorithm per op (others stay native);
+    - ``algorithms``: an ``AlgorithmPolicy`` (or its name): ``AUTO`` (measure once per size
+      class, cache the choice), ``NATIVE`` (the library's own collective always), ``EXACT`` (the
+      forms that reduce in rank order: results bitwise equal to the simulator's); or a mapping
+      that fixes an ``Algorithm`` per op, such as ``{Op.REDUCE_SCATTER: Algorithm.ALL_TO_ALL}``
+      (names are accepted too: ``{"reduce_scatter": "all_to_all"}``; other ops stay native);
     - ``cache_dir``: the base of coconet's caches; the measured choices are kept under its
       build-keyed subdirectory (``coconet.cache.keyed_cache_dir``);
     - ``measure_reps``: timed repetitions per candidate when measuring (2-3x that for the small
@@ -65,22 +61,37 @@ class CommOptions:
     """
 
     timeout: float = 60.0
-    algorithms: str | Mapping[str, str] = "auto"
+    algorithms: AlgorithmPolicy | Mapping[Op, Algorithm] = AlgorithmPolicy.AUTO
     cache_dir: str | Path | None = None
     measure_reps: int = 5
     keep_buffers_mapped: bool = True
 
-    def fixed_algorithm(self, op: str) -> str | None:
+    def __post_init__(self) -> None:
+        # Typed values from names, checked here rather than at the first collective.
+        object.__setattr__(self, "algorithms", _policy(self.algorithms))
+
+    def fixed_algorithm(self, op: Op, transport: Transport) -> Algorithm | None:
+        """The algorithm these options fix for ``op`` (None: measure and choose)."""
         if isinstance(self.algorithms, Mapping):
-            return self.algorithms.get(op, "native")
-        if self.algorithms in ("native", "exact"):
-            return "native" if self.algorithms == "native" else "all_to_all"
-        if self.algorithms != "auto":
-            raise RuntimeFault(
-                f"unknown algorithm policy {self.algorithms!r}",
-                hint='use "auto", "native", "exact" or a mapping {op: algorithm}',
-            )
+            return self.algorithms.get(op, Algorithm.NATIVE)
+        if self.algorithms is AlgorithmPolicy.NATIVE:
+            return Algorithm.NATIVE
+        if self.algorithms is AlgorithmPolicy.EXACT:
+            return transport.exact_algorithm(op) or Algorithm.NATIVE
         return None
+
+
+def _policy(value: Any) -> AlgorithmPolicy | dict[Op, Algorithm]:
+    try:
+        if isinstance(value, Mapping):
+            return {Op(op): Algorithm(a) for op, a in value.items()}
+        return AlgorithmPolicy(value)
+    except ValueError as exc:
+        raise RuntimeFault(
+            f"CommOptions(algorithms={value!r}): {exc}",
+            hint=f"use one of {[str(p) for p in AlgorithmPolicy]} or a mapping "
+            f"{{op: algorithm}} with algorithms from {[str(a) for a in Algorithm]}",
+        ) from None
 
 
 @dataclass
@@ -90,7 +101,7 @@ class Work:
     op: str
     label: str
     axis: str | None
-    pending: algos.Pending
+    pending: Pending
 
 
 class Communicator:
@@ -116,23 +127,25 @@ class Communicator:
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.broken: str | None = None
-        self._groups: dict[str | None, tuple[Any, list[int]]] = {
-            None: (dist.group.WORLD, list(range(self.world)))
+        self.transport: Transport = TorchDistributedTransport()
+        everyone = tuple(range(self.world))
+        self._groups: dict[str | None, Group] = {
+            None: Group(None, everyone, self.rank, self.transport.new_group(everyone, self.world))
         }
         for axis in self.mesh.names:
             for ranks in self.mesh.groups(axis):
                 # every rank must create every group, in the same order
-                pg = None if len(ranks) == self.world else dist.new_group(ranks)
+                handle = self.transport.new_group(ranks, self.world)
                 if self.rank in ranks:
-                    self._groups[axis] = (pg or dist.group.WORLD, ranks)
+                    self._groups[axis] = Group(axis, tuple(ranks), ranks.index(self.rank), handle)
         cache = self.options.cache_dir
         self.table = AlgorithmTable.load(keyed_cache_dir(cache))
         self._share_table()
 
     # -- groups ---------------------------------------------------------------------------------
 
-    def group(self, axis: str | None) -> tuple[Any, list[int]]:
-        """(process group, its ranks in axis order) of this rank's group along ``axis``."""
+    def group(self, axis: str | None) -> Group:
+        """This rank's group along ``axis`` (None: the whole world)."""
         if axis not in self._groups:
             raise RuntimeFault(
                 f"{self.mesh} has no axis {axis!r}",
@@ -175,7 +188,8 @@ class Communicator:
         else:
             cause = "communication failed"
         self.broken = cause
-        ranks = self._groups.get(axis, (None, []))[1]
+        group = self._groups.get(axis)
+        ranks = list(group.ranks) if group is not None else []
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         return RuntimeFault(
             cause,
@@ -189,36 +203,33 @@ class Communicator:
             "continue: end it (coconet.runtime.shutdown) and restart it",
         )
 
-    # -- collectives: start / wait --------------------------------------------------------------
+    # -- collectives: start / wait (the generated code's calls; the transport does the work) ---
 
     def wait(self, work: Work) -> torch.Tensor:
         """The result of a started collective, once it has completed on this rank."""
+        return self._guard(work.op, work.label, work.axis, work.pending.wait)
 
-        def complete():
-            for w in work.pending.works:
-                w.wait()
-            return work.pending.finish()
+    def _start(self, op: Op, label: str, axis: str | None, run, nbytes: int = 0) -> Work:
+        # The transport runs inside the guard, so whatever it raises becomes a RuntimeFault.
+        """Start ``op`` on ``axis``'s group: ``run(group, algorithm)`` returns the Pending."""
 
-        return self._guard(work.op, work.label, work.axis, complete)
+        def start():
+            group = self.group(axis)
+            tuned = group.size > 1 and self.transport.algorithms(op)
+            return run(group, self._algorithm(op, nbytes, group) if tuned else None)
 
-    def _start(self, op: str, label: str, axis: str | None, fn, *args) -> Work:
-        pending = self._guard(op, label, axis, fn, *args)
-        return Work(op, label, axis, pending)
+        return Work(op.value, label, axis, self._guard(op.value, label, axis, start))
 
     def all_reduce_start(
         self, x: torch.Tensor, op: ReduceOp, *, axis: str | None, donate: bool, label: str
     ) -> Work:
-        pg, ranks = self.group(axis)
-        if len(ranks) == 1:
-            return Work("all_reduce", label, axis, _ready(x if donate else x.clone()))
-        x0, owned, parts = self._flat(x, donate, len(ranks))
-        fn = algos.ALL_REDUCE[self._algorithm("all_reduce", x.numel() * x.element_size(), axis)]
-
-        def start():
-            p = fn(x0, op, pg, parts, ranks.index(self.rank), owned)
-            return algos.Pending(p.works, lambda: p.finish().view(x.shape))
-
-        return self._start("all_reduce", label, axis, start)
+        return self._start(
+            Op.ALL_REDUCE,
+            label,
+            axis,
+            lambda g, a: self.transport.all_reduce(x, g, reduce_op=op, algorithm=a, donate=donate),
+            _nbytes(x),
+        )
 
     def reduce_scatter_start(
         self,
@@ -230,23 +241,15 @@ class Communicator:
         donate: bool,
         label: str,
     ) -> Work:
-        pg, ranks = self.group(axis)
-        index = ranks.index(self.rank)
-        total = x.shape[dim]
-        n = len(ranks)
-        parts = [hi - lo for lo, hi in (slice_bounds(total, n, i) for i in range(n))]
-        if len(ranks) == 1:
-            return Work("reduce_scatter", label, axis, _ready(x if donate else x.clone()))
-        x0 = x.movedim(dim, 0).contiguous()
-        owned = donate or x0.data_ptr() != x.data_ptr()
-        algo = self._algorithm("reduce_scatter", x.numel() * x.element_size(), axis)
-        fn = algos.REDUCE_SCATTER[algo]
-
-        def start():
-            p = fn(x0, op, pg, parts, index, owned)
-            return algos.Pending(p.works, lambda: p.finish().movedim(0, dim))
-
-        return self._start("reduce_scatter", label, axis, start)
+        return self._start(
+            Op.REDUCE_SCATTER,
+            label,
+            axis,
+            lambda g, a: self.transport.reduce_scatter(
+                x, g, reduce_op=op, dim=dim, algorithm=a, donate=donate
+            ),
+            _nbytes(x),
+        )
 
     def all_gather_start(
         self,
@@ -257,39 +260,24 @@ class Communicator:
         axis: str | None,
         label: str,
     ) -> Work:
-        pg, ranks = self.group(axis)
-        if len(ranks) == 1:
-            return Work("all_gather", label, axis, _ready(x))
-        index = ranks.index(self.rank)
-        x0 = x.movedim(dim, 0).contiguous()
         nbytes = sum(parts) * (x.numel() // max(x.shape[dim], 1)) * x.element_size()
-        algo = self._algorithm("all_gather", nbytes, axis)
-        fn = algos.ALL_GATHER[algo]
-
-        def start():
-            p = fn(x0, pg, list(parts), index)
-            return algos.Pending(p.works, lambda: p.finish().movedim(0, dim))
-
-        return self._start("all_gather", label, axis, start)
+        return self._start(
+            Op.ALL_GATHER,
+            label,
+            axis,
+            lambda g, a: self.transport.all_gather(x, g, dim=dim, parts=parts, algorithm=a),
+            nbytes,
+        )
 
     def broadcast_start(
         self, x: torch.Tensor, *, root: int, axis: str | None, donate: bool, label: str
     ) -> Work:
-        pg, ranks = self.group(axis)
-        if len(ranks) == 1:
-            return Work("broadcast", label, axis, _ready(x))
-        src = ranks[root]
-
-        def start():
-            if self.rank == src:
-                buf = x.contiguous()  # the root's value is only read
-            else:
-                fmt = torch.contiguous_format
-                buf = x.contiguous() if donate else torch.empty_like(x, memory_format=fmt)
-            w = dist.broadcast(buf, src=src, group=pg, async_op=True)
-            return algos.Pending([w], lambda: buf)
-
-        return self._start("broadcast", label, axis, start)
+        return self._start(
+            Op.BROADCAST,
+            label,
+            axis,
+            lambda g, a: self.transport.broadcast(x, g, root=root, donate=donate),
+        )
 
     def reduce_start(
         self,
@@ -301,93 +289,52 @@ class Communicator:
         donate: bool,
         label: str,
     ) -> Work:
-        """The group's ``root``-th rank gets the reduction; the others get zeros (the program's
-        meaning; gloo itself leaves them undefined)."""
-        pg, ranks = self.group(axis)
-        if len(ranks) == 1:
-            return Work("reduce", label, axis, _ready(x if donate else x.clone()))
-        x0, owned, parts = self._flat(x, donate, len(ranks))
-        fn = algos.REDUCE[self._algorithm("reduce", x.numel() * x.element_size(), axis)]
-        index = ranks.index(self.rank)
-
-        def start():
-            p = fn(x0, op, pg, parts, index, owned, root)
-            return algos.Pending(p.works, lambda: p.finish().view(x.shape))
-
-        return self._start("reduce", label, axis, start)
-
-    def _flat(self, x: torch.Tensor, donate: bool, n: int):
-        """x as a flat contiguous tensor, whether we may overwrite it, and its n parts' sizes."""
-        x0 = x.reshape(-1)
-        owned = donate or x0.data_ptr() != x.data_ptr()
-        if not x0.is_contiguous():
-            x0, owned = x0.contiguous(), True
-        parts = [hi - lo for lo, hi in (slice_bounds(x0.numel(), n, i) for i in range(n))]
-        return x0, owned, parts
+        """The group's ``root``-th rank gets the reduction; the others get zeros."""
+        return self._start(
+            Op.REDUCE,
+            label,
+            axis,
+            lambda g, a: self.transport.reduce(
+                x, g, reduce_op=op, root=root, algorithm=a, donate=donate
+            ),
+            _nbytes(x),
+        )
 
     def send_start(self, x: torch.Tensor, *, axis: str | None, label: str) -> Work:
         """Rank i of ``axis`` receives rank i-1's ``x``; the first rank of the axis gets zeros."""
-        _, ranks = self.group(axis)
-        i = ranks.index(self.rank)
-
-        def start():
-            works = []
-            src = x.contiguous()
-            if i + 1 < len(ranks):
-                works.append(dist.isend(src, dst=ranks[i + 1]))
-            if i > 0:
-                buf = torch.empty_like(src)
-                works.append(dist.irecv(buf, src=ranks[i - 1]))
-            else:
-                buf = torch.zeros_like(src)
-            return algos.Pending(works, lambda: buf)
-
-        return self._start("send", label, axis, start)
+        return self._start(Op.SEND, label, axis, lambda g, a: self.transport.send(x, g))
 
     # -- algorithm choice -----------------------------------------------------------------------
 
-    def _algorithm(self, op: str, nbytes: int, axis: str | None) -> str:
-        fixed = self.options.fixed_algorithm(op)
+    def _algorithm(self, op: Op, nbytes: int, group: Group) -> Algorithm:
+        fixed = self.options.fixed_algorithm(op, self.transport)
         if fixed is not None:
-            if fixed not in _TUNED[op]:
+            if fixed not in self.transport.algorithms(op):
                 raise RuntimeFault(
-                    f"unknown {op} algorithm {fixed!r}",
-                    op=op,
-                    hint=f"choose one of {sorted(_TUNED[op])}",
+                    f"unknown {op} algorithm {fixed}",
+                    op=str(op),
+                    hint=f"choose one of {[str(a) for a in self.transport.algorithms(op)]}",
                 )
             return fixed
-        _, ranks = self.group(axis)
-        cls = size_class(nbytes)
-        choice = self.table.get(op, cls, self.backend, len(ranks))
+        key = TuningKey(op, size_class(nbytes), self.backend, group.size)
+        choice = self.table.get(key)
         if choice is None:
-            choice = self.measure(op, cls, axis)
+            choice = self.measure(op, key.size_class, group.axis)
         return choice.algorithm
 
-    def measure(self, op: str, cls: str, axis: str | None = None):
+    def measure(self, op: Op, cls: str, axis: str | None = None) -> Choice:
         """Measure every algorithm of ``op`` at size class ``cls`` on ``axis``'s group, choose the
         fastest (the same on every rank), record it in the table and return the ``Choice``.
 
         Collective: every rank of the world must call it at the same point (generated code does:
         every rank runs the same collectives in the same order)."""
-        pg, ranks = self.group(axis)
-        n = len(ranks)
+        group = self.group(axis)
+        n = group.size
         numel = max(n, class_bytes(cls) // 4)
         numel -= numel % n
-        index = ranks.index(self.rank)
-        parts = [numel // n] * n
-        full = torch.ones(numel, device=self.device)
-        part = torch.ones(numel // n, device=self.device)
 
-        def run_once(name: str) -> None:
-            if op == "reduce":
-                p = algos.REDUCE[name](full, ReduceOp.SUM, pg, parts, index, False, 0)
-            elif op in ("all_reduce", "reduce_scatter"):
-                p = _TUNED[op][name](full, ReduceOp.SUM, pg, parts, index, False)
-            else:
-                p = algos.ALL_GATHER[name](part, pg, parts, index)
-            for w in p.works:
-                w.wait()
-            p.finish()
+        def run_once(algorithm: Algorithm) -> None:
+            self.transport.run_for_measurement(op, algorithm, group, numel, self.device)
 
         def agree(times: list[float]) -> list[float]:
             t = torch.tensor(times, dtype=torch.float64)
@@ -395,16 +342,16 @@ class Communicator:
             return t.tolist()
 
         choice = self._guard(
-            op,
+            op.value,
             f"measuring algorithms ({cls})",
             axis,
             measure_choice,
-            sorted(_TUNED[op]),
+            self.transport.algorithms(op),
             run_once,
             agree,
             reps_for(cls, self.options.measure_reps),
         )
-        self.table.put(op, cls, self.backend, n, choice)
+        self.table.put(TuningKey(op, cls, self.backend, n), choice)
         if self.rank == 0:
             try:
                 self.table.save()
@@ -445,5 +392,5 @@ class Communicator:
         return f"Communicator(rank {self.rank} of {self.mesh}, {self.backend}{state})"
 
 
-def _ready(value: torch.Tensor) -> algos.Pending:
-    return algos.Pending([], lambda: value)
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()

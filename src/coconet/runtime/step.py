@@ -30,7 +30,10 @@ from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.program import Program
 from coconet.ir.types import format_shape
+from coconet.options import CompileOptions
 from coconet.runtime import handshake
+from coconet.runtime.comm import Communicator
+from coconet.version import __version__
 
 __all__ = ["CompiledStep"]
 
@@ -44,11 +47,11 @@ class CompiledStep:
         program: Program,
         schedule: str,
         mesh: Mesh,
-        options: Any,
+        options: CompileOptions,
         module: types.ModuleType,
         source: str,
         key: str,
-        comm: Any,
+        comm: Communicator | None,
         device: str,
     ) -> None:
         self.program = program
@@ -76,10 +79,8 @@ class CompiledStep:
             self._kernels = KernelSet(self.module.KERNELS, fused=self.options.fused_kernels)
         return self._kernels
 
-    def identity(self, comm: Any) -> tuple[tuple[str, str], ...]:
+    def identity(self, comm: Communicator) -> tuple[tuple[str, str], ...]:
         """The fields every rank must agree on (compared at the handshake)."""
-        from coconet import __version__
-
         return (
             ("program", self.program.name),
             ("program digest", self.program.digest()),
@@ -134,16 +135,11 @@ class CompiledStep:
     def _communicator(self):
         comm = self._comm
         if comm is None:
-            from coconet.runtime.launch import current
-
-            comm = current()
-            if comm is None:
-                raise RuntimeFault(
-                    f"{self.program.name}: no communicator",
-                    hint="call coconet.runtime.init() before the first step, or compile with "
-                    "comm=...",
-                )
-            self._comm = comm
+            raise RuntimeFault(
+                f"{self.program.name} was compiled without a communicator (world= only "
+                "generates code), so it cannot run a step",
+                hint="compile with comm=coconet.runtime.init() (the communicator init returns)",
+            )
         if comm.mesh != self.mesh:
             raise RuntimeFault(
                 f"{self.program.name} was compiled for {self.mesh}, the communicator has "

@@ -17,15 +17,18 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from coconet.cache import default_cache_dir
+from coconet.ir.ops import Op
+from coconet.runtime.transport import Algorithm
 
 __all__ = [
     "SIZE_CLASSES",
     "AlgorithmTable",
     "Choice",
+    "TuningKey",
     "default_cache_dir",
     "measure_choice",
     "reps_for",
@@ -60,39 +63,72 @@ def class_bytes(label: str) -> int:
 class Choice:
     """The algorithm chosen for one key, and the median milliseconds each candidate took."""
 
-    algorithm: str
-    ms: dict[str, float] = field(default_factory=dict)
+    algorithm: Algorithm
+    ms: dict[Algorithm, float] = field(default_factory=dict)
     measured_at: str = ""
 
+    def to_json(self) -> dict:
+        return {
+            "algorithm": self.algorithm.value,
+            "ms": {a.value: t for a, t in self.ms.items()},
+            "measured_at": self.measured_at,
+        }
 
-def _key(op: str, cls: str, backend: str, world: int) -> str:
-    return f"{op}|{cls}|{backend}|{world}"
+    @classmethod
+    def from_json(cls, raw: Mapping) -> Choice:
+        ms = {Algorithm(a): float(t) for a, t in raw.get("ms", {}).items()}
+        return cls(Algorithm(raw["algorithm"]), ms, str(raw.get("measured_at", "")))
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """What a measured choice is valid for: one op, size class, backend and group size."""
+
+    op: Op
+    size_class: str
+    backend: str
+    world: int
+
+    def text(self) -> str:
+        """The key as the JSON file spells it: ``op|size class|backend|world``."""
+        return f"{self.op.value}|{self.size_class}|{self.backend}|{self.world}"
+
+    @classmethod
+    def parse(cls, text: str) -> TuningKey:
+        op, size, backend, world = text.split("|")
+        return cls(Op(op), size, backend, int(world))
 
 
 class AlgorithmTable:
-    """(op, size class, backend, world) -> Choice, backed by ``<cache_dir>/algorithms.json``."""
+    """TuningKey -> Choice, backed by ``<cache_dir>/algorithms.json``."""
 
     FILENAME = "algorithms.json"
 
-    def __init__(self, path: Path | None, entries: Mapping[str, Choice] | None = None) -> None:
+    def __init__(
+        self, path: Path | None, entries: Mapping[TuningKey, Choice] | None = None
+    ) -> None:
         self.path = path
-        self.entries: dict[str, Choice] = dict(entries or {})
+        self.entries: dict[TuningKey, Choice] = dict(entries or {})
 
     @classmethod
     def load(cls, cache_dir: Path | None) -> AlgorithmTable:
         path = None if cache_dir is None else Path(cache_dir) / cls.FILENAME
         table = cls(path)
         if path is not None and path.exists():
-            with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            # A corrupt or foreign file costs a re-measurement, never a failure.
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
                 raw = json.loads(path.read_text())
-                table.entries = {k: Choice(**v) for k, v in raw.get("choices", {}).items()}
+                table.entries = {
+                    TuningKey.parse(k): Choice.from_json(v)
+                    for k, v in raw.get("choices", {}).items()
+                }
         return table
 
-    def get(self, op: str, cls: str, backend: str, world: int) -> Choice | None:
-        return self.entries.get(_key(op, cls, backend, world))
+    def get(self, key: TuningKey) -> Choice | None:
+        return self.entries.get(key)
 
-    def put(self, op: str, cls: str, backend: str, world: int, choice: Choice) -> None:
-        self.entries[_key(op, cls, backend, world)] = choice
+    def put(self, key: TuningKey, choice: Choice) -> None:
+        self.entries[key] = choice
 
     def save(self) -> None:
         """Merge into the file under a lock (other jobs may write it too), atomically."""
@@ -104,7 +140,7 @@ class AlgorithmTable:
             fcntl.flock(lf, fcntl.LOCK_EX)
             merged = AlgorithmTable.load(self.path.parent).entries
             merged.update(self.entries)
-            doc = {"choices": {k: asdict(v) for k, v in sorted(merged.items())}}
+            doc = {"choices": {k.text(): v.to_json() for k, v in _sorted(merged)}}
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(doc, indent=1) + "\n")
             os.replace(tmp, self.path)
@@ -112,24 +148,36 @@ class AlgorithmTable:
     def format(self, backend: str | None = None, world: int | None = None) -> str:
         """The table as text (what ``coconet show`` prints), optionally for one backend/world."""
         rows = []
-        for key, c in sorted(self.entries.items()):
-            op, cls, be, w = key.split("|")
-            if (backend is not None and be != backend) or (world is not None and int(w) != world):
+        for key, c in _sorted(self.entries):
+            if (backend is not None and key.backend != backend) or (
+                world is not None and key.world != world
+            ):
                 continue
-            times = ", ".join(f"{a} {ms:.2f} ms" for a, ms in sorted(c.ms.items()))
-            rows.append(f"{op:<15} {cls:<8} {be:<5} world={w:<3} -> {c.algorithm:<10} ({times})")
+            times = ", ".join(f"{a} {ms:.2f} ms" for a, ms in sorted(c.ms.items(), key=_value))
+            rows.append(
+                f"{key.op.value:<15} {key.size_class:<8} {key.backend:<5} world={key.world:<3} "
+                f"-> {c.algorithm.value:<10} ({times})"
+            )
         where = f" ({self.path})" if self.path is not None else ""
         if not rows:
             return f"collective algorithms{where}: nothing measured yet"
         return "\n".join([f"collective algorithms{where}:", *rows])
 
 
+def _sorted(entries: Mapping[TuningKey, Choice]) -> list[tuple[TuningKey, Choice]]:
+    return sorted(entries.items(), key=lambda kv: kv[0].text())
+
+
+def _value(item: tuple[Algorithm, float]) -> str:
+    return item[0].value
+
+
 def measure_choice(
-    candidates: Iterable[str],
-    run_once: Callable[[str], None],
+    candidates: Iterable[Algorithm],
+    run_once: Callable[[Algorithm], None],
     agree: Callable[[list[float]], list[float]],
     reps: int = 5,
-    prefer: str = "native",
+    prefer: Algorithm = Algorithm.NATIVE,
     margin: float = 0.1,
 ) -> Choice:
     """Time ``run_once(algorithm)`` for each candidate and choose the fastest by the slowest
@@ -144,7 +192,7 @@ def measure_choice(
     names = list(candidates)
     for name in names:
         run_once(name)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[Algorithm, list[float]] = {name: [] for name in names}
     for _ in range(reps):
         for name in names:
             t0 = time.perf_counter()

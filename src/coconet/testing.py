@@ -1,4 +1,7 @@
-"""Checking a distributed run against the simulator, from inside the ranks.
+"""``coconet.testing``: checking a distributed run against the simulator, from inside the ranks.
+
+The harness of the examples' ``--distributed`` mode and of the tests (not the runtime: it sits
+above the compiler and the runtime and uses both).
 
 ``check_distributed`` is what an example's ``--distributed`` mode calls on every rank: the same
 global inputs the simulator takes go in, every rank simulates the reference program (the
@@ -9,19 +12,24 @@ are reduced over the ranks so every rank returns the same report; rank 0 prints 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from coconet.errors import RuntimeFault
+from coconet.compiler import compile, resolve_target
+from coconet.errors import CodegenError
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.program import Program
 from coconet.ir.types import Layout, slice_bounds
+from coconet.runtime.comm import Communicator
+from coconet.runtime.launch import init, shutdown
+from coconet.sim import simulate
 
-__all__ = ["CheckReport", "check_distributed", "check_schedules", "rank_inputs"]
+__all__ = ["CheckReport", "check_distributed", "check_schedules", "rank_inputs", "run_distributed"]
 
 
 def rank_inputs(
@@ -86,7 +94,7 @@ def check_distributed(
     target: Any,
     inputs: Mapping[str, Any],
     *,
-    comm: Any = None,
+    comm: Communicator,
     reference: Any = None,
     options: Any = None,
     verbose: bool = True,
@@ -94,14 +102,7 @@ def check_distributed(
 ) -> CheckReport:
     """Run one step of ``target`` (Program or Schedule) on every rank and compare with
     ``coconet.simulate(reference or target's program, inputs, mesh)``. Call it on every rank with
-    the same ``inputs``."""
-    from coconet.compiler import compile, resolve_target
-    from coconet.runtime.launch import current
-    from coconet.sim import simulate
-
-    comm = comm or current()
-    if comm is None:
-        raise RuntimeFault("check_distributed needs coconet.runtime.init() first")
+    the same ``inputs`` and the communicator ``coconet.runtime.init()`` returned."""
     program, _ = resolve_target(target)
     ref_program = resolve_target(reference)[0] if reference is not None else program
     step = compile(target, comm=comm, options=options, **overrides)
@@ -169,7 +170,7 @@ def check_schedules(
     schedules: Mapping[str, Any],
     inputs: Mapping[str, Any],
     *,
-    comm: Any = None,
+    comm: Communicator,
     rtol: float = 0.0,
     atol: float = 0.0,
     label: str | None = None,
@@ -182,15 +183,11 @@ def check_schedules(
     What an example's ``--distributed`` mode calls::
 
         comm = coconet.runtime.init()
-        ok = coconet.runtime.check_schedules(program(), SCHEDULES, make_inputs(comm.world))
+        ok = coconet.testing.check_schedules(
+            program(), SCHEDULES, make_inputs(comm.world), comm=comm
+        )
         coconet.runtime.shutdown(exit_code=0 if ok else 1)
     """
-    from coconet.errors import CodegenError
-    from coconet.runtime.launch import current
-
-    comm = comm or current()
-    if comm is None:
-        raise RuntimeFault("check_schedules needs coconet.runtime.init() first")
     label = label or program.name
     targets = {"(unscheduled)": program}
     for name, make in schedules.items():
@@ -233,10 +230,6 @@ def run_distributed(
     line per schedule on rank 0 (error against the simulator), and ends the process with 0 when
     every one is within ``rtol`` (1e-5: LAMB's schedules re-associate its norms), else 1.
     """
-    import os
-
-    from coconet.runtime.launch import init, shutdown
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if callable(mesh):
         mesh = mesh(world)

@@ -1,0 +1,173 @@
+"""The torch.distributed transport: collectives over process groups (gloo on CPU, NCCL on GPU).
+
+Each method runs one communication op over a ``Group`` with the algorithm the communicator
+chose (``coconet.runtime.algorithms`` implements them, registered per (op, algorithm) below) and
+returns a ``Pending``. It brings tensors into the form the algorithms take (the collective's dim
+first, contiguous) and back; it raises whatever torch.distributed raises: the communicator turns
+that into a ``RuntimeFault``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.types import slice_bounds
+from coconet.runtime import algorithms as algos
+from coconet.runtime.transport import Algorithm, Group, Pending, TransportKind, ready
+
+__all__ = ["ALGORITHMS", "TorchDistributedTransport"]
+
+A = Algorithm
+# The algorithms of each tuned op, by enum (the communicator measures them per size class).
+ALGORITHMS: dict[Op, dict[Algorithm, Callable[..., Pending]]] = {
+    Op.ALL_REDUCE: {A.NATIVE: algos.ar_native, A.ALL_TO_ALL: algos.ar_all_to_all},
+    Op.REDUCE_SCATTER: {
+        A.NATIVE: algos.rs_native,
+        A.ALL_REDUCE: algos.rs_all_reduce,
+        A.ALL_TO_ALL: algos.rs_all_to_all,
+    },
+    Op.ALL_GATHER: {
+        A.NATIVE: algos.ag_native,
+        A.ALL_REDUCE: algos.ag_all_reduce,
+        A.ALL_TO_ALL: algos.ag_all_to_all,
+    },
+    Op.REDUCE: {A.NATIVE: algos.rd_native, A.ALL_TO_ALL: algos.rd_all_to_all},
+}
+
+
+def _parts(total: int, n: int) -> list[int]:
+    return [hi - lo for lo, hi in (slice_bounds(total, n, i) for i in range(n))]
+
+
+def _flat(x: torch.Tensor, donate: bool, n: int):
+    """x as a flat contiguous tensor, whether we may overwrite it, and its n parts' sizes."""
+    x0 = x.reshape(-1)
+    owned = donate or x0.data_ptr() != x.data_ptr()
+    if not x0.is_contiguous():
+        x0, owned = x0.contiguous(), True
+    return x0, owned, _parts(x0.numel(), n)
+
+
+class TorchDistributedTransport:
+    """Collectives over torch.distributed process groups (the default group must exist)."""
+
+    kind = TransportKind.TORCH_DISTRIBUTED
+
+    def algorithms(self, op: Op) -> tuple[Algorithm, ...]:
+        return tuple(ALGORITHMS.get(op, {}))
+
+    def exact_algorithm(self, op: Op) -> Algorithm | None:
+        return Algorithm.ALL_TO_ALL if Algorithm.ALL_TO_ALL in ALGORITHMS.get(op, {}) else None
+
+    def new_group(self, ranks: Sequence[int], world: int):
+        """The process group of ``ranks`` (every rank must create every group, in order)."""
+        return dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
+
+    # -- the communication ops (their names are the op specs' ``transport``) --------------------
+
+    def all_reduce(
+        self, x, group: Group, *, reduce_op: ReduceOp, algorithm: Algorithm, donate: bool
+    ) -> Pending:
+        if group.size == 1:
+            return ready(x if donate else x.clone())
+        x0, owned, parts = _flat(x, donate, group.size)
+        p = ALGORITHMS[Op.ALL_REDUCE][algorithm](
+            x0, reduce_op, group.handle, parts, group.index, owned
+        )
+        return Pending(p.works, lambda: p.finish().view(x.shape))
+
+    def reduce_scatter(
+        self,
+        x,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        dim: int,
+        algorithm: Algorithm,
+        donate: bool,
+    ) -> Pending:
+        if group.size == 1:
+            return ready(x if donate else x.clone())
+        parts = _parts(x.shape[dim], group.size)
+        x0 = x.movedim(dim, 0).contiguous()
+        owned = donate or x0.data_ptr() != x.data_ptr()
+        fn = ALGORITHMS[Op.REDUCE_SCATTER][algorithm]
+        p = fn(x0, reduce_op, group.handle, parts, group.index, owned)
+        return Pending(p.works, lambda: p.finish().movedim(0, dim))
+
+    def all_gather(
+        self, x, group: Group, *, dim: int, parts: Sequence[int], algorithm: Algorithm
+    ) -> Pending:
+        if group.size == 1:
+            return ready(x)
+        x0 = x.movedim(dim, 0).contiguous()
+        fn = ALGORITHMS[Op.ALL_GATHER][algorithm]
+        p = fn(x0, group.handle, list(parts), group.index)
+        return Pending(p.works, lambda: p.finish().movedim(0, dim))
+
+    def broadcast(self, x, group: Group, *, root: int, donate: bool) -> Pending:
+        if group.size == 1:
+            return ready(x)
+        src = group.ranks[root]
+        if group.index == root:
+            buf = x.contiguous()  # the root's value is only read
+        else:
+            fmt = torch.contiguous_format
+            buf = x.contiguous() if donate else torch.empty_like(x, memory_format=fmt)
+        w = dist.broadcast(buf, src=src, group=group.handle, async_op=True)
+        return Pending([w], lambda: buf)
+
+    def reduce(
+        self,
+        x,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        root: int,
+        algorithm: Algorithm,
+        donate: bool,
+    ) -> Pending:
+        """The group's ``root``-th rank gets the reduction; the others get zeros (the program's
+        meaning; gloo itself leaves them undefined)."""
+        if group.size == 1:
+            return ready(x if donate else x.clone())
+        x0, owned, parts = _flat(x, donate, group.size)
+        fn = ALGORITHMS[Op.REDUCE][algorithm]
+        p = fn(x0, reduce_op, group.handle, parts, group.index, owned, root)
+        return Pending(p.works, lambda: p.finish().view(x.shape))
+
+    def send(self, x, group: Group) -> Pending:
+        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros."""
+        works = []
+        src = x.contiguous()
+        i = group.index
+        if i + 1 < group.size:
+            works.append(dist.isend(src, dst=group.ranks[i + 1]))
+        if i > 0:
+            buf = torch.empty_like(src)
+            works.append(dist.irecv(buf, src=group.ranks[i - 1]))
+        else:
+            buf = torch.zeros_like(src)
+        return Pending(works, lambda: buf)
+
+    # -- measuring the algorithms of one op ------------------------------------------------------
+
+    def run_for_measurement(
+        self, op: Op, algorithm: Algorithm, group: Group, numel: int, device
+    ) -> None:
+        """One run of ``op`` with ``algorithm`` on ``numel`` float32 elements (a timing probe)."""
+        n = group.size
+        parts = [numel // n] * n
+        if op is Op.ALL_GATHER:
+            part = torch.ones(numel // n, device=device)
+            p = ALGORITHMS[op][algorithm](part, group.handle, parts, group.index)
+        else:
+            full = torch.ones(numel, device=device)
+            extra = (0,) if op is Op.REDUCE else ()  # reduce's root
+            fn = ALGORITHMS[op][algorithm]
+            p = fn(full, ReduceOp.SUM, group.handle, parts, group.index, False, *extra)
+        p.wait()

@@ -1,0 +1,119 @@
+"""The transport seam: what runs a collective over a group of ranks.
+
+A ``Transport`` starts each communication op of a program (``coconet.ir.opspec`` names the op's
+transport operation and arguments) over a ``Group`` and returns a ``Pending``: the work in flight
+and how to finish it. It does nothing else: the ``Communicator`` beside it builds the groups,
+chooses algorithms, enforces deadlines, translates failures into ``RuntimeFault`` and carries the
+control messages (handshake, commit vote). Today's transport is torch.distributed
+(``coconet.runtime.torchdist``: gloo on CPU, NCCL on GPU); an intra-node shared-memory transport
+goes behind the same protocol.
+
+A transport implements, for each communication op it supports, one method named by the op's
+spec (``transport`` + ``"_start"`` is what generated code calls on the communicator)::
+
+    all_reduce(x, group, *, reduce_op, algorithm, donate) -> Pending
+    reduce_scatter(x, group, *, reduce_op, dim, algorithm, donate) -> Pending
+    all_gather(x, group, *, dim, parts, algorithm) -> Pending
+    broadcast(x, group, *, root, donate) -> Pending
+    reduce(x, group, *, reduce_op, root, algorithm, donate) -> Pending
+    send(x, group) -> Pending
+
+Results must equal the op's group meaning (``coconet.ir.semantics.COLLECTIVES``): bitwise with
+an ``exact`` algorithm (reductions in rank order), within rounding otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from coconet.ir.ops import Op
+
+__all__ = ["Algorithm", "AlgorithmPolicy", "Group", "Pending", "Transport", "TransportKind"]
+
+
+class TransportKind(enum.Enum):
+    TORCH_DISTRIBUTED = "torch.distributed"
+
+
+class Algorithm(enum.Enum):
+    """How a transport runs a collective (not every op has every algorithm)."""
+
+    NATIVE = "native"  # the library's own collective
+    ALL_REDUCE = "all_reduce"  # built from the library's all_reduce (fast on gloo)
+    ALL_TO_ALL = "all_to_all"  # built from all_to_all; reduces in rank order: exact
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class AlgorithmPolicy(enum.Enum):
+    """Which algorithm the communicator uses when a policy, not a fixed choice, is given."""
+
+    AUTO = "auto"  # measure once per size class and keep the fastest (the same on every rank)
+    NATIVE = "native"  # the library's own collective always
+    EXACT = "exact"  # rank-ordered reductions: results bitwise equal to the simulator's
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Group:
+    """This rank's group along one mesh axis: its ranks in axis order and this rank's place."""
+
+    axis: str | None
+    ranks: tuple[int, ...]
+    index: int  # this rank's position in ``ranks``
+    handle: Any = None  # the transport's own group object (a torch ProcessGroup)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class Pending:
+    """A collective in flight: its work handles and what builds the result when they are done."""
+
+    works: list = field(default_factory=list)
+    finish: Callable[[], torch.Tensor] = lambda: torch.empty(0)
+
+    def wait(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        return self.finish()
+
+
+def ready(value: torch.Tensor) -> Pending:
+    """A collective that needed no communication (a group of one)."""
+    return Pending([], lambda: value)
+
+
+class Transport(Protocol):
+    """Runs communication ops over groups of ranks (see the module docstring)."""
+
+    kind: TransportKind
+
+    def algorithms(self, op: Op) -> tuple[Algorithm, ...]:
+        """The algorithms this transport has for ``op`` (empty: it has just one way)."""
+        ...
+
+    def exact_algorithm(self, op: Op) -> Algorithm | None:
+        """The algorithm that reduces in rank order (bitwise the simulator's), if any."""
+        ...
+
+    def new_group(self, ranks: Sequence[int], world: int) -> Any:
+        """The transport's object for the group of ``ranks`` (``Group.handle``). Collective: every
+        rank creates every group of the mesh, in the same order."""
+        ...
+
+    def run_for_measurement(
+        self, op: Op, algorithm: Algorithm, group: Group, numel: int, device: torch.device
+    ) -> None:
+        """Run ``op`` once with ``algorithm`` on ``numel`` elements: what algorithm choice times."""
+        ...
