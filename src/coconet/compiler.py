@@ -3,7 +3,7 @@
 ::
 
     comm = coconet.runtime.init()                       # reads torchrun's environment
-    step = coconet.compile(schedule, comm=comm)         # or compile(program, ...), fused_kernels=False
+    step = coconet.compile(schedule, comm=comm)         # or a program; fused_kernels=False
     outputs = step(g=grad, p=param, m=m, v=v, lr=1e-3)  # updates p, m, v in place on success
 
 Compilation lowers the scheduled program to per-rank steps, writes them as a readable Python
