@@ -102,7 +102,7 @@ def check_distributed(
     comm = comm or current()
     if comm is None:
         raise RuntimeFault("check_distributed needs coconet.runtime.init() first")
-    program, _ = resolve_target(target)
+    program = resolve_target(target)[0]
     ref_program = resolve_target(reference)[0] if reference is not None else program
     step = compile(target, comm=comm, options=options, **overrides)
     mesh, rank = comm.mesh, comm.rank

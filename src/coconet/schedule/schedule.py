@@ -17,6 +17,7 @@ schedule unchanged when the check fails.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -234,17 +235,17 @@ class Schedule:
 
     __repr__ = __str__
 
+    def _document(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "name": self.name,
+            "program": self.original.name,
+            "program_digest": self.original.digest(),
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": _FORMAT,
-                "name": self.name,
-                "program": self.original.name,
-                "program_digest": self.original.digest(),
-                "steps": [s.to_dict() for s in self.steps],
-            },
-            indent=2,
-        )
+        return json.dumps(self._document(), indent=2)
 
     @classmethod
     def from_json(cls, program: Program, text: str) -> Schedule:
@@ -272,5 +273,14 @@ class Schedule:
 
     @property
     def digest(self) -> str:
-        """A hash of (program, schedule): what caches and cross-rank checks key on."""
-        return self.program.digest()
+        """A stable hex digest of the schedule: what the compile cache and the ranks' handshake
+        key on.
+
+        It hashes the JSON document (the original program's digest, the schedule's name and
+        every step with every name), so two schedules that differ anywhere differ here, even when
+        their printed text is the same (``str`` elides long lists of names). Replaying the JSON
+        gives the same digest. The document is hashed in a canonical form (sorted keys, no
+        indentation), so how ``to_json`` lays the text out does not matter.
+        """
+        canonical = json.dumps(self._document(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
