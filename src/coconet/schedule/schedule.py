@@ -3,12 +3,14 @@
 ::
 
     s = Schedule(program)
-    rs, ag = s.split("g_sum")
-    s.reorder(s.downstream(ag), ag)
+    rs, ag = s.split("g_sum")              # handles, valid for the rest of the schedule
+    s.reorder(s.computations(ag), ag)
     s.as_slice(["m", "v"])
+    s.fuse([rs, *s.computations(rs), ag])  # ag: the all_gathers the reorder left (see Handle)
     print(s)            # the primitives, one per line
     print(s.program)    # the transformed program: verifiable, printable, runnable in the simulator
     text = s.to_json()  # ... and Schedule.from_json(program, text) replays it
+    s.digest            # a hash of that JSON: the schedule's identity (compile cache, handshake)
 
 Each method checks its primitive first (``ScheduleError`` saying what blocks it) and leaves the
 schedule unchanged when the check fails.
