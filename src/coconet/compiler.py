@@ -8,8 +8,8 @@
 
 Compilation lowers the scheduled program to per-rank steps, writes them as a readable Python
 module (``step.source``; ``coconet show`` prints it), loads it, and wraps its fused groups as
-``torch.compile`` kernels. Generated modules are cached by a hash of (program, schedule, mesh,
-device, coconet version, build key): compiling the same thing twice in one process reuses the
+``torch.compile`` kernels. Generated modules are cached by a hash of (program, schedule digest,
+mesh, device, coconet version, build key): compiling the same thing twice in one process reuses the
 module, and the source is kept under ``<cache_dir>/<build key>/generated`` (``coconet.cache``).
 
 Everything that changes what is generated is in ``CompileOptions``; nothing is read from the
@@ -33,6 +33,7 @@ from coconet.options import CompileOptions
 from coconet.runtime.comm import Communicator
 from coconet.runtime.step import CompiledStep
 from coconet.runtime.transport import TransportKind
+from coconet.schedule import Schedule
 from coconet.version import __version__
 
 __all__ = ["CompileOptions", "compile", "resolve_target"]
@@ -45,13 +46,23 @@ GENERATOR_VERSION = 2
 _MODULES: dict[str, types.ModuleType] = {}
 
 
-def resolve_target(target: Any) -> tuple[Program, str]:
-    """(program, schedule description) of a Program or a Schedule (anything with ``.program``)."""
+def resolve_target(target: Any) -> tuple[Program, str, str]:
+    """(program, schedule text, schedule digest) of a Program or a Schedule (anything with
+    ``.program``); the text and digest are empty for a bare Program.
+
+    The text is for people (the generated module's header, messages); the digest is the
+    schedule's identity (the cache key, the handshake): the text elides long lists of names, so
+    two different schedules can print alike.
+    """
     if isinstance(target, Program):
-        return target, ""
+        return target, "", ""
     program = getattr(target, "program", None)
     if isinstance(program, Program):
-        return program, str(target)
+        text = str(target)
+        if isinstance(target, Schedule):
+            return program, text, target.digest
+        # Something schedule-like but not a Schedule: its text is all there is to identify it.
+        return program, text, hashlib.sha256(text.encode()).hexdigest()[:16]
     raise CodegenError(
         f"compile takes a Program or a Schedule, got {type(target).__name__}",
         hint="pass the program built with the DSL, or a coconet.schedule.Schedule of it",
@@ -74,7 +85,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     ``overrides`` set ``CompileOptions`` fields by name, e.g.
     ``compile(p, fused_kernels=False)``.
     """
-    program, schedule = resolve_target(target)
+    program, schedule, schedule_digest = resolve_target(target)
     options = _options(options, overrides)
     if comm is None and world is None:
         raise CodegenError(
@@ -88,7 +99,11 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     donate = _donated(program, options.donate)
     transport = (comm.transport.kind if comm is not None else TransportKind.TORCH_DISTRIBUTED).value
     key = _key(
-        program, schedule + f"|donate={sorted(donate)}|{transport}", mesh, device, __version__
+        program,
+        schedule_digest + f"|donate={sorted(donate)}|{transport}",
+        mesh,
+        device,
+        __version__,
     )
     module = _MODULES.get(key)
     source = None
@@ -113,6 +128,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     return CompiledStep(
         program=program,
         schedule=schedule,
+        schedule_digest=schedule_digest,
         mesh=mesh,
         options=options,
         module=module,
@@ -195,14 +211,14 @@ def _as_mesh(world: int | Mesh | None) -> Mesh:
 
 def _key(
     program: Program,
-    schedule: str,
+    schedule_digest: str,
     mesh: Mesh,
     device: str,
     version: str,
 ) -> str:
     parts = [
         program.structural_key(),
-        schedule,
+        schedule_digest,
         str(mesh),
         device,
         version,

@@ -103,7 +103,7 @@ def check_distributed(
     """Run one step of ``target`` (Program or Schedule) on every rank and compare with
     ``coconet.simulate(reference or target's program, inputs, mesh)``. Call it on every rank with
     the same ``inputs`` and the communicator ``coconet.runtime.init()`` returned."""
-    program, _ = resolve_target(target)
+    program = resolve_target(target)[0]
     ref_program = resolve_target(reference)[0] if reference is not None else program
     step = compile(target, comm=comm, options=options, **overrides)
     mesh, rank = comm.mesh, comm.rank

@@ -46,6 +46,7 @@ class CompiledStep:
         *,
         program: Program,
         schedule: str,
+        schedule_digest: str,
         mesh: Mesh,
         options: CompileOptions,
         module: types.ModuleType,
@@ -55,7 +56,8 @@ class CompiledStep:
         device: str,
     ) -> None:
         self.program = program
-        self.schedule = schedule
+        self.schedule = schedule  # the schedule's text, for people
+        self.schedule_digest = schedule_digest  # its identity ("" for a bare program)
         self.mesh = mesh
         self.options = options
         self.module = module
@@ -84,7 +86,10 @@ class CompiledStep:
         return (
             ("program", self.program.name),
             ("program digest", self.program.digest()),
+            # The digest tells schedules apart; the text (which elides long lists of names)
+            # is there so that a mismatch reads as the schedules' lines.
             ("schedule", " ".join(self.schedule.split()) or "(none)"),
+            ("schedule digest", self.schedule_digest or "(none)"),
             ("mesh", str(self.mesh)),
             ("device", self.device),
             ("coconet", __version__),

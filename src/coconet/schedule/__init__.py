@@ -15,7 +15,7 @@ from coconet.schedule.paper import (
     ol_RS_fuse_P2P_C_AG,
 )
 from coconet.schedule.reorder import apply_reorder, check_reorder
-from coconet.schedule.schedule import Primitive, Schedule, Step
+from coconet.schedule.schedule import Handle, Primitive, Schedule, Step
 from coconet.schedule.split import apply_split, check_split
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "MM_RS_C_AG",
     "RS_C_AG",
     "RS_P2P_C_AG",
+    "Handle",
     "Primitive",
     "Schedule",
     "Step",

@@ -8,16 +8,23 @@ Tensor-parallel layer (matmul, all_reduce, + bias, dropout, + residual):
   ``MM_AR_C``, ``MM_RS_C_AG``, ``ol_MM_fuse_RS_C_AG`` (the matmul overlapped with the rest).
 Pipeline-parallel boundary (all_reduce in a stage, send to the next, + residual there):
   ``AR_P2P_C``, ``RS_P2P_C_AG`` (each stage sends 1/T of the data), ``ol_RS_fuse_P2P_C_AG``.
+
+Each works on one all_reduce of the program: ``all_reduce=None`` (the default) takes the
+program's only all_reduce of a tensor, whatever its name; with several, name the one to schedule
+(``RS_C_AG(program, all_reduce="g_sum")``). The schedules refer to the values the primitives
+return (``rs, ag = s.split(...)``), never to names rebuilt by convention, so they work whatever
+the program's values are called.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+from coconet.errors import ScheduleError
 from coconet.ir.ops import COMMUNICATION, Op
 from coconet.ir.program import Program
-from coconet.schedule.graph import downstream
-from coconet.schedule.schedule import Schedule
+from coconet.schedule.schedule import Handle, Schedule
 
 __all__ = [
     "AR_C",
@@ -33,6 +40,49 @@ __all__ = [
 ]
 
 
+def _the_all_reduce(program: Program, all_reduce: Any, schedule: str) -> str:
+    """The name of the all_reduce that ``schedule`` works on.
+
+    ``all_reduce`` names it (or is the DSL Tensor that built it); None takes the program's only
+    all_reduce of a tensor (scalar all_reduces, a loss or a norm, cannot be split and are not
+    what these schedules are about). Otherwise a ScheduleError lists the candidates and names
+    the ``all_reduce=`` parameter.
+    """
+    candidates = [n.name for n in program.nodes if n.op is Op.ALL_REDUCE and n.type.rank > 0]
+    listed = ", ".join(candidates)
+    example = f"{schedule}(program, all_reduce={(candidates or ['g_sum'])[0]!r})"
+    if all_reduce is None:
+        if len(candidates) == 1:
+            return candidates[0]
+        if not candidates:
+            raise ScheduleError(
+                f"program {program.name} has no all_reduce of a tensor to schedule",
+                op=schedule,
+                hint=f"{schedule} starts from an all_reduce (of the gradients, or of a "
+                "tensor-parallel layer's partial sums)",
+            )
+        raise ScheduleError(
+            f"program {program.name} has {len(candidates)} all_reduces ({listed}): which one "
+            f"should {schedule} schedule?",
+            op=schedule,
+            hint=f"name it with the all_reduce= parameter, e.g. {example}",
+        )
+    try:
+        node = program.node(all_reduce)
+    except KeyError as e:
+        node, why = None, e.args[0]
+    else:
+        why = f"{node.name} is a {node.op}, not an all_reduce"
+    if node is None or node.op is not Op.ALL_REDUCE:
+        raise ScheduleError(
+            f"all_reduce={all_reduce!r}: {why}",
+            op=schedule,
+            hint=f"the all_reduces of {program.name}: {listed or 'none'}; pass one as "
+            f"all_reduce= (e.g. {example}), or all_reduce=None when there is only one",
+        )
+    return node.name
+
+
 def fuse_after(s: Schedule, collective: str, *, include: bool = True) -> None:
     """Fuse ``collective`` (if ``include``) with the computation around it and its all_gathers.
 
@@ -41,8 +91,7 @@ def fuse_after(s: Schedule, collective: str, *, include: bool = True) -> None:
     becomes a second group, closed by the all_gathers.
     """
     program = s.program
-    start = program.node(collective)
-    after = [n for n in downstream(program, start) if n.op is not Op.UPDATE]
+    after = [program.node(n) for n in s.downstream(collective)]
     # A send can lead the group when the collective before it stays outside (the pipeline).
     leaders_ok = {Op.ALL_GATHER} if include else {Op.ALL_GATHER, Op.SEND}
     inner = {n.name for n in after if n.op in COMMUNICATION and n.op not in leaders_ok}
@@ -50,73 +99,91 @@ def fuse_after(s: Schedule, collective: str, *, include: bool = True) -> None:
     for n in program.nodes:
         if any(i.name in behind for i in n.inputs):
             behind.add(n.name)
-    first = [start.name] if include else []
-    first += [c for c in s.computations(start.name) if c not in behind]
+    first = [collective] if include else []
+    first += [c for c in s.computations(collective) if c not in behind]
     second = [n.name for n in after if n.name in behind and n.name not in inner]
     first += [n.name for n in after if n.op is Op.ALL_GATHER and n.name not in behind]
+    gathers = {n.name for n in after if n.op is Op.ALL_GATHER}
     for group in (first, second):
-        if any(program.node(n).op is not Op.ALL_GATHER for n in group):
+        if any(n not in gathers for n in group):  # all_gathers alone are no kernel
             s.fuse(group)
 
 
 # -- data-parallel optimizers -------------------------------------------------------------------
 
 
-def AR_C(program: Program, all_reduce: str = "g_sum") -> Schedule:  # noqa: N802 - paper's names
+def AR_C(program: Program, all_reduce: Any = None) -> Schedule:  # noqa: N802 - paper's names
     """all_reduce, then the whole update as one fused kernel."""
     s = Schedule(program, "AR_C")
-    s.fuse(s.computations(all_reduce))
+    s.fuse(s.computations(_the_all_reduce(program, all_reduce, "AR_C")))
     return s
 
 
-def RS_C_AG(  # noqa: N802
-    program: Program, state: Iterable[str] = (), all_reduce: str = "g_sum"
-) -> Schedule:
-    """reduce_scatter, the update on each rank's slice with ``state`` stored sliced, all_gather."""
-    s = Schedule(program, "RS_C_AG")
-    _rs, ag = s.split(all_reduce)
+def _rs_c_ag(
+    name: str, program: Program, state: Iterable[str], all_reduce: Any
+) -> tuple[Schedule, Handle]:
+    """(RS_C_AG's schedule under ``name``, the handle of its reduce_scatter)."""
+    s = Schedule(program, name)
+    rs, ag = s.split(_the_all_reduce(program, all_reduce, name))
     s.reorder(s.computations(ag), ag)
     if tuple(state):
         s.as_slice(tuple(state))
-    return s
+    return s, rs
+
+
+def RS_C_AG(  # noqa: N802
+    program: Program, state: Iterable[str] = (), all_reduce: Any = None
+) -> Schedule:
+    """reduce_scatter, the update on each rank's slice with ``state`` stored sliced, all_gather.
+
+    ``state`` names the Replicated inputs to store sliced, 1/world of each per rank
+    (``as_slice``): the optimizer's state, such as SGD's momentum ``("buf",)`` or Adam's
+    ``("m", "v")``. Each must be read only by the update's computations (which run on slices)
+    and written back with ``update``; the parameters stay whole (every rank needs them). The
+    default ``()`` slices nothing: the state is then updated on slices and gathered back whole.
+    """
+    return _rs_c_ag("RS_C_AG", program, state, all_reduce)[0]
 
 
 def fuse_RS_C_AG(  # noqa: N802
-    program: Program, state: Iterable[str] = (), all_reduce: str = "g_sum"
+    program: Program, state: Iterable[str] = (), all_reduce: Any = None
 ) -> Schedule:
-    """RS_C_AG as one fused collective: the update runs inside the reduce_scatter/all_gather."""
-    s = RS_C_AG(program, state, all_reduce)
-    s.name = "fuse_RS_C_AG"
-    fuse_after(s, f"{all_reduce}_rs")
+    """RS_C_AG as one fused collective: the update runs inside the reduce_scatter/all_gather.
+
+    ``state``: the inputs to store sliced, as in ``RS_C_AG``.
+    """
+    s, rs = _rs_c_ag("fuse_RS_C_AG", program, state, all_reduce)
+    fuse_after(s, rs)
     return s
 
 
 # -- tensor-parallel layer ----------------------------------------------------------------------
 
 
-def MM_AR_C(program: Program, all_reduce: str = "out_sum") -> Schedule:  # noqa: N802
+def MM_AR_C(program: Program, all_reduce: Any = None) -> Schedule:  # noqa: N802
     """matmul, all_reduce of the partial sums, then bias/dropout/residual as one kernel."""
     s = Schedule(program, "MM_AR_C")
-    s.fuse(s.computations(all_reduce))
+    s.fuse(s.computations(_the_all_reduce(program, all_reduce, "MM_AR_C")))
     return s
 
 
-def MM_RS_C_AG(program: Program, all_reduce: str = "out_sum") -> Schedule:  # noqa: N802
+def MM_RS_C_AG(program: Program, all_reduce: Any = None) -> Schedule:  # noqa: N802
     """matmul, reduce_scatter, bias/dropout/residual on row slices (one kernel), all_gather."""
     s = Schedule(program, "MM_RS_C_AG")
-    rs, ag = s.split(all_reduce)
+    rs, ag = s.split(_the_all_reduce(program, all_reduce, "MM_RS_C_AG"))
     s.reorder(s.computations(ag), ag)
     s.fuse(s.computations(rs))
     return s
 
 
 def ol_MM_fuse_RS_C_AG(  # noqa: N802
-    program: Program, chunks: int = 4, all_reduce: str = "out_sum"
+    program: Program, chunks: int = 4, all_reduce: Any = None
 ) -> Schedule:
     """The matmul overlapped, chunk by chunk, with the fused reduce_scatter/compute/all_gather."""
     s = Schedule(program, "ol_MM_fuse_RS_C_AG")
-    matmul = program.node(all_reduce).inputs[0].name
-    rs, ag = s.split(all_reduce)
+    ar = _the_all_reduce(program, all_reduce, "ol_MM_fuse_RS_C_AG")
+    matmul = program.node(ar).inputs[0].name  # what the all_reduce sums: the partial products
+    rs, ag = s.split(ar)
     s.reorder(s.computations(ag), ag)
     fuse_after(s, rs)
     s.overlap([matmul, rs, *s.downstream(rs)], chunks)
@@ -126,28 +193,29 @@ def ol_MM_fuse_RS_C_AG(  # noqa: N802
 # -- pipeline-parallel boundary -----------------------------------------------------------------
 
 
-def AR_P2P_C(program: Program, all_reduce: str = "out_sum") -> Schedule:  # noqa: N802
+def AR_P2P_C(program: Program, all_reduce: Any = None) -> Schedule:  # noqa: N802
     """all_reduce in the stage, send the whole result, then one kernel on the next stage."""
     s = Schedule(program, "AR_P2P_C")
-    s.fuse([n for n in s.computations(all_reduce) if s.program.node(n).op is not Op.SEND])
+    ar = _the_all_reduce(program, all_reduce, "AR_P2P_C")
+    s.fuse([n for n in s.computations(ar) if s.program.node(n).op is not Op.SEND])
     return s
 
 
-def RS_P2P_C_AG(program: Program, all_reduce: str = "out_sum") -> Schedule:  # noqa: N802
+def RS_P2P_C_AG(program: Program, all_reduce: Any = None) -> Schedule:  # noqa: N802
     """reduce_scatter in the stage, send 1/T of the data, compute on slices, all_gather there."""
     s = Schedule(program, "RS_P2P_C_AG")
-    rs, ag = s.split(all_reduce)
+    rs, ag = s.split(_the_all_reduce(program, all_reduce, "RS_P2P_C_AG"))
     s.reorder(s.computations(ag), ag)
     s.fuse([n for n in s.computations(rs) if s.program.node(n).op is not Op.SEND])
     return s
 
 
 def ol_RS_fuse_P2P_C_AG(  # noqa: N802
-    program: Program, chunks: int = 4, all_reduce: str = "out_sum"
+    program: Program, chunks: int = 4, all_reduce: Any = None
 ) -> Schedule:
     """The reduce_scatter overlapped with the fused send/compute/all_gather, chunk by chunk."""
     s = Schedule(program, "ol_RS_fuse_P2P_C_AG")
-    rs, ag = s.split(all_reduce)
+    rs, ag = s.split(_the_all_reduce(program, all_reduce, "ol_RS_fuse_P2P_C_AG"))
     s.reorder(s.computations(ag), ag)
     fuse_after(s, rs, include=False)
     s.overlap([rs, *s.downstream(rs)], chunks)

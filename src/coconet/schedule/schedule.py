@@ -3,12 +3,14 @@
 ::
 
     s = Schedule(program)
-    rs, ag = s.split("g_sum")
-    s.reorder(s.downstream(ag), ag)
+    rs, ag = s.split("g_sum")              # handles, valid for the rest of the schedule
+    s.reorder(s.computations(ag), ag)
     s.as_slice(["m", "v"])
+    s.fuse([rs, *s.computations(rs), ag])  # ag: the all_gathers the reorder left (see Handle)
     print(s)            # the primitives, one per line
     print(s.program)    # the transformed program: verifiable, printable, runnable in the simulator
     text = s.to_json()  # ... and Schedule.from_json(program, text) replays it
+    s.digest            # a hash of that JSON: the schedule's identity (compile cache, handshake)
 
 Each method checks its primitive first (``ScheduleError`` saying what blocks it) and leaves the
 schedule unchanged when the check fails.
@@ -17,6 +19,7 @@ schedule unchanged when the check fails.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ from coconet.schedule.overlap import apply_overlap
 from coconet.schedule.reorder import REORDERABLE, apply_reorder
 from coconet.schedule.split import apply_split
 
-__all__ = ["Primitive", "Schedule", "Step"]
+__all__ = ["Handle", "Primitive", "Schedule", "Step"]
 
 _FORMAT = "coconet.schedule/1"
 
@@ -107,6 +110,27 @@ class Step:
         return cls(primitive, tuple(nodes), d.get("target"), d.get("chunks"), d.get("dim"))
 
 
+class Handle(str):
+    """A value a primitive returned (``rs, ag = s.split("g_sum")``), valid for the rest of the
+    schedule.
+
+    A handle is the value's name when it was returned (it compares, hashes and prints as that
+    string), and the Schedule follows it through the rewrites since: when a later primitive
+    removes the value, the handle stands for the values that took over its role. ``reorder``
+    moves the all_gather past the computations, so after::
+
+        rs, ag = s.split("g_sum")                # ag == "g_sum": all_gather(g_sum_rs)
+        s.reorder(s.computations(ag), ag)        # g_sum is gone; p_new = all_gather(p_new_slice)
+
+    ``ag`` stands for ``p_new`` (every all_gather the reorder made: one per value still needed
+    whole), and ``s.fuse([rs, *s.computations(rs), ag])`` fuses up to it. A handle whose value
+    was removed with nothing in its place (``as_slice`` drops the all_gather of a state's new
+    value) stands for no value. A plain string is only ever a name in the current program.
+    """
+
+    __slots__ = ()
+
+
 def _apply(program: Program, step: Step) -> tuple[Program, list[str]]:
     if step.primitive is Primitive.SPLIT:
         return apply_split(program, step.nodes[0], step.dim or 0)
@@ -117,6 +141,18 @@ def _apply(program: Program, step: Step) -> tuple[Program, list[str]]:
     if step.primitive is Primitive.FUSE:
         return apply_fuse(program, step.nodes), []
     return apply_overlap(program, step.nodes, step.chunks), []
+
+
+def _took_over(step: Step, removed: str, program: Program) -> tuple[str, ...]:
+    """The values of ``program`` (after ``step``) that took over the role of ``removed``."""
+    if step.primitive is Primitive.REORDER and removed == step.target:
+        # The all_gather moved past the computations: it now gathers each of their results that
+        # is still needed whole, under the computation's name.
+        moved = set(step.nodes)
+        return tuple(n.name for n in program.nodes if n.op is Op.ALL_GATHER and n.name in moved)
+    # Anything else a step removes has no successor of its kind: a computation moved onto
+    # slices, a scatter or an all_gather that as_slice made unnecessary.
+    return ()
 
 
 def _ancestors(node) -> set[str]:
@@ -141,37 +177,39 @@ class Schedule:
         self.name = name or "custom"
         self.steps: list[Step] = []
         self._shorthands: list[str | None] = []
+        # name -> (the names that took over its role, the index of the step that removed it),
+        # for every value a step removed: how handles are followed (see Handle).
+        self._removed: dict[str, tuple[tuple[str, ...], int]] = {}
 
     # -- primitives -----------------------------------------------------------------------------
 
-    def split(self, all_reduce: Any, dim: int = 0) -> tuple[str, str]:
-        """all_reduce -> reduce_scatter + all_gather; returns their names."""
+    def split(self, all_reduce: Any, dim: int = 0) -> tuple[Handle, Handle]:
+        """all_reduce -> reduce_scatter + all_gather; returns their handles (see ``Handle``)."""
         node = self._resolve(all_reduce, "split")
         rank = self.program.node(node).type.rank
         if isinstance(dim, int) and not isinstance(dim, bool) and rank and -rank <= dim < rank:
             dim %= rank  # one spelling per schedule: split(x, dim=-1) records dim=rank-1
         rs, ag = self._do(Step(Primitive.SPLIT, (node,), dim=dim or None))
-        return rs, ag
+        return Handle(rs), Handle(ag)
 
     def reorder(self, computations: Iterable[Any], all_gather: Any) -> None:
         """Run ``computations`` on slices before ``all_gather``."""
-        names = tuple(self._resolve(c, "reorder") for c in computations)
+        names = self._resolve_all(computations, "reorder")
         self._do(Step(Primitive.REORDER, names, target=self._resolve(all_gather, "reorder")))
 
     def as_slice(self, tensors: Iterable[Any] | Any) -> None:
         """Store these Replicated state inputs sliced."""
         if isinstance(tensors, str) or not isinstance(tensors, Iterable):
             tensors = [tensors]
-        self._do(Step(Primitive.AS_SLICE, tuple(self._resolve(t, "as_slice") for t in tensors)))
+        self._do(Step(Primitive.AS_SLICE, self._resolve_all(tensors, "as_slice")))
 
     def fuse(self, nodes: Iterable[Any]) -> None:
         """One kernel (or one fused collective) for these nodes."""
-        self._do(Step(Primitive.FUSE, tuple(self._resolve(n, "fuse") for n in nodes)))
+        self._do(Step(Primitive.FUSE, self._resolve_all(nodes, "fuse")))
 
     def overlap(self, nodes: Iterable[Any], chunks: int = 4) -> None:
         """Run this producer-consumer chain chunk by chunk."""
-        names = tuple(self._resolve(n, "overlap") for n in nodes)
-        self._do(Step(Primitive.OVERLAP, names, chunks=chunks))
+        self._do(Step(Primitive.OVERLAP, self._resolve_all(nodes, "overlap"), chunks=chunks))
 
     # -- helpers for writing schedules ----------------------------------------------------------
 
@@ -204,13 +242,52 @@ class Schedule:
         return [n.name for n in self.program.nodes if n.name in chosen]
 
     def _resolve(self, ref: Any, primitive: str) -> str:
-        """A value's name in the current program (names survive every primitive)."""
+        """The name in the current program of one value: a name, a DSL Tensor, or a handle."""
+        if isinstance(ref, Handle):
+            names = self._follow(ref, primitive)
+            if len(names) == 1:
+                return names[0]
+            _, index = self._removed[ref]
+            by = f"step {index + 1}, {self._format_step(index)},"
+            if not names:
+                raise ScheduleError(
+                    f"{ref} is gone: {by} removed it and nothing took its place",
+                    op=primitive,
+                    hint="refer to a value of the current program (print(s.program) lists them)",
+                )
+            raise ScheduleError(
+                f"{ref} now stands for {len(names)} values ({', '.join(names)}): {by} replaced it",
+                op=primitive,
+                hint=f"pass one of them, e.g. {names[0]!r}",
+            )
         if isinstance(ref, str):
             return resolve(self.program, ref, primitive).name
         try:
             return self.original.node(ref).name
         except KeyError:
             return resolve(self.program, ref, primitive).name
+
+    def _resolve_all(self, refs: Iterable[Any], primitive: str) -> tuple[str, ...]:
+        """The names of several values; a handle counts for every value it stands for now."""
+        names: list[str] = []
+        for ref in refs:
+            if isinstance(ref, Handle):
+                names += self._follow(ref, primitive)
+            else:
+                names.append(self._resolve(ref, primitive))
+        return tuple(names)
+
+    def _follow(self, name: str, primitive: str, seen: frozenset[str] = frozenset()) -> list[str]:
+        """The current names of what ``name`` stood for, following the values steps removed."""
+        if name in seen or name not in self._removed:
+            # a value of the current program, or none by that name (resolve raises)
+            return [resolve(self.program, name, primitive).name]
+        try:
+            return [self.program.node(name).name]  # removed once, made again since
+        except KeyError:
+            pass
+        successors, _ = self._removed[name]
+        return [n for s in successors for n in self._follow(s, primitive, seen | {name})]
 
     def _do(self, step: Step) -> list[str]:
         shorthand = None
@@ -219,10 +296,17 @@ class Schedule:
         ):
             shorthand = f"computations({step.target})"
         program, names = _apply(self.program, step)
+        after = {n.name for n in program.nodes}
+        for n in self.program.nodes:
+            if n.name not in after:
+                self._removed[n.name] = (_took_over(step, n.name, program), len(self.steps))
         self.program = program
         self.steps.append(step)
         self._shorthands.append(shorthand)
         return names
+
+    def _format_step(self, index: int) -> str:
+        return self.steps[index].format(self._shorthands[index])
 
     # -- printing and JSON ----------------------------------------------------------------------
 
@@ -234,17 +318,17 @@ class Schedule:
 
     __repr__ = __str__
 
+    def _document(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "name": self.name,
+            "program": self.original.name,
+            "program_digest": self.original.digest(),
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": _FORMAT,
-                "name": self.name,
-                "program": self.original.name,
-                "program_digest": self.original.digest(),
-                "steps": [s.to_dict() for s in self.steps],
-            },
-            indent=2,
-        )
+        return json.dumps(self._document(), indent=2)
 
     @classmethod
     def from_json(cls, program: Program, text: str) -> Schedule:
@@ -272,5 +356,14 @@ class Schedule:
 
     @property
     def digest(self) -> str:
-        """A hash of (program, schedule): what caches and cross-rank checks key on."""
-        return self.program.digest()
+        """A stable hex digest of the schedule: what the compile cache and the ranks' handshake
+        key on.
+
+        It hashes the JSON document (the original program's digest, the schedule's name and
+        every step with every name), so two schedules that differ anywhere differ here, even when
+        their printed text is the same (``str`` elides long lists of names). Replaying the JSON
+        gives the same digest. The document is hashed in a canonical form (sorted keys, no
+        indentation), so how ``to_json`` lays the text out does not matter.
+        """
+        canonical = json.dumps(self._document(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
