@@ -29,6 +29,7 @@ from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.ir.types import Sliced, format_shape
 from coconet.schedule.graph import new_node, resolve, rewrite
+from coconet.schedule.regroup import recheck_groups
 
 __all__ = ["apply_as_slice", "check_as_slice"]
 
@@ -119,4 +120,4 @@ def apply_as_slice(program: Program, tensors: Iterable[Any]) -> Program:
                 mapping[u.name] = new_node(
                     "as_slice", Op.UPDATE, (sliced, gathered.inputs[0]), name=u.name, like=u
                 )
-    return rewrite("as_slice", program, mapping)
+    return rewrite("as_slice", program, mapping, recheck=recheck_groups)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from coconet.errors import DSLError, ScheduleError
-from coconet.ir.group import Group, GroupKind
+from coconet.ir.group import Group
 from coconet.ir.node import Node, make_node
 from coconet.ir.ops import LEAVES, Op
 from coconet.ir.program import Program
+
+# (primitive, rewritten program, new group -> old group) -> None, or a ScheduleError
+Recheck = Callable[[str, Program, Mapping[Group, Group]], None]
 
 __all__ = ["downstream", "fresh_name", "group_members", "new_node", "resolve", "rewrite"]
 
@@ -90,12 +93,16 @@ def rewrite(
     *,
     inputs: Iterable[Node] | None = None,
     groups: Iterable[Group] | None = None,
+    recheck: Recheck | None = None,
 ) -> Program:
     """The program with each value named in ``mapping`` replaced by the given node.
 
     Replacement nodes may refer to nodes of the old program (also ones that are themselves
     replaced or whose operands change): everything is re-linked bottom-up, and each node whose
     operands changed is rebuilt with its op's rule, so types (layouts) follow the rewrite.
+    ``recheck(primitive, program, was)`` then checks the program's groups again (``was``: each
+    new group -> the group it was before the rewrite); the primitives that rewrite grouped
+    nodes pass ``coconet.schedule.regroup.recheck_groups``.
     """
     memo: dict[int, Node] = {}
     old = {id(n) for n in program.nodes}
@@ -151,34 +158,6 @@ def rewrite(
     final = Program.from_nodes(
         result.name, result.inputs, result.outputs, result.updates, groups=live_groups
     )
-    if groups is None:
-        _recheck_groups(primitive, final, was)
+    if recheck is not None:
+        recheck(primitive, final, was)
     return final
-
-
-def _recheck_groups(primitive: str, program: Program, was: Mapping[Group, Group]) -> None:
-    """A rewrite of grouped nodes must leave each fused group and overlapped chain legal.
-
-    ``reorder`` after ``overlap`` can, for instance, turn a chain into nodes with an outside value
-    between them, which no longer run chunk by chunk; such a rewrite is refused.
-    """
-    # fuse and overlap import this module: import their checks here, when a rewrite runs.
-    from coconet.schedule.fuse import check_fuse
-    from coconet.schedule.overlap import check_overlap
-
-    for g in program.groups:
-        others = [h for h in program.groups if h is not g]
-        bare = Program.from_nodes(
-            program.name, program.inputs, program.outputs, program.updates, groups=others
-        )
-        try:
-            if g.kind is GroupKind.FUSE:
-                check_fuse(bare, g.members)
-            else:
-                check_overlap(bare, g.members, g.chunks)
-        except ScheduleError as e:
-            raise ScheduleError(
-                f"the rewrite would break {was.get(g, g)}: {e.message}",
-                op=primitive,
-                hint="apply fuse and overlap after split, reorder and as_slice",
-            ) from None

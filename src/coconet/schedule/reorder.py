@@ -35,6 +35,7 @@ from coconet.ir.ops import REDUCTIONS, Op, ReduceOp
 from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
 from coconet.schedule.graph import fresh_name, new_node, resolve, rewrite
+from coconet.schedule.regroup import recheck_groups
 
 __all__ = ["REORDERABLE", "apply_reorder", "check_reorder"]
 
@@ -162,7 +163,7 @@ class _Reorder:
                 )
             else:
                 mapping[c.name] = v
-        return rewrite("reorder", self.program, mapping)
+        return rewrite("reorder", self.program, mapping, recheck=recheck_groups)
 
     def transform(self, c: Node) -> Node:
         inputs = [self.new.get(i.name, i) for i in c.inputs]

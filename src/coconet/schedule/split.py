@@ -23,6 +23,7 @@ from coconet.ir.node import Node
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.schedule.graph import fresh_name, new_node, resolve, rewrite
+from coconet.schedule.regroup import recheck_groups
 
 __all__ = ["apply_split", "check_split"]
 
@@ -73,4 +74,4 @@ def apply_split(program: Program, all_reduce: Any, dim: int = 0) -> tuple[Progra
     ag = new_node(
         "split", Op.ALL_GATHER, (rs,), {"axis": node.attr("axis")}, name=node.name, like=node
     )
-    return rewrite("split", program, {node.name: ag}), [rs_name, node.name]
+    return rewrite("split", program, {node.name: ag}, recheck=recheck_groups), [rs_name, node.name]
