@@ -15,7 +15,11 @@ from dataclasses import dataclass
 __all__ = [
     "CodegenError",
     "CoconetError",
+    "CompileOptionError",
+    "ConfigError",
     "DSLError",
+    "DSLTypeError",
+    "DSLValueError",
     "DTypeError",
     "LayoutError",
     "RuntimeFault",
@@ -23,6 +27,7 @@ __all__ = [
     "ShapeError",
     "SimulationError",
     "SourceLoc",
+    "UnknownNameError",
     "capture_loc",
 ]
 
@@ -51,11 +56,20 @@ def capture_loc() -> SourceLoc | None:
     """
     frame = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(_PACKAGE_DIR + os.sep):
+        if not _is_coconet_frame(frame):
             return SourceLoc(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+def _is_coconet_frame(frame) -> bool:
+    filename = frame.f_code.co_filename
+    if os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
+        return True
+    # Code that dataclasses generate (the __init__ that calls a __post_init__ check) has no file
+    # of its own ("<string>") but runs in the globals of the coconet module that defined the class.
+    module = frame.f_globals.get("__name__", "")
+    return filename.startswith("<") and (module == "coconet" or module.startswith("coconet."))
 
 
 class CoconetError(Exception):
@@ -91,6 +105,11 @@ class CoconetError(Exception):
         self.hint = hint
         super().__init__(self._render())
 
+    def __str__(self) -> str:
+        # The rendered message, also for the subclasses that mix in KeyError (whose own __str__
+        # would print the repr of the message, quotes and escaped newlines included).
+        return self._render()
+
     def _render(self) -> str:
         head = f"{self.op}: {self.message}" if self.op else self.message
         lines = [head]
@@ -111,6 +130,21 @@ class DSLError(CoconetError):
     locate_caller = True
 
 
+class DSLValueError(DSLError, ValueError):
+    """A DSL value given an argument of the right type but a value it cannot take
+    (``Dim("1N")``, ``Mesh(tp=0)``, a rank outside the mesh). Also a ``ValueError``."""
+
+
+class DSLTypeError(DSLError, TypeError):
+    """A DSL value given an argument of the wrong type (``Dim(5)``, ``Sliced("0")``,
+    ``Local("tp")``). Also a ``TypeError``."""
+
+
+class UnknownNameError(DSLError, KeyError):
+    """A name looked up where it does not exist: a program's value or input, a mesh axis.
+    Also a ``KeyError``, so that ``except KeyError`` around a lookup keeps working."""
+
+
 class LayoutError(DSLError):
     """Operands whose layouts (Local, Replicated, Sliced) cannot be combined by this op."""
 
@@ -124,7 +158,11 @@ class DTypeError(DSLError):
 
 
 class ScheduleError(CoconetError):
-    """A schedule primitive that cannot be applied to this program, and why."""
+    """A schedule primitive that cannot be applied to this program, and why.
+
+    Without a value's own line to point at, it points at the user's call of the primitive."""
+
+    locate_caller = True
 
 
 class SimulationError(CoconetError):
@@ -134,8 +172,29 @@ class SimulationError(CoconetError):
 
 
 class CodegenError(CoconetError):
-    """A program or schedule the compiler cannot turn into code."""
+    """A program or schedule the compiler cannot turn into code.
+
+    Without a value's own line to point at, it points at the user's ``compile(...)`` call."""
+
+    locate_caller = True
+
+
+class ConfigError(CoconetError):
+    """A bad option, argument or setup of the compiler or the runtime: ``CommOptions`` out of
+    range, a step without a communicator, a mesh that does not fit the job. Nothing failed at run
+    time and no peer is involved: fix the call (``RuntimeFault`` is for faults of a running job).
+    """
+
+    locate_caller = True
+
+
+class CompileOptionError(ConfigError, CodegenError):
+    """A bad option or argument of ``coconet.compile`` (``CompileOptions``): a ``ConfigError``,
+    and a ``CodegenError`` since nothing could be compiled."""
 
 
 class RuntimeFault(CoconetError):
-    """A distributed step that failed: a dead or stalled rank, mismatched programs, bad inputs."""
+    """A distributed step that failed: a dead or stalled rank, mismatched programs, bad inputs.
+
+    Bad options and setup (no communicator, a mesh that does not fit the job) are ``ConfigError``.
+    """
