@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from coconet.errors import DSLError, ScheduleError
+from coconet.errors import DSLError, ScheduleError, UnknownNameError
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.node import Node, make_node
 from coconet.ir.ops import LEAVES, Op
@@ -19,10 +19,10 @@ def resolve(program: Program, ref: Any, primitive: str) -> Node:
     """The program's node for a name, a node or a DSL handle, or a ScheduleError saying why not."""
     try:
         return program.node(ref)
-    except KeyError as e:
+    except UnknownNameError as e:
         names = ", ".join(n.name for n in program.nodes[:40])
         raise ScheduleError(
-            f"{e.args[0]}",
+            e.message,
             op=primitive,
             hint=f"refer to values by name or by the Tensor that built them; values: {names}",
         ) from None

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from coconet.errors import ScheduleError
+from coconet.errors import ScheduleError, UnknownNameError
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.schedule.as_slice import apply_as_slice
@@ -209,7 +209,7 @@ class Schedule:
             return resolve(self.program, ref, primitive).name
         try:
             return self.original.node(ref).name
-        except KeyError:
+        except UnknownNameError:
             return resolve(self.program, ref, primitive).name
 
     def _do(self, step: Step) -> list[str]:
