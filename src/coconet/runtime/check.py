@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from coconet.errors import RuntimeFault
+from coconet.errors import ConfigError
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.program import Program
@@ -33,6 +33,13 @@ def rank_inputs(
     is the global value (Sliced inputs are cut to this rank's ``tensor_split`` part). Tensors are
     copied, so the step's in-place updates never reach the caller's ``inputs``.
     """
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(
+            f"rank_inputs takes a coconet.Mesh, got {mesh!r}",
+            op="rank_inputs",
+            hint="rank_inputs(program, inputs, comm.mesh, comm.rank)",
+        )
+    mesh.coords(rank)  # refuses a rank outside the mesh
     out: dict[str, Any] = {}
     for node in program.inputs:
         if node.name not in inputs:
@@ -101,7 +108,12 @@ def check_distributed(
 
     comm = comm or current()
     if comm is None:
-        raise RuntimeFault("check_distributed needs coconet.runtime.init() first")
+        raise ConfigError(
+            "check_distributed needs a communicator: none was given and "
+            "coconet.runtime.init() has not been called",
+            op="check_distributed",
+            hint="call coconet.runtime.init() first, or pass comm=...",
+        )
     program, _ = resolve_target(target)
     ref_program = resolve_target(reference)[0] if reference is not None else program
     step = compile(target, comm=comm, options=options, **overrides)
@@ -190,7 +202,12 @@ def check_schedules(
 
     comm = comm or current()
     if comm is None:
-        raise RuntimeFault("check_schedules needs coconet.runtime.init() first")
+        raise ConfigError(
+            "check_schedules needs a communicator: none was given and "
+            "coconet.runtime.init() has not been called",
+            op="check_schedules",
+            hint="call coconet.runtime.init() first, or pass comm=...",
+        )
     label = label or program.name
     targets = {"(unscheduled)": program}
     for name, make in schedules.items():

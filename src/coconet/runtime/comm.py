@@ -14,6 +14,8 @@ work: a process group that failed mid-collective cannot be trusted to line up ag
 
 from __future__ import annotations
 
+import enum
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 from coconet.cache import keyed_cache_dir
-from coconet.errors import RuntimeFault
+from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.runtime import algorithms as algos
 from coconet.runtime.tuning import (
+    SIZE_CLASSES,
     AlgorithmTable,
     class_bytes,
     measure_choice,
@@ -36,7 +39,7 @@ from coconet.runtime.tuning import (
     size_class,
 )
 
-__all__ = ["CommOptions", "Communicator", "Work"]
+__all__ = ["AlgorithmPolicy", "CommOptions", "Communicator", "Work"]
 
 _TUNED = {
     "all_reduce": algos.ALL_REDUCE,
@@ -46,15 +49,31 @@ _TUNED = {
 }
 
 
+class AlgorithmPolicy(str, enum.Enum):
+    """How the communicator picks a collective's algorithm (``CommOptions.algorithms``).
+
+    A ``str`` enum: ``"auto"`` and ``AlgorithmPolicy.AUTO`` are the same policy.
+    """
+
+    AUTO = "auto"  # measure once per size class, cache the choice
+    NATIVE = "native"  # torch's own collective always
+    EXACT = "exact"  # the all_to_all forms: reductions in rank order, as the simulator
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class CommOptions:
     """How the communicator runs.
 
     - ``timeout``: seconds a collective may wait for a peer before failing with ``RuntimeFault``;
-    - ``algorithms``: ``"auto"`` (measure once per size class, cache the choice), ``"native"``
-      (torch's own collective always), ``"exact"`` (the all_to_all forms, which reduce in rank
-      order: results bitwise equal to the simulator's), or a mapping such as
-      ``{"reduce_scatter": "all_to_all"}`` that fixes an algorithm per op (others stay native);
+    - ``algorithms``: an ``AlgorithmPolicy`` (or its string): ``"auto"`` (measure once per size
+      class, cache the choice), ``"native"`` (torch's own collective always), ``"exact"`` (the
+      all_to_all forms, which reduce in rank order: results bitwise equal to the simulator's), or
+      a mapping such as ``{"reduce_scatter": "all_to_all"}`` that fixes an algorithm per op
+      (others stay native);
     - ``cache_dir``: the base of coconet's caches; the measured choices are kept under its
       build-keyed subdirectory (``coconet.cache.keyed_cache_dir``);
     - ``measure_reps``: timed repetitions per candidate when measuring (2-3x that for the small
@@ -62,6 +81,9 @@ class CommOptions:
     - ``keep_buffers_mapped``: ``init()`` tunes glibc's malloc so that the large buffers a step
       allocates stay mapped between steps instead of page-faulting every step (process-wide;
       see ``coconet.runtime.allocator``). False leaves the allocator alone.
+
+    Every field is checked when the options are made: a bad one is a ``ConfigError`` there, not
+    a failure at the job's first collective.
     """
 
     timeout: float = 60.0
@@ -70,17 +92,76 @@ class CommOptions:
     measure_reps: int = 5
     keep_buffers_mapped: bool = True
 
-    def fixed_algorithm(self, op: str) -> str | None:
-        if isinstance(self.algorithms, Mapping):
-            return self.algorithms.get(op, "native")
-        if self.algorithms in ("native", "exact"):
-            return "native" if self.algorithms == "native" else "all_to_all"
-        if self.algorithms != "auto":
-            raise RuntimeFault(
-                f"unknown algorithm policy {self.algorithms!r}",
-                hint='use "auto", "native", "exact" or a mapping {op: algorithm}',
+    def __post_init__(self) -> None:
+        # Checked here, where the options are written, not at the first collective of a job.
+        if not _is_number(self.timeout) or not self.timeout > 0:
+            raise ConfigError(
+                f"timeout must be a positive number of seconds, got {self.timeout!r}",
+                op="CommOptions",
+                hint="CommOptions(timeout=60.0)",
             )
-        return None
+        if isinstance(self.algorithms, Mapping):
+            self._check_algorithm_table(self.algorithms)
+        else:
+            try:
+                AlgorithmPolicy(self.algorithms)
+            except (ValueError, TypeError):
+                raise ConfigError(
+                    f"unknown algorithm policy {self.algorithms!r}",
+                    op="CommOptions",
+                    hint='use "auto", "native", "exact" or a mapping {op: algorithm}',
+                ) from None
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"cache_dir must be a path or None, got {self.cache_dir!r}",
+                op="CommOptions",
+                hint="CommOptions(cache_dir='~/.cache/coconet'); None is the default place",
+            )
+        reps = self.measure_reps
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise ConfigError(
+                f"measure_reps must be an int >= 1, got {reps!r}",
+                op="CommOptions",
+                hint="CommOptions(measure_reps=5): timed repetitions per candidate algorithm",
+            )
+        if not isinstance(self.keep_buffers_mapped, bool):
+            raise ConfigError(
+                f"keep_buffers_mapped must be True or False, got {self.keep_buffers_mapped!r}",
+                op="CommOptions",
+                hint="CommOptions(keep_buffers_mapped=False) leaves malloc alone",
+            )
+
+    @staticmethod
+    def _check_algorithm_table(table: Mapping[Any, Any]) -> None:
+        for op, algorithm in table.items():
+            if op not in _TUNED:
+                raise ConfigError(
+                    f"algorithms names {op!r}, which is not a collective with algorithms",
+                    op="CommOptions",
+                    hint=f"fix the algorithm of any of {sorted(_TUNED)}",
+                )
+            if algorithm not in _TUNED[op]:
+                raise ConfigError(
+                    f"unknown {op} algorithm {algorithm!r}",
+                    op="CommOptions",
+                    hint=f"choose one of {sorted(_TUNED[op])}",
+                )
+
+    @property
+    def policy(self) -> AlgorithmPolicy | None:
+        """The policy, or None for a mapping {op: algorithm}."""
+        if isinstance(self.algorithms, Mapping):
+            return None
+        return AlgorithmPolicy(self.algorithms)
+
+    def fixed_algorithm(self, op: str) -> str | None:
+        """The algorithm ``op`` always runs, or None when it is measured (``"auto"``)."""
+        policy = self.policy
+        if policy is None:
+            return self.algorithms.get(op, "native")
+        if policy is AlgorithmPolicy.AUTO:
+            return None
+        return "native" if policy is AlgorithmPolicy.NATIVE else "all_to_all"
 
 
 @dataclass
@@ -98,17 +179,31 @@ class Communicator:
 
     def __init__(self, mesh: Mesh | None = None, options: CommOptions | None = None) -> None:
         if not dist.is_initialized():
-            raise RuntimeFault(
+            raise ConfigError(
                 "torch.distributed is not initialized",
+                op="Communicator",
                 hint="call coconet.runtime.init() first (it reads torchrun's environment)",
+            )
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ConfigError(
+                f"a Communicator takes a coconet.Mesh, got {mesh!r}",
+                op="Communicator",
+                hint="Communicator(coconet.Mesh(dp=2, tp=2)), or None for the whole world",
+            )
+        if options is not None and not isinstance(options, CommOptions):
+            raise ConfigError(
+                f"options must be CommOptions, got {options!r}",
+                op="Communicator",
+                hint="coconet.runtime.CommOptions(timeout=60.0)",
             )
         self.options = options or CommOptions()
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.mesh = mesh or Mesh.world(self.world)
         if self.mesh.size != self.world:
-            raise RuntimeFault(
+            raise ConfigError(
                 f"{self.mesh} has {self.mesh.size} ranks but the job has {self.world}",
+                op="Communicator",
                 hint="launch as many ranks as the mesh has, or pass a mesh that fits the job",
             )
         self.backend = str(dist.get_backend())
@@ -134,8 +229,9 @@ class Communicator:
     def group(self, axis: str | None) -> tuple[Any, list[int]]:
         """(process group, its ranks in axis order) of this rank's group along ``axis``."""
         if axis not in self._groups:
-            raise RuntimeFault(
+            raise ConfigError(
                 f"{self.mesh} has no axis {axis!r}",
+                op="Communicator",
                 hint="build the communicator with the mesh the program uses (init(mesh=...))",
             )
         return self._groups[axis]
@@ -349,13 +445,7 @@ class Communicator:
     def _algorithm(self, op: str, nbytes: int, axis: str | None) -> str:
         fixed = self.options.fixed_algorithm(op)
         if fixed is not None:
-            if fixed not in _TUNED[op]:
-                raise RuntimeFault(
-                    f"unknown {op} algorithm {fixed!r}",
-                    op=op,
-                    hint=f"choose one of {sorted(_TUNED[op])}",
-                )
-            return fixed
+            return fixed  # CommOptions checked it against _TUNED[op]
         _, ranks = self.group(axis)
         cls = size_class(nbytes)
         choice = self.table.get(op, cls, self.backend, len(ranks))
@@ -369,6 +459,13 @@ class Communicator:
 
         Collective: every rank of the world must call it at the same point (generated code does:
         every rank runs the same collectives in the same order)."""
+        if op not in _TUNED or cls not in (label for _, label, _ in SIZE_CLASSES):
+            raise ConfigError(
+                f"cannot measure {op!r} at size class {cls!r}",
+                op="Communicator.measure",
+                hint=f"op is one of {sorted(_TUNED)}, cls one of "
+                f"{[label for _, label, _ in SIZE_CLASSES]}",
+            )
         pg, ranks = self.group(axis)
         n = len(ranks)
         numel = max(n, class_bytes(cls) // 4)

@@ -25,7 +25,7 @@ import torch
 from coconet.cache import use_inductor_cache
 from coconet.codegen.geometry import Geometry, geometry
 from coconet.codegen.kernels import KernelSet
-from coconet.errors import RuntimeFault
+from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.program import Program
@@ -138,16 +138,18 @@ class CompiledStep:
 
             comm = current()
             if comm is None:
-                raise RuntimeFault(
+                raise ConfigError(
                     f"{self.program.name}: no communicator",
+                    op=f"{self.program.name} step",
                     hint="call coconet.runtime.init() before the first step, or compile with "
                     "comm=...",
                 )
             self._comm = comm
         if comm.mesh != self.mesh:
-            raise RuntimeFault(
+            raise ConfigError(
                 f"{self.program.name} was compiled for {self.mesh}, the communicator has "
                 f"{comm.mesh}",
+                op=f"{self.program.name} step",
                 hint="compile with the communicator's mesh",
             )
         return comm
