@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coconet.cache import build_key, keyed_cache_dir
 from coconet.codegen import emit, load_module, lower
-from coconet.errors import CodegenError
+from coconet.errors import CodegenError, CompileOptionError
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
@@ -55,6 +57,9 @@ class CompileOptions:
     - ``donate``: names of inputs the step may overwrite, as DDP does with gradients: a donated
       input read only by a collective is reduced in place instead of on a copy. Its content is
       undefined after the step, even after a failed one (the other inputs stay untouched).
+
+    Every field is checked when the options are made (a ``CompileOptionError``); the donated
+    names are checked against the program's inputs by ``compile``.
     """
 
     fused_kernels: bool = True
@@ -63,6 +68,42 @@ class CompileOptions:
     check_every_step: bool = True
     commit_vote: bool = True
     donate: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for flag in ("fused_kernels", "check_every_step", "commit_vote"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise CompileOptionError(
+                    f"{flag} must be True or False, got {value!r}",
+                    op="CompileOptions",
+                    hint=f"CompileOptions({flag}=False)",
+                )
+        if self.device not in _DEVICES:
+            raise CompileOptionError(
+                f"unknown device {self.device!r}",
+                op="CompileOptions",
+                hint='device="cpu" or "cuda"; None takes the communicator\'s',
+            )
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise CompileOptionError(
+                f"cache_dir must be a path or None, got {self.cache_dir!r}",
+                op="CompileOptions",
+                hint="CompileOptions(cache_dir='~/.cache/coconet'); None is the default place",
+            )
+        donate = self.donate
+        listed = isinstance(donate, Iterable) and not isinstance(donate, str)
+        names = tuple(donate) if listed else ()
+        if not listed or not all(isinstance(n, str) for n in names):
+            raise CompileOptionError(
+                f"donate takes a tuple of input names, got {self.donate!r}",
+                op="CompileOptions",
+                hint='donate=("g",)',
+            )
+        # Stored as a tuple: a list (or a generator, read once) would make the options unhashable.
+        object.__setattr__(self, "donate", names)
+
+
+_DEVICES = (None, "cpu", "cuda")
 
 
 # Generated modules of this process, by key: compiling the same thing twice reuses the module.
@@ -76,8 +117,9 @@ def resolve_target(target: Any) -> tuple[Program, str]:
     program = getattr(target, "program", None)
     if isinstance(program, Program):
         return program, str(target)
-    raise CodegenError(
-        f"compile takes a Program or a Schedule, got {type(target).__name__}",
+    raise CompileOptionError(
+        f"compile takes a Program or a Schedule, got {type(target).__name__} {target!r}",
+        op="compile",
         hint="pass the program built with the DSL, or a coconet.schedule.Schedule of it",
     )
 
@@ -106,9 +148,10 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     if comm is None and world is None:
         comm = current()
         if comm is None:
-            raise CodegenError(
+            raise CompileOptionError(
                 "compile needs to know the ranks: no world= was given and "
                 "coconet.runtime.init() has not been called",
+                op="compile",
                 hint="call coconet.runtime.init() first, or pass world=N (or a Mesh) to only "
                 "generate the code",
             )
@@ -158,26 +201,33 @@ def _schedule_line(schedule: str) -> str:
 
 
 def _options(options: CompileOptions | None, overrides: dict[str, Any]) -> CompileOptions:
+    if options is not None and not isinstance(options, CompileOptions):
+        raise CompileOptionError(
+            f"options must be CompileOptions, got {type(options).__name__} {options!r}",
+            op="compile",
+            hint="compile(p, options=CompileOptions(fused_kernels=False)), or the fields by "
+            "name: compile(p, fused_kernels=False)",
+        )
     options = options or CompileOptions()
     known = {f.name for f in dataclasses.fields(CompileOptions)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise CodegenError(
-            f"unknown compile option(s) {unknown}", hint=f"CompileOptions has {sorted(known)}"
+        raise CompileOptionError(
+            f"unknown compile option(s) {unknown}",
+            op="compile",
+            hint=f"CompileOptions has {sorted(known)}",
         )
     return dataclasses.replace(options, **overrides)
 
 
 def _donated(program: Program, names: Any) -> frozenset[str]:
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise CodegenError(
-            f"donate takes a tuple of input names, got {names!r}", hint='donate=("g",)'
-        )
+    # CompileOptions checked that names is a collection of strings.
     inputs = {n.name for n in program.inputs}
     unknown = sorted(set(names) - inputs)
     if unknown:
-        raise CodegenError(
+        raise CompileOptionError(
             f"donate names {unknown}, which are not inputs of program {program.name}",
+            op="compile",
             hint=f"its inputs are {sorted(inputs)}",
         )
     return frozenset(names)
@@ -187,8 +237,9 @@ def _mesh(program: Program, world: int | Mesh | None, comm: Any) -> Mesh:
     if comm is not None:
         mesh = comm.mesh
         if world is not None and _as_mesh(world) != mesh:
-            raise CodegenError(
+            raise CompileOptionError(
                 f"world={world} but the communicator's mesh is {mesh}",
+                op="compile",
                 hint="pass only one of world= and comm=",
             )
     else:
@@ -216,7 +267,11 @@ def _as_mesh(world: int | Mesh | None) -> Mesh:
         return world
     if isinstance(world, int) and not isinstance(world, bool) and world >= 1:
         return Mesh.world(world)
-    raise CodegenError(f"world must be a positive int or a Mesh, got {world!r}")
+    raise CompileOptionError(
+        f"world must be a positive int or a Mesh, got {world!r}",
+        op="compile",
+        hint="world=2 generates the code for 2 ranks; world=Mesh(dp=2, tp=2) for a mesh",
+    )
 
 
 def _key(

@@ -67,8 +67,12 @@ def _is_coconet_frame(frame) -> bool:
     if os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
         return True
     # Code that dataclasses generate (the __init__ that calls a __post_init__ check) has no file
-    # of its own ("<string>") but runs in the globals of the coconet module that defined the class.
+    # of its own ("<string>") but runs in the globals of the coconet module that defined the class;
+    # dataclasses.replace(options, ...) calls that __init__ from the dataclasses module. Both are
+    # on the way from the user's line to the check.
     module = frame.f_globals.get("__name__", "")
+    if module == "dataclasses":
+        return True
     return filename.startswith("<") and (module == "coconet" or module.startswith("coconet."))
 
 
