@@ -73,6 +73,16 @@ def simulate(
 
     The caller's tensors are never modified; updates come back in ``SimResult.updates``.
     """
+    if not isinstance(program, Program):
+        raise SimulationError(
+            f"simulate takes a Program, got {type(program).__name__} {program!r}",
+            hint="simulate(program, inputs, world); for a schedule: simulate(s.program, ...)",
+        )
+    if not isinstance(inputs, Mapping):
+        raise SimulationError(
+            f"simulate's inputs map input names to values, got {type(inputs).__name__}",
+            hint="simulate(program, {'g': torch.ones(8), ...}, world)",
+        )
     mesh = _as_mesh(program, world)
     sim = _Simulator(program, mesh)
     sim.bind_inputs(inputs)
