@@ -18,12 +18,13 @@ from coconet.runtime.check import (
     rank_inputs,
     run_distributed,
 )
-from coconet.runtime.comm import CommOptions, Communicator, Work
+from coconet.runtime.comm import AlgorithmPolicy, CommOptions, Communicator, Work
 from coconet.runtime.launch import RankFailure, current, init, run_script, shutdown, spawn
 from coconet.runtime.step import CompiledStep
 from coconet.runtime.tuning import AlgorithmTable, default_cache_dir
 
 __all__ = [
+    "AlgorithmPolicy",
     "AlgorithmTable",
     "CheckReport",
     "CommOptions",
