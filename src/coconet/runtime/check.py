@@ -109,8 +109,7 @@ def check_distributed(
     comm = comm or current()
     if comm is None:
         raise ConfigError(
-            "check_distributed needs a communicator: none was given and "
-            "coconet.runtime.init() has not been called",
+            "no communicator: none was given and coconet.runtime.init() has not been called",
             op="check_distributed",
             hint="call coconet.runtime.init() first, or pass comm=...",
         )
@@ -203,8 +202,7 @@ def check_schedules(
     comm = comm or current()
     if comm is None:
         raise ConfigError(
-            "check_schedules needs a communicator: none was given and "
-            "coconet.runtime.init() has not been called",
+            "no communicator: none was given and coconet.runtime.init() has not been called",
             op="check_schedules",
             hint="call coconet.runtime.init() first, or pass comm=...",
         )
