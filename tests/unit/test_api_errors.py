@@ -163,7 +163,10 @@ CASES = [
     case("Program.node name", lambda: P.node("nope"), cc.UnknownNameError, "'nope'"),
     case("Program.node int", lambda: P.node(42), cc.UnknownNameError, "42"),
     case("Program.input", lambda: P.input("nope"), cc.UnknownNameError, "'nope'"),
+    case("Program groups int", lambda: cc.Program("p", [x], [Y], groups=5), cc.DSLError, "got 5"),
     case("SimResult.output", lambda: RESULT.output("nope"), cc.UnknownNameError, "'nope'"),
+    case("SimResult.output input", lambda: RESULT.output("g"), cc.UnknownNameError, "'g'"),
+    case("SimResult.updated", lambda: RESULT.updated("g"), cc.UnknownNameError, "'g'"),
     # -- Schedule -------------------------------------------------------------------------------
     case("Schedule of int", lambda: Schedule(123), cc.ScheduleError, "int 123"),
     case("Schedule name", lambda: Schedule(P, name=5), cc.ScheduleError, "int 5"),
@@ -325,6 +328,12 @@ CASES = [
         lambda: rank_inputs(P, INPUTS, cc.Mesh(world=2), 5),
         cc.DSLValueError,
         "rank 5",
+    ),
+    case(
+        "rank_inputs per-rank list",
+        lambda: rank_inputs(P, {"g": [torch.ones(4)]}, cc.Mesh(world=2), 1),
+        cc.SimulationError,
+        "1 per-rank values for 2 ranks",
     ),
     # -- the simulator --------------------------------------------------------------------------
     case("simulate str", lambda: cc.simulate("opt", INPUTS, 2), cc.SimulationError, "'opt'"),

@@ -46,6 +46,14 @@ def _values(what: str, values: Any, program: Any) -> list[Any]:
     return list(values)
 
 
+def _not_groups(program: str, value: Any) -> DSLError:
+    return DSLError(
+        f"program {program}: groups is a list of coconet Groups, got {value!r}",
+        op="Program",
+        hint="groups come from schedule primitives: Schedule(program).fuse([...])",
+    )
+
+
 def format_attr(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
@@ -110,14 +118,12 @@ class Program:
                 )
         self._key: str | None = None
         self._build(ins, outs, overrides)
+        if not isinstance(groups, Iterable) or isinstance(groups, Group):
+            raise _not_groups(name, groups)
         self.groups: tuple[Group, ...] = tuple(groups)
         for g in self.groups:
             if not isinstance(g, Group):
-                raise DSLError(
-                    f"program {name}: groups are coconet Groups, got {g!r}",
-                    op="Program",
-                    hint="groups come from schedule primitives: Schedule(program).fuse([...])",
-                )
+                raise _not_groups(name, g)
         self.verify()
 
     # -- construction ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from coconet.errors import ConfigError
+from coconet.errors import ConfigError, SimulationError
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.program import Program
@@ -46,6 +46,12 @@ def rank_inputs(
             continue
         value = inputs[node.name]
         if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            if len(value) != mesh.size:
+                raise SimulationError(
+                    f"input {node.name!r}: got {len(value)} per-rank values for {mesh.size} ranks",
+                    op="rank_inputs",
+                    hint=f"pass a list of {mesh.size} values (one per rank), or one value",
+                )
             value = value[rank]
         elif isinstance(value, torch.Tensor) and node.type.layout.is_sliced:
             lay = node.type.layout

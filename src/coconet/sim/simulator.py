@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from coconet.errors import SimulationError
+from coconet.errors import SimulationError, UnknownNameError
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
@@ -42,11 +42,22 @@ class SimResult:
     def output(self, name: str) -> torch.Tensor | PerRank:
         """An output as one tensor when its layout allows (whole-world Replicated or Sliced),
         else the per-rank list."""
+        self._check_name(name, self.outputs, "output")
         return self._assemble(self.program.node(name), self.outputs[name])
 
     def updated(self, name: str) -> torch.Tensor | PerRank:
         """The new value of input ``name``, assembled like ``output``."""
+        self._check_name(name, self.updates, "updated")
         return self._assemble(self.program.input(name), self.updates[name])
+
+    def _check_name(self, name: Any, values: dict[str, PerRank], what: str) -> None:
+        if name not in values:
+            kind = "outputs" if what == "output" else "updated inputs"
+            raise UnknownNameError(
+                f"program {self.program.name} has no {kind[:-1]} named {name!r}",
+                op=f"SimResult.{what}",
+                hint=f"its {kind} are {sorted(values)}",
+            )
 
     def _assemble(self, node: Node, values: PerRank) -> torch.Tensor | PerRank:
         lay = node.type.layout
