@@ -3,6 +3,17 @@
 Every user-facing error is a ``CoconetError``. Errors about a program carry the op that failed, the
 values involved, the user's own file and line (captured when the op was written) and a hint that
 says what to do. They are plain exceptions: nothing here uses ``assert``.
+
+The classes, by what went wrong:
+
+- ``DSLError`` (``LayoutError``, ``ShapeError``, ``DTypeError``): a program that cannot be built.
+  ``DSLValueError``, ``DSLTypeError`` and ``UnknownNameError`` are also ``ValueError``,
+  ``TypeError`` and ``KeyError``: what ``Dim``, ``Sliced``, ``Mesh`` and ``Program.node`` raised
+  before they raised coconet errors, so ``except KeyError`` around a lookup keeps working;
+- ``ScheduleError``: a schedule primitive that does not apply; ``SimulationError``: inputs that do
+  not fit ``simulate``; ``CodegenError``: a program ``compile`` cannot turn into code;
+- ``ConfigError``: a bad option or setup of the compiler or the runtime (``CompileOptionError``
+  for ``compile``'s); ``RuntimeFault``: a fault of a running job (a dead or stalled peer).
 """
 
 from __future__ import annotations
@@ -82,10 +93,10 @@ class CoconetError(Exception):
     ``op`` names the operation, ``loc`` is the user's line, ``details`` lists the values involved
     (one per line) and ``hint`` says what to do about it.
 
-    Errors about what the user wrote (``DSLError``, ``SimulationError``) that are raised without a
-    ``loc`` (program-level checks such as "no outputs", bad ``simulate`` inputs) point at the
-    innermost line of the user's own code on the stack: the ``Program(...)`` or ``simulate(...)``
-    call.
+    Errors about what the user wrote (every class but ``RuntimeFault``) that are raised without a
+    ``loc`` (program-level checks such as "no outputs", bad ``simulate`` inputs, bad options)
+    point at the innermost line of the user's own code on the stack: the ``Program(...)``,
+    ``simulate(...)``, ``s.fuse(...)`` or ``CommOptions(...)`` call.
     """
 
     #: Fill in ``loc`` from the caller's stack when none is given.
