@@ -31,8 +31,8 @@ import sys
 import torch
 
 import coconet as cc
-from coconet.testing import run_distributed
 from coconet.schedule import AR_C, RS_C_AG, fuse_RS_C_AG
+from coconet.testing import run_distributed
 
 # Import the examples' shared checking code (examples/_harness.py) however this file is loaded.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -33,8 +33,8 @@ import torch
 
 import coconet as cc
 from coconet.random import dropout_mask
-from coconet.testing import run_distributed
 from coconet.schedule import AR_P2P_C, RS_P2P_C_AG, ol_RS_fuse_P2P_C_AG
+from coconet.testing import run_distributed
 
 # The all_reduce adds the ranks' partial sums in another order than one matmul does.
 TOLERANCE = 1e-5  # max relative error vs plain PyTorch in float32

@@ -36,8 +36,8 @@ import torch
 
 import coconet as cc
 from coconet.random import dropout_mask
-from coconet.testing import run_distributed
 from coconet.schedule import MM_AR_C, MM_RS_C_AG, ol_MM_fuse_RS_C_AG
+from coconet.testing import run_distributed
 
 # Import the examples' shared checking code (examples/_harness.py) however this file is loaded.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -6,8 +6,8 @@
 Imports are read from the source (``ast``), at module level and inside functions alike, so an
 import hidden in a function to dodge a cycle still counts. ``TYPE_CHECKING`` imports are left out
 (they never run), and so are edges from a module to its own parent packages (Python runs those
-first for any importer). tests/unit/test_layers.py asserts that there are no cycles and that the layers
-point one way.
+first for any importer). tests/unit/test_layers.py asserts that there are no cycles and that the
+layers point one way.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any
 
 from coconet.cache import build_key, keyed_cache_dir
 from coconet.codegen import emit, load_module, lower
-from coconet.errors import CodegenError
+from coconet.errors import CodegenError, CompileOptionError
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
@@ -63,8 +63,9 @@ def resolve_target(target: Any) -> tuple[Program, str, str]:
             return program, text, target.digest
         # Something schedule-like but not a Schedule: its text is all there is to identify it.
         return program, text, hashlib.sha256(text.encode()).hexdigest()[:16]
-    raise CodegenError(
-        f"compile takes a Program or a Schedule, got {type(target).__name__}",
+    raise CompileOptionError(
+        f"compile takes a Program or a Schedule, got {type(target).__name__} {target!r}",
+        op="compile",
         hint="pass the program built with the DSL, or a coconet.schedule.Schedule of it",
     )
 
@@ -88,10 +89,11 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     program, schedule, schedule_digest = resolve_target(target)
     options = _options(options, overrides)
     if comm is None and world is None:
-        raise CodegenError(
-            "compile needs to know the ranks: pass comm= (the communicator "
-            "coconet.runtime.init() returned) to run steps, or world=N (or a Mesh) to only "
-            "generate the code",
+        raise CompileOptionError(
+            "compile needs to know the ranks: no comm= and no world= was given; pass comm= (the "
+            "communicator coconet.runtime.init() returned) to run steps, or world=N (or a Mesh) "
+            "to only generate the code",
+            op="compile",
             hint="comm = coconet.runtime.init(); step = coconet.compile(program, comm=comm)",
         )
     mesh = _mesh(program, world, comm)
@@ -148,26 +150,33 @@ def _schedule_line(schedule: str) -> str:
 
 
 def _options(options: CompileOptions | None, overrides: dict[str, Any]) -> CompileOptions:
+    if options is not None and not isinstance(options, CompileOptions):
+        raise CompileOptionError(
+            f"options must be CompileOptions, got {type(options).__name__} {options!r}",
+            op="compile",
+            hint="compile(p, options=CompileOptions(fused_kernels=False)), or the fields by "
+            "name: compile(p, fused_kernels=False)",
+        )
     options = options or CompileOptions()
     known = {f.name for f in dataclasses.fields(CompileOptions)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise CodegenError(
-            f"unknown compile option(s) {unknown}", hint=f"CompileOptions has {sorted(known)}"
+        raise CompileOptionError(
+            f"unknown compile option(s) {unknown}",
+            op="compile",
+            hint=f"CompileOptions has {sorted(known)}",
         )
     return dataclasses.replace(options, **overrides)
 
 
 def _donated(program: Program, names: Any) -> frozenset[str]:
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise CodegenError(
-            f"donate takes a tuple of input names, got {names!r}", hint='donate=("g",)'
-        )
+    # CompileOptions checked that names is a collection of strings.
     inputs = {n.name for n in program.inputs}
     unknown = sorted(set(names) - inputs)
     if unknown:
-        raise CodegenError(
+        raise CompileOptionError(
             f"donate names {unknown}, which are not inputs of program {program.name}",
+            op="compile",
             hint=f"its inputs are {sorted(inputs)}",
         )
     return frozenset(names)
@@ -177,8 +186,9 @@ def _mesh(program: Program, world: int | Mesh | None, comm: Any) -> Mesh:
     if comm is not None:
         mesh = comm.mesh
         if world is not None and _as_mesh(world) != mesh:
-            raise CodegenError(
+            raise CompileOptionError(
                 f"world={world} but the communicator's mesh is {mesh}",
+                op="compile",
                 hint="pass only one of world= and comm=",
             )
     else:
@@ -206,7 +216,11 @@ def _as_mesh(world: int | Mesh | None) -> Mesh:
         return world
     if isinstance(world, int) and not isinstance(world, bool) and world >= 1:
         return Mesh.world(world)
-    raise CodegenError(f"world must be a positive int or a Mesh, got {world!r}")
+    raise CompileOptionError(
+        f"world must be a positive int or a Mesh, got {world!r}",
+        op="compile",
+        hint="world=2 generates the code for 2 ranks; world=Mesh(dp=2, tp=2) for a mesh",
+    )
 
 
 def _key(

@@ -15,7 +15,7 @@ dtypes at once and pointing errors at the line that wrote the op::
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from coconet.errors import DSLError, DTypeError, capture_loc
@@ -81,7 +81,10 @@ class Tensor:
         loc = capture_loc()
         if not isinstance(name, str) or not name.isidentifier():
             raise DSLError(
-                f"a tensor name must be an identifier, got {name!r}", op="Tensor", loc=loc
+                f"a tensor name must be an identifier, got {name!r}",
+                op="Tensor",
+                loc=loc,
+                hint='name it like a Python variable: Tensor("w", float32, [N])',
             )
         if not isinstance(dtype, DType):
             raise DSLError(
@@ -90,19 +93,30 @@ class Tensor:
                 loc=loc,
                 hint="use coconet.float32, float16, bfloat16, int32 or int64",
             )
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+            raise DSLError(
+                f"{name}: the shape is a list of sizes, got {type(shape).__name__} {shape!r}",
+                op="Tensor",
+                loc=loc,
+                hint=f"Tensor({name!r}, dtype, [N]) for one dim, [] for a scalar",
+            )
+        shape = tuple(shape)
         for s in shape:
             ok = isinstance(s, Dim) or (isinstance(s, int) and not isinstance(s, bool) and s >= 0)
             if not ok:
                 raise DSLError(
-                    f"{name}: sizes are ints >= 0 or Dims, got {s!r}", op="Tensor", loc=loc
+                    f"{name}: sizes are ints >= 0 or Dims, got {s!r}",
+                    op="Tensor",
+                    loc=loc,
+                    hint='a size is a fixed int or a symbolic Dim("N") bound when the step runs',
                 )
         if not isinstance(layout, Layout):
             raise DSLError(
                 f"{name}: layout must be Local, Replicated or Sliced(dim), got {layout!r}",
                 op="Tensor",
                 loc=loc,
+                hint="coconet.Local, coconet.Replicated or coconet.Sliced(0)",
             )
-        shape = tuple(shape)
         if layout.is_sliced and not -len(shape) <= layout.dim < len(shape):
             raise DSLError(
                 f"{name}: Sliced(dim={layout.dim}) but the tensor has rank {len(shape)}",
@@ -145,10 +159,14 @@ class Tensor:
 
     def named(self, name: str) -> Tensor:
         """The same value, with a name that printing, schedules and errors use."""
-        if not isinstance(name, str) or not name.isidentifier():
-            raise DSLError(f"a value name must be an identifier, got {name!r}", loc=capture_loc())
+        _check_name("named", name)
         if self.node.op is Op.INPUT:
-            raise DSLError("inputs are named where they are declared", loc=capture_loc())
+            raise DSLError(
+                f"inputs are named where they are declared; this is the input {self.node.name!r}",
+                op="named",
+                loc=capture_loc(),
+                hint="name a computed value, e.g. (x * 2.0).named('x2')",
+            )
         return Tensor._wrap(self.node.renamed(name))
 
     def __repr__(self) -> str:
@@ -241,9 +259,10 @@ def _node(x: Any, like: Node | None, op: Op) -> Node:
         return x.node
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise DSLError(
-            f"operands must be coconet Tensors or Python numbers, got {type(x).__name__}",
+            f"operands must be coconet Tensors or Python numbers, got {type(x).__name__} {x!r}",
             op=str(op),
             loc=capture_loc(),
+            hint="declare a runtime value with Tensor(...) or Scalar(...); constants are int/float",
         )
     dtype = DType.float32
     if like is not None:
@@ -262,8 +281,20 @@ def _node(x: Any, like: Node | None, op: Op) -> Node:
     return make_node(Op.CONST, (), {"value": x, "dtype": dtype}, loc=capture_loc())
 
 
+def _check_name(op: str, name: Any) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise DSLError(
+            f"a value name must be an identifier, got {name!r}",
+            op=op,
+            loc=capture_loc(),
+            hint="name it like a Python variable, e.g. name='g_sum'",
+        )
+
+
 def _wrap(op: Op, inputs: tuple[Node, ...], **attrs: Any) -> Tensor:
     name = attrs.pop("name", None)
+    if name is not None:
+        _check_name(str(op), name)
     return Tensor._wrap(make_node(op, inputs, attrs, name=name, loc=capture_loc()))
 
 
@@ -272,7 +303,10 @@ def _binary(op: Op, a: Any, b: Any) -> Tensor:
     lb = b.node if isinstance(b, Tensor) else None
     if la is None and lb is None:
         raise DSLError(
-            "at least one operand must be a coconet Tensor", op=str(op), loc=capture_loc()
+            f"at least one operand must be a coconet Tensor, got {a!r} and {b!r}",
+            op=str(op),
+            loc=capture_loc(),
+            hint="compute constants in Python; an op of the DSL needs a Tensor operand",
         )
     return _wrap(op, (_node(a, lb, op), _node(b, la, op)))
 
@@ -283,14 +317,22 @@ def _unary(op: Op, x: Any, **attrs: Any) -> Tensor:
 
 def _reduction(op: Op, x: Tensor, dim: int | None, keepdim: bool) -> Tensor:
     if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool)):
-        raise DSLError(f"dim must be an int or None, got {dim!r}", op=str(op), loc=capture_loc())
+        raise DSLError(
+            f"dim must be an int or None, got {dim!r}",
+            op=str(op),
+            loc=capture_loc(),
+            hint="dim=None reduces over every element, dim=0 over the first dim",
+        )
     return _wrap(op, (_node(x, None, op),), dim=dim, keepdim=bool(keepdim))
 
 
 def _check_axis(op: str, axis: Any) -> None:
     if axis is not None and not isinstance(axis, str):
         raise DSLError(
-            f"axis must be a mesh axis name or None, got {axis!r}", op=op, loc=capture_loc()
+            f"axis must be a mesh axis name or None, got {axis!r}",
+            op=op,
+            loc=capture_loc(),
+            hint="name an axis of the Mesh (Mesh(dp=2, tp=2): 'dp' or 'tp'); None is the world",
         )
 
 
@@ -333,7 +375,12 @@ def gelu(x: Tensor) -> Tensor:
 
 def cast(x: Tensor, dtype: DType) -> Tensor:
     if not isinstance(dtype, DType):
-        raise DSLError(f"cast takes a coconet DType, got {dtype!r}", op="cast", loc=capture_loc())
+        raise DSLError(
+            f"cast takes a coconet DType, got {dtype!r}",
+            op="cast",
+            loc=capture_loc(),
+            hint="coconet.float32, float16, bfloat16, int32 or int64",
+        )
     return _unary(Op.CAST, x, dtype=dtype)
 
 
@@ -389,7 +436,10 @@ def dropout(x: Tensor, p: float, seed: Any = 0, step: Any = 0) -> Tensor:
     """
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise DSLError(
-            f"dropout's p must be a Python number, got {p!r}", op="dropout", loc=capture_loc()
+            f"dropout's p must be a Python number, got {p!r}",
+            op="dropout",
+            loc=capture_loc(),
+            hint="p is fixed when the program is built, e.g. dropout(x, 0.1)",
         )
     for role, v in (("seed", seed), ("step", step)):
         if isinstance(v, float):
@@ -523,9 +573,10 @@ def send(x: Tensor, axis: str, name: str | None = None) -> Tensor:
     """
     if not isinstance(axis, str):
         raise DSLError(
-            "send needs the mesh axis to send along, e.g. send(x, axis='pp')",
+            f"send needs the mesh axis to send along, got {axis!r}",
             op="send",
             loc=capture_loc(),
+            hint="send(x, axis='pp'): rank i of the axis receives rank i-1's x",
         )
     return _wrap(Op.SEND, (_node(x, None, Op.SEND),), axis=axis, name=name)
 
@@ -540,7 +591,10 @@ def update(target: Tensor, value: Any) -> Tensor:
     """The new value of the input ``target``, applied only when the whole step has succeeded."""
     if not isinstance(target, Tensor):
         raise DSLError(
-            "update's first operand must be a coconet input Tensor", op="update", loc=capture_loc()
+            f"update's first operand must be a coconet input Tensor, got {target!r}",
+            op="update",
+            loc=capture_loc(),
+            hint="update(p, new_value) where p was declared with Tensor(...)",
         )
     return _wrap(Op.UPDATE, (target.node, _node(value, target.node, Op.UPDATE)))
 

@@ -3,6 +3,17 @@
 Every user-facing error is a ``CoconetError``. Errors about a program carry the op that failed, the
 values involved, the user's own file and line (captured when the op was written) and a hint that
 says what to do. They are plain exceptions: nothing here uses ``assert``.
+
+The classes, by what went wrong:
+
+- ``DSLError`` (``LayoutError``, ``ShapeError``, ``DTypeError``): a program that cannot be built.
+  ``DSLValueError``, ``DSLTypeError`` and ``UnknownNameError`` are also ``ValueError``,
+  ``TypeError`` and ``KeyError``: what ``Dim``, ``Sliced``, ``Mesh`` and ``Program.node`` raised
+  before they raised coconet errors, so ``except KeyError`` around a lookup keeps working;
+- ``ScheduleError``: a schedule primitive that does not apply; ``SimulationError``: inputs that do
+  not fit ``simulate``; ``CodegenError``: a program ``compile`` cannot turn into code;
+- ``ConfigError``: a bad option or setup of the compiler or the runtime (``CompileOptionError``
+  for ``compile``'s); ``RuntimeFault``: a fault of a running job (a dead or stalled peer).
 """
 
 from __future__ import annotations
@@ -15,7 +26,11 @@ from dataclasses import dataclass
 __all__ = [
     "CodegenError",
     "CoconetError",
+    "CompileOptionError",
+    "ConfigError",
     "DSLError",
+    "DSLTypeError",
+    "DSLValueError",
     "DTypeError",
     "LayoutError",
     "RuntimeFault",
@@ -23,6 +38,7 @@ __all__ = [
     "ShapeError",
     "SimulationError",
     "SourceLoc",
+    "UnknownNameError",
     "capture_loc",
 ]
 
@@ -51,11 +67,24 @@ def capture_loc() -> SourceLoc | None:
     """
     frame = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(_PACKAGE_DIR + os.sep):
+        if not _is_coconet_frame(frame):
             return SourceLoc(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+def _is_coconet_frame(frame) -> bool:
+    filename = frame.f_code.co_filename
+    if os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
+        return True
+    # Code that dataclasses generate (the __init__ that calls a __post_init__ check) has no file
+    # of its own ("<string>") but runs in the globals of the coconet module that defined the class;
+    # dataclasses.replace(options, ...) calls that __init__ from the dataclasses module. Both are
+    # on the way from the user's line to the check.
+    module = frame.f_globals.get("__name__", "")
+    if module == "dataclasses":
+        return True
+    return filename.startswith("<") and (module == "coconet" or module.startswith("coconet."))
 
 
 class CoconetError(Exception):
@@ -64,10 +93,10 @@ class CoconetError(Exception):
     ``op`` names the operation, ``loc`` is the user's line, ``details`` lists the values involved
     (one per line) and ``hint`` says what to do about it.
 
-    Errors about what the user wrote (``DSLError``, ``SimulationError``) that are raised without a
-    ``loc`` (program-level checks such as "no outputs", bad ``simulate`` inputs) point at the
-    innermost line of the user's own code on the stack: the ``Program(...)`` or ``simulate(...)``
-    call.
+    Errors about what the user wrote (every class but ``RuntimeFault``) that are raised without a
+    ``loc`` (program-level checks such as "no outputs", bad ``simulate`` inputs, bad options)
+    point at the innermost line of the user's own code on the stack: the ``Program(...)``,
+    ``simulate(...)``, ``s.fuse(...)`` or ``CommOptions(...)`` call.
     """
 
     #: Fill in ``loc`` from the caller's stack when none is given.
@@ -91,6 +120,11 @@ class CoconetError(Exception):
         self.hint = hint
         super().__init__(self._render())
 
+    def __str__(self) -> str:
+        # The rendered message, also for the subclasses that mix in KeyError (whose own __str__
+        # would print the repr of the message, quotes and escaped newlines included).
+        return self._render()
+
     def _render(self) -> str:
         head = f"{self.op}: {self.message}" if self.op else self.message
         lines = [head]
@@ -111,6 +145,21 @@ class DSLError(CoconetError):
     locate_caller = True
 
 
+class DSLValueError(DSLError, ValueError):
+    """A DSL value given an argument of the right type but a value it cannot take
+    (``Dim("1N")``, ``Mesh(tp=0)``, a rank outside the mesh). Also a ``ValueError``."""
+
+
+class DSLTypeError(DSLError, TypeError):
+    """A DSL value given an argument of the wrong type (``Dim(5)``, ``Sliced("0")``,
+    ``Local("tp")``). Also a ``TypeError``."""
+
+
+class UnknownNameError(DSLError, KeyError):
+    """A name looked up where it does not exist: a program's value or input, a mesh axis.
+    Also a ``KeyError``, so that ``except KeyError`` around a lookup keeps working."""
+
+
 class LayoutError(DSLError):
     """Operands whose layouts (Local, Replicated, Sliced) cannot be combined by this op."""
 
@@ -124,7 +173,11 @@ class DTypeError(DSLError):
 
 
 class ScheduleError(CoconetError):
-    """A schedule primitive that cannot be applied to this program, and why."""
+    """A schedule primitive that cannot be applied to this program, and why.
+
+    Without a value's own line to point at, it points at the user's call of the primitive."""
+
+    locate_caller = True
 
 
 class SimulationError(CoconetError):
@@ -134,8 +187,29 @@ class SimulationError(CoconetError):
 
 
 class CodegenError(CoconetError):
-    """A program or schedule the compiler cannot turn into code."""
+    """A program or schedule the compiler cannot turn into code.
+
+    Without a value's own line to point at, it points at the user's ``compile(...)`` call."""
+
+    locate_caller = True
+
+
+class ConfigError(CoconetError):
+    """A bad option, argument or setup of the compiler or the runtime: ``CommOptions`` out of
+    range, a step without a communicator, a mesh that does not fit the job. Nothing failed at run
+    time and no peer is involved: fix the call (``RuntimeFault`` is for faults of a running job).
+    """
+
+    locate_caller = True
+
+
+class CompileOptionError(ConfigError, CodegenError):
+    """A bad option or argument of ``coconet.compile`` (``CompileOptions``): a ``ConfigError``,
+    and a ``CodegenError`` since nothing could be compiled."""
 
 
 class RuntimeFault(CoconetError):
-    """A distributed step that failed: a dead or stalled rank, mismatched programs, bad inputs."""
+    """A distributed step that failed: a dead or stalled rank, mismatched programs, bad inputs.
+
+    Bad options and setup (no communicator, a mesh that does not fit the job) are ``ConfigError``.
+    """

@@ -4,8 +4,12 @@ it, and nothing is read from the environment instead)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from coconet.errors import CompileOptionError
 
 __all__ = ["CompileOptions"]
 
@@ -27,6 +31,9 @@ class CompileOptions:
     - ``donate``: names of inputs the step may overwrite, as DDP does with gradients: a donated
       input read only by a collective is reduced in place instead of on a copy. Its content is
       undefined after the step, even after a failed one (the other inputs stay untouched).
+
+    Every field is checked when the options are made (a ``CompileOptionError``); the donated
+    names are checked against the program's inputs by ``compile``.
     """
 
     fused_kernels: bool = True
@@ -35,3 +42,39 @@ class CompileOptions:
     check_every_step: bool = True
     commit_vote: bool = True
     donate: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for flag in ("fused_kernels", "check_every_step", "commit_vote"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool):
+                raise CompileOptionError(
+                    f"{flag} must be True or False, got {value!r}",
+                    op="CompileOptions",
+                    hint=f"CompileOptions({flag}=False)",
+                )
+        if self.device not in _DEVICES:
+            raise CompileOptionError(
+                f"unknown device {self.device!r}",
+                op="CompileOptions",
+                hint='device="cpu" or "cuda"; None takes the communicator\'s',
+            )
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise CompileOptionError(
+                f"cache_dir must be a path or None, got {self.cache_dir!r}",
+                op="CompileOptions",
+                hint="CompileOptions(cache_dir='~/.cache/coconet'); None is the default place",
+            )
+        donate = self.donate
+        listed = isinstance(donate, Iterable) and not isinstance(donate, str)
+        names = tuple(donate) if listed else ()
+        if not listed or not all(isinstance(n, str) for n in names):
+            raise CompileOptionError(
+                f"donate takes a tuple of input names, got {self.donate!r}",
+                op="CompileOptions",
+                hint='donate=("g",)',
+            )
+        # Stored as a tuple: a list (or a generator, read once) would make the options unhashable.
+        object.__setattr__(self, "donate", names)
+
+
+_DEVICES = (None, "cpu", "cuda")

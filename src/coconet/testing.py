@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from coconet.compiler import compile, resolve_target
-from coconet.errors import CodegenError
+from coconet.errors import CodegenError, ConfigError, SimulationError
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.program import Program
@@ -41,12 +41,25 @@ def rank_inputs(
     is the global value (Sliced inputs are cut to this rank's ``tensor_split`` part). Tensors are
     copied, so the step's in-place updates never reach the caller's ``inputs``.
     """
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(
+            f"rank_inputs takes a coconet.Mesh, got {mesh!r}",
+            op="rank_inputs",
+            hint="rank_inputs(program, inputs, comm.mesh, comm.rank)",
+        )
+    mesh.coords(rank)  # refuses a rank outside the mesh
     out: dict[str, Any] = {}
     for node in program.inputs:
         if node.name not in inputs:
             continue
         value = inputs[node.name]
         if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            if len(value) != mesh.size:
+                raise SimulationError(
+                    f"input {node.name!r}: got {len(value)} per-rank values for {mesh.size} ranks",
+                    op="rank_inputs",
+                    hint=f"pass a list of {mesh.size} values (one per rank), or one value",
+                )
             value = value[rank]
         elif isinstance(value, torch.Tensor) and node.type.layout.is_sliced:
             lay = node.type.layout
@@ -94,7 +107,7 @@ def check_distributed(
     target: Any,
     inputs: Mapping[str, Any],
     *,
-    comm: Communicator,
+    comm: Communicator | None = None,
     reference: Any = None,
     options: Any = None,
     verbose: bool = True,
@@ -103,6 +116,7 @@ def check_distributed(
     """Run one step of ``target`` (Program or Schedule) on every rank and compare with
     ``coconet.simulate(reference or target's program, inputs, mesh)``. Call it on every rank with
     the same ``inputs`` and the communicator ``coconet.runtime.init()`` returned."""
+    _require(comm, "check_distributed")
     program = resolve_target(target)[0]
     ref_program = resolve_target(reference)[0] if reference is not None else program
     step = compile(target, comm=comm, options=options, **overrides)
@@ -170,7 +184,7 @@ def check_schedules(
     schedules: Mapping[str, Any],
     inputs: Mapping[str, Any],
     *,
-    comm: Communicator,
+    comm: Communicator | None = None,
     rtol: float = 0.0,
     atol: float = 0.0,
     label: str | None = None,
@@ -188,6 +202,7 @@ def check_schedules(
         )
         coconet.runtime.shutdown(exit_code=0 if ok else 1)
     """
+    _require(comm, "check_schedules")
     label = label or program.name
     targets = {"(unscheduled)": program}
     for name, make in schedules.items():
@@ -213,6 +228,15 @@ def check_schedules(
                 flush=True,
             )
     return ok
+
+
+def _require(comm: Any, op: str) -> None:
+    if not isinstance(comm, Communicator):
+        raise ConfigError(
+            f"{op} needs the communicator, got {comm!r}",
+            op=op,
+            hint="comm = coconet.runtime.init(); pass comm=comm",
+        )
 
 
 def run_distributed(

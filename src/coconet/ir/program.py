@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from coconet.errors import DSLError
+from coconet.errors import DSLError, UnknownNameError
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.node import Node
 from coconet.ir.ops import LEAVES, Op
@@ -30,6 +30,28 @@ def _node_of(x: Any) -> Node:
             hint="program inputs and outputs are Tensors built with the coconet DSL",
         )
     return node
+
+
+def _values(what: str, values: Any, program: Any) -> list[Any]:
+    """``values`` as a list, refusing a lone Tensor or string (a list of one was meant)."""
+    lone = isinstance(getattr(values, "node", values), Node) or isinstance(values, str)
+    if lone or not isinstance(values, Iterable):
+        example = "[x]" if what == "inputs" else "[y], or {'y': y}"
+        raise DSLError(
+            f"program {program}: {what} must be a list of Tensors, got {type(values).__name__} "
+            f"{values!r}",
+            op="Program",
+            hint=f"wrap it in a list: Program(name, inputs, outputs) with {what}={example}",
+        )
+    return list(values)
+
+
+def _not_groups(program: str, value: Any) -> DSLError:
+    return DSLError(
+        f"program {program}: groups is a list of coconet Groups, got {value!r}",
+        op="Program",
+        hint="groups come from schedule primitives: Schedule(program).fuse([...])",
+    )
 
 
 def format_attr(value: Any) -> str:
@@ -57,11 +79,22 @@ class Program:
         *,
         groups: Iterable[Group] = (),
     ) -> None:
-        if not name.isidentifier():
-            raise DSLError(f"program name must be an identifier, got {name!r}")
+        if not isinstance(name, str) or not name.isidentifier():
+            raise DSLError(
+                f"program name must be an identifier, got {name!r}",
+                op="Program",
+                hint='name it like a Python function: Program("adam", inputs, outputs)',
+            )
         self.name = name
         overrides: dict[int, str] = {}
         if isinstance(outputs, Mapping):
+            for key in outputs:
+                if not isinstance(key, str) or not key.isidentifier():
+                    raise DSLError(
+                        f"program {name}: output names are identifiers, got {key!r}",
+                        op="Program",
+                        hint="key the outputs by name: {'loss': loss}",
+                    )
             outs = [_node_of(v) for v in outputs.values()]
             for key, n in zip(outputs, outs, strict=True):
                 if n.op is Op.INPUT and key != n.name:
@@ -74,8 +107,8 @@ class Program:
                 if n.op is not Op.UPDATE:
                     overrides[id(n)] = key
         else:
-            outs = [_node_of(v) for v in outputs]
-        ins = [_node_of(v) for v in inputs]
+            outs = [_node_of(v) for v in _values("outputs", outputs, name)]
+        ins = [_node_of(v) for v in _values("inputs", inputs, name)]
         for n in ins:
             if n.op is not Op.INPUT:
                 raise DSLError(
@@ -85,7 +118,12 @@ class Program:
                 )
         self._key: str | None = None
         self._build(ins, outs, overrides)
+        if not isinstance(groups, Iterable) or isinstance(groups, Group):
+            raise _not_groups(name, groups)
         self.groups: tuple[Group, ...] = tuple(groups)
+        for g in self.groups:
+            if not isinstance(g, Group):
+                raise _not_groups(name, g)
         self.verify()
 
     # -- construction ---------------------------------------------------------------------------
@@ -134,7 +172,9 @@ class Program:
             # Two different inputs with one name are caught when names are assigned.
             if n.name in seen_inputs:
                 raise DSLError(
-                    f"program {self.name}: {n.name!r} is listed twice among the inputs", loc=n.loc
+                    f"program {self.name}: {n.name!r} is listed twice among the inputs",
+                    loc=n.loc,
+                    hint="list each input once",
                 )
             seen_inputs[n.name] = n
         for n in self.nodes:
@@ -177,7 +217,11 @@ class Program:
         """This program's node for a name, one of its nodes, or a DSL handle that built it."""
         if isinstance(ref, str):
             if ref not in self._by_name:
-                raise KeyError(f"program {self.name} has no value named {ref!r}")
+                raise UnknownNameError(
+                    f"program {self.name} has no value named {ref!r}",
+                    op="Program.node",
+                    hint=self._names_hint(),
+                )
             return self._by_name[ref]
         node = getattr(ref, "node", ref)
         if isinstance(node, Node):
@@ -185,7 +229,17 @@ class Program:
                 return node
             if id(node) in self._handles:
                 return self._handles[id(node)][1]
-        raise KeyError(f"{ref!r} is not a value of program {self.name}")
+        raise UnknownNameError(
+            f"{ref!r} is not a value of program {self.name}",
+            op="Program.node",
+            hint="refer to a value by its name, or by a Tensor this program was built from; "
+            + self._names_hint(),
+        )
+
+    def _names_hint(self, limit: int = 40) -> str:
+        names = [n.name for n in self.nodes]
+        more = f", ... ({len(names)} values)" if len(names) > limit else ""
+        return "its values are " + ", ".join(names[:limit]) + more
 
     def users(self) -> dict[str, list[Node]]:
         """name -> the nodes that read it."""
@@ -199,7 +253,11 @@ class Program:
         for n in self.inputs:
             if n.name == name:
                 return n
-        raise KeyError(f"program {self.name} has no input named {name!r}")
+        raise UnknownNameError(
+            f"program {self.name} has no input named {name!r}",
+            op="Program.input",
+            hint=f"its inputs are {[n.name for n in self.inputs]}",
+        )
 
     @property
     def mesh_axes(self) -> frozenset[str]:

@@ -98,8 +98,14 @@ def broadcast_shapes(shapes: list[Shape]) -> Shape:
 
 
 def _norm_dim(dim: int, rank: int, what: str) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise _Violation(DSLError, f"{what} must be an int, got {dim!r}", "dim=0 is the first dim")
     if not -rank <= dim < max(rank, 1):
-        raise _Violation(ShapeError, f"{what} {dim} is out of range for a tensor of rank {rank}")
+        raise _Violation(
+            ShapeError,
+            f"{what} {dim} is out of range for a tensor of rank {rank}",
+            f"a dim is from {-rank} to {rank - 1}" if rank else "a scalar only has dim 0",
+        )
     return dim % rank if rank else 0
 
 
@@ -248,7 +254,11 @@ def _pointwise(op: Op) -> Callable:
 def _check_dropout(inputs, attrs) -> None:
     p = attrs["p"]
     if not 0.0 <= p < 1.0:
-        raise _Violation(DSLError, f"dropout probability p={p} is not in [0, 1)")
+        raise _Violation(
+            DSLError,
+            f"dropout probability p={p} is not in [0, 1)",
+            "p is the probability of zeroing an element, e.g. dropout(x, 0.1)",
+        )
     for role, n in zip(("seed", "step"), inputs[1:], strict=True):
         if n.type.rank != 0 or n.type.dtype not in (DType.int64, DType.int32):
             raise _Violation(
@@ -260,6 +270,7 @@ def _check_dropout(inputs, attrs) -> None:
             raise _Violation(
                 LayoutError,
                 f"dropout's {role} must be Replicated so every rank draws the same mask",
+                f"declare {role} as a Scalar (Replicated), or pass a Python int",
             )
 
 
@@ -320,6 +331,7 @@ def _matmul(inputs, attrs) -> TensorType:
             ShapeError,
             f"matmul takes x[..., K] @ w[K, N]; got {format_shape(ta.shape)} @ "
             f"{format_shape(tb.shape)}",
+            "w is a matrix; x has at least one dim",
         )
     if not _same_size(ta.shape[-1], tb.shape[0]):
         raise _Violation(
@@ -456,8 +468,12 @@ def _reduce(inputs, attrs) -> TensorType:
 
 def _check_root(attrs) -> None:
     root = attrs["root"]
-    if not isinstance(root, int) or root < 0:
-        raise _Violation(DSLError, f"root must be a rank index >= 0, got {root!r}")
+    if not isinstance(root, int) or isinstance(root, bool) or root < 0:
+        raise _Violation(
+            DSLError,
+            f"root must be a rank index >= 0, got {root!r}",
+            "root is the index of a rank within its group along the axis: root=0 is the first",
+        )
 
 
 def _send(inputs, attrs) -> TensorType:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from coconet.errors import DSLTypeError, DSLValueError
+
 __all__ = [
     "DType",
     "Dim",
@@ -58,7 +60,11 @@ class DType(enum.Enum):
         for k, v in _TORCH.items():
             if v == dtype:
                 return k
-        raise ValueError(f"coconet has no element type for torch dtype {dtype}")
+        raise DSLValueError(
+            f"coconet has no element type for torch dtype {dtype}",
+            op="DType.from_torch",
+            hint="coconet has " + ", ".join(d.value for d in cls) + "; convert with .to(...)",
+        )
 
 
 _TORCH = {
@@ -89,8 +95,18 @@ class Dim:
     name: str
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise DSLTypeError(
+                f"a Dim is named by a string, got {type(self.name).__name__} {self.name!r}",
+                op="Dim",
+                hint='Dim("N") is a size bound when the program runs; a fixed size is a plain int',
+            )
         if not self.name.isidentifier():
-            raise ValueError(f"Dim name must be an identifier, got {self.name!r}")
+            raise DSLValueError(
+                f"Dim name must be an identifier, got {self.name!r}",
+                op="Dim",
+                hint='use a Python name such as Dim("N") or Dim("hidden")',
+            )
 
     def __str__(self) -> str:
         return self.name
@@ -143,9 +159,18 @@ class Layout:
     def __call__(self, axis: str | None = None) -> Layout:
         """``Replicated("tp")``: the same layout over one mesh axis."""
         if self.is_sliced:
-            raise TypeError("use Sliced(dim, axis=...) for a sliced layout")
+            raise DSLTypeError(
+                f"{self} takes no further arguments, got {axis!r}",
+                op="Sliced",
+                hint=f"use Sliced({self.dim}, axis=...) for a sliced layout along one mesh axis",
+            )
         if self.is_local:
-            raise TypeError("Local takes no axis: every rank holds its own value")
+            raise DSLTypeError(
+                f"Local takes no axis, got {axis!r}: every rank holds its own value",
+                op="Local",
+                hint="write Local; an axis only applies to Replicated(axis) and Sliced(dim, axis)",
+            )
+        _check_axis(self.kind.value, axis)
         return Layout(self.kind, None, axis)
 
     def __str__(self) -> str:
@@ -166,8 +191,22 @@ Replicated = Layout(LayoutKind.REPLICATED)
 def Sliced(dim: int = 0, axis: str | None = None) -> Layout:  # noqa: N802 - reads like a layout name
     """Rank i of ``axis`` holds the i-th part of the tensor along ``dim``."""
     if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"Sliced(dim=...) takes an int, got {dim!r}")
+        raise DSLTypeError(
+            f"Sliced(dim=...) takes an int, got {dim!r}",
+            op="Sliced",
+            hint="Sliced(0) slices the first dim; Sliced(-1) the last",
+        )
+    _check_axis("Sliced", axis)
     return Layout(LayoutKind.SLICED, dim, axis)
+
+
+def _check_axis(layout: str, axis: object) -> None:
+    if axis is not None and not isinstance(axis, str):
+        raise DSLTypeError(
+            f"{layout}(axis=...) takes a mesh axis name or None, got {axis!r}",
+            op=layout,
+            hint="name an axis of the Mesh, e.g. Mesh(dp=2, tp=2) has axes 'dp' and 'tp'",
+        )
 
 
 def slice_bounds(size: int, parts: int, index: int) -> tuple[int, int]:

@@ -14,6 +14,7 @@ work: a process group that failed mid-collective cannot be trusted to line up ag
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from coconet.cache import keyed_cache_dir
-from coconet.errors import RuntimeFault
+from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import Algorithm, AlgorithmPolicy, Group, Pending, Transport
 from coconet.runtime.tuning import (
+    SIZE_CLASSES,
     AlgorithmTable,
     Choice,
     TuningKey,
@@ -39,6 +41,10 @@ from coconet.runtime.tuning import (
 )
 
 __all__ = ["CommOptions", "Communicator", "Work"]
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class CommOptions:
     - ``keep_buffers_mapped``: ``init()`` tunes glibc's malloc so that the large buffers a step
       allocates stay mapped between steps instead of page-faulting every step (process-wide;
       see ``coconet.runtime.allocator``). False leaves the allocator alone.
+
+    Every field is checked when the options are made: a bad one is a ``ConfigError`` there, not
+    a failure at the job's first collective.
     """
 
     timeout: float = 60.0
@@ -67,8 +76,33 @@ class CommOptions:
     keep_buffers_mapped: bool = True
 
     def __post_init__(self) -> None:
-        # Typed values from names, checked here rather than at the first collective.
+        # Checked here, where the options are written, not at the first collective of a job.
+        if not _is_number(self.timeout) or not self.timeout > 0:
+            raise ConfigError(
+                f"timeout must be a positive number of seconds, got {self.timeout!r}",
+                op="CommOptions",
+                hint="CommOptions(timeout=60.0)",
+            )
         object.__setattr__(self, "algorithms", _policy(self.algorithms))
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"cache_dir must be a path or None, got {self.cache_dir!r}",
+                op="CommOptions",
+                hint="CommOptions(cache_dir='~/.cache/coconet'); None is the default place",
+            )
+        reps = self.measure_reps
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise ConfigError(
+                f"measure_reps must be an int >= 1, got {reps!r}",
+                op="CommOptions",
+                hint="CommOptions(measure_reps=5): timed repetitions per candidate algorithm",
+            )
+        if not isinstance(self.keep_buffers_mapped, bool):
+            raise ConfigError(
+                f"keep_buffers_mapped must be True or False, got {self.keep_buffers_mapped!r}",
+                op="CommOptions",
+                hint="CommOptions(keep_buffers_mapped=False) leaves malloc alone",
+            )
 
     def fixed_algorithm(self, op: Op, transport: Transport) -> Algorithm | None:
         """The algorithm these options fix for ``op`` (None: measure and choose)."""
@@ -86,11 +120,12 @@ def _policy(value: Any) -> AlgorithmPolicy | dict[Op, Algorithm]:
         if isinstance(value, Mapping):
             return {Op(op): Algorithm(a) for op, a in value.items()}
         return AlgorithmPolicy(value)
-    except ValueError as exc:
-        raise RuntimeFault(
-            f"CommOptions(algorithms={value!r}): {exc}",
-            hint=f"use one of {[str(p) for p in AlgorithmPolicy]} or a mapping "
-            f"{{op: algorithm}} with algorithms from {[str(a) for a in Algorithm]}",
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"unknown algorithm policy {value!r} ({exc})",
+            op="CommOptions",
+            hint=f"use one of {[p.value for p in AlgorithmPolicy]} or a mapping "
+            f"{{op: algorithm}} with algorithms from {[a.value for a in Algorithm]}",
         ) from None
 
 
@@ -109,17 +144,31 @@ class Communicator:
 
     def __init__(self, mesh: Mesh | None = None, options: CommOptions | None = None) -> None:
         if not dist.is_initialized():
-            raise RuntimeFault(
+            raise ConfigError(
                 "torch.distributed is not initialized",
+                op="Communicator",
                 hint="call coconet.runtime.init() first (it reads torchrun's environment)",
+            )
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ConfigError(
+                f"a Communicator takes a coconet.Mesh, got {mesh!r}",
+                op="Communicator",
+                hint="Communicator(coconet.Mesh(dp=2, tp=2)), or None for the whole world",
+            )
+        if options is not None and not isinstance(options, CommOptions):
+            raise ConfigError(
+                f"options must be CommOptions, got {options!r}",
+                op="Communicator",
+                hint="coconet.runtime.CommOptions(timeout=60.0)",
             )
         self.options = options or CommOptions()
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.mesh = mesh or Mesh.world(self.world)
         if self.mesh.size != self.world:
-            raise RuntimeFault(
+            raise ConfigError(
                 f"{self.mesh} has {self.mesh.size} ranks but the job has {self.world}",
+                op="Communicator",
                 hint="launch as many ranks as the mesh has, or pass a mesh that fits the job",
             )
         self.backend = str(dist.get_backend())
@@ -138,17 +187,35 @@ class Communicator:
                 handle = self.transport.new_group(ranks, self.world)
                 if self.rank in ranks:
                     self._groups[axis] = Group(axis, tuple(ranks), ranks.index(self.rank), handle)
+        self._check_fixed_algorithms()
         cache = self.options.cache_dir
         self.table = AlgorithmTable.load(keyed_cache_dir(cache))
         self._share_table()
+
+    def _check_fixed_algorithms(self) -> None:
+        """An ``{op: algorithm}`` mapping names only algorithms this transport has."""
+        if not isinstance(self.options.algorithms, Mapping):
+            return
+        for op, algorithm in self.options.algorithms.items():
+            have = self.transport.algorithms(op)
+            if algorithm not in have:
+                raise ConfigError(
+                    f"CommOptions(algorithms=...) fixes {op} to {algorithm.value}, which the "
+                    f"{self.transport.kind.value} transport does not have",
+                    op="CommOptions",
+                    hint=f"{op} has {[a.value for a in have]}"
+                    if have
+                    else f"{op} has one way only: leave it out of the mapping",
+                )
 
     # -- groups ---------------------------------------------------------------------------------
 
     def group(self, axis: str | None) -> Group:
         """This rank's group along ``axis`` (None: the whole world)."""
         if axis not in self._groups:
-            raise RuntimeFault(
+            raise ConfigError(
                 f"{self.mesh} has no axis {axis!r}",
+                op="Communicator",
                 hint="build the communicator with the mesh the program uses (init(mesh=...))",
             )
         return self._groups[axis]
@@ -309,13 +376,7 @@ class Communicator:
     def _algorithm(self, op: Op, nbytes: int, group: Group) -> Algorithm:
         fixed = self.options.fixed_algorithm(op, self.transport)
         if fixed is not None:
-            if fixed not in self.transport.algorithms(op):
-                raise RuntimeFault(
-                    f"unknown {op} algorithm {fixed}",
-                    op=str(op),
-                    hint=f"choose one of {[str(a) for a in self.transport.algorithms(op)]}",
-                )
-            return fixed
+            return fixed  # the communicator checked it against its transport at construction
         key = TuningKey(op, size_class(nbytes), self.backend, group.size)
         choice = self.table.get(key)
         if choice is None:
@@ -328,6 +389,13 @@ class Communicator:
 
         Collective: every rank of the world must call it at the same point (generated code does:
         every rank runs the same collectives in the same order)."""
+        if not self.transport.algorithms(op) or cls not in (label for _, label, _ in SIZE_CLASSES):
+            raise ConfigError(
+                f"cannot measure {op} at size class {cls!r}",
+                op="Communicator.measure",
+                hint=f"op is one of {[str(o) for o in Op if self.transport.algorithms(o)]}, "
+                f"cls one of {[label for _, label, _ in SIZE_CLASSES]}",
+            )
         group = self.group(axis)
         n = group.size
         numel = max(n, class_bytes(cls) // 4)

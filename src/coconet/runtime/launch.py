@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coconet.errors import RuntimeFault
+from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.runtime.allocator import keep_large_buffers_mapped
 from coconet.runtime.comm import CommOptions, Communicator
@@ -36,6 +36,8 @@ __all__ = ["RankFailure", "current", "free_port", "init", "run_script", "shutdow
 
 # The communicator init() made in this process (like torch.distributed's default group).
 _current: Communicator | None = None
+
+_BACKENDS = (None, "gloo", "nccl")
 
 
 def current() -> Communicator | None:
@@ -64,9 +66,27 @@ def init(
     their buffers, at the cost of keeping about one step's temporaries allocated.
     """
     global _current
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ConfigError(
+            f"init takes a coconet.Mesh, got {mesh!r}",
+            op="init",
+            hint="init(coconet.Mesh(dp=2, tp=2)), or init() for a one-axis world",
+        )
+    if options is not None and not isinstance(options, CommOptions):
+        raise ConfigError(
+            f"options must be CommOptions, got {options!r}",
+            op="init",
+            hint="init(options=coconet.runtime.CommOptions(timeout=60.0))",
+        )
+    if backend not in _BACKENDS:
+        raise ConfigError(
+            f"unknown backend {backend!r}",
+            op="init",
+            hint="backend='gloo' (CPU) or 'nccl' (one GPU per rank); None chooses",
+        )
     options = options or CommOptions()
     if timeout is not None:
-        options = dataclasses.replace(options, timeout=float(timeout))
+        options = dataclasses.replace(options, timeout=timeout)  # CommOptions checks it
     if options.keep_buffers_mapped:
         keep_large_buffers_mapped()
     env = os.environ
@@ -83,8 +103,9 @@ def init(
         kwargs: dict[str, Any] = {}
         if "MASTER_ADDR" not in env:
             if world != 1:
-                raise RuntimeFault(
+                raise ConfigError(
                     f"WORLD_SIZE={world} but MASTER_ADDR is not set",
+                    op="init",
                     hint="launch with coconet run --nproc N or torchrun",
                 )
             kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
@@ -200,6 +221,10 @@ def _worker(rank, nproc, port, fn, args, mesh, options, queue):  # pragma: no co
     shutdown(exit_code=0)
 
 
+# What spawn does when a rank fails: raise a RuntimeFault, or return a RankFailure for it.
+_FAILURES = ("raise", "return")
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """What ``spawn(..., failures="return")`` gives for a rank that raised or died."""
@@ -233,7 +258,31 @@ def spawn(
     import queue as queue_mod
 
     mesh = nproc if isinstance(nproc, Mesh) else None
-    n = mesh.size if mesh is not None else int(nproc)
+    if mesh is None and (not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1):
+        raise ConfigError(
+            f"spawn needs a positive number of ranks or a Mesh, got {nproc!r}",
+            op="spawn",
+            hint="spawn(fn, 2) runs fn on 2 local ranks; spawn(fn, Mesh(pp=2, tp=2)) on 4",
+        )
+    if failures not in _FAILURES:
+        raise ConfigError(
+            f"failures must be one of {list(_FAILURES)}, got {failures!r}",
+            op="spawn",
+            hint='failures="return" gives a RankFailure for each rank that failed',
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(
+            f"timeout must be a positive number of seconds, got {timeout!r}",
+            op="spawn",
+            hint="spawn(fn, 2, timeout=300.0)",
+        )
+    if options is not None and not isinstance(options, CommOptions):
+        raise ConfigError(
+            f"options must be CommOptions, got {options!r}",
+            op="spawn",
+            hint="spawn(fn, 2, options=CommOptions(timeout=30))",
+        )
+    n = mesh.size if mesh is not None else nproc
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()

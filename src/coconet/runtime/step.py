@@ -25,7 +25,7 @@ import torch
 from coconet.cache import use_inductor_cache
 from coconet.codegen.geometry import Geometry, geometry
 from coconet.codegen.kernels import KernelSet
-from coconet.errors import RuntimeFault
+from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.program import Program
@@ -140,15 +140,17 @@ class CompiledStep:
     def _communicator(self):
         comm = self._comm
         if comm is None:
-            raise RuntimeFault(
-                f"{self.program.name} was compiled without a communicator (world= only "
-                "generates code), so it cannot run a step",
+            raise ConfigError(
+                f"{self.program.name}: no communicator: it was compiled without one (world= "
+                "only generates code), so it cannot run a step",
+                op=f"{self.program.name} step",
                 hint="compile with comm=coconet.runtime.init() (the communicator init returns)",
             )
         if comm.mesh != self.mesh:
-            raise RuntimeFault(
+            raise ConfigError(
                 f"{self.program.name} was compiled for {self.mesh}, the communicator has "
                 f"{comm.mesh}",
+                op=f"{self.program.name} step",
                 hint="compile with the communicator's mesh",
             )
         return comm

@@ -40,8 +40,9 @@ class TransportKind(enum.Enum):
     TORCH_DISTRIBUTED = "torch.distributed"
 
 
-class Algorithm(enum.Enum):
-    """How a transport runs a collective (not every op has every algorithm)."""
+class Algorithm(str, enum.Enum):
+    """How a transport runs a collective (not every op has every algorithm). A ``str`` enum:
+    ``"all_to_all"`` and ``Algorithm.ALL_TO_ALL`` are the same."""
 
     NATIVE = "native"  # the library's own collective
     ALL_REDUCE = "all_reduce"  # built from the library's all_reduce (fast on gloo)
@@ -51,8 +52,9 @@ class Algorithm(enum.Enum):
         return self.value
 
 
-class AlgorithmPolicy(enum.Enum):
-    """Which algorithm the communicator uses when a policy, not a fixed choice, is given."""
+class AlgorithmPolicy(str, enum.Enum):
+    """Which algorithm the communicator uses when a policy, not a fixed choice, is given. A
+    ``str`` enum: ``"auto"`` and ``AlgorithmPolicy.AUTO`` are the same policy."""
 
     AUTO = "auto"  # measure once per size class and keep the fastest (the same on every rank)
     NATIVE = "native"  # the library's own collective always

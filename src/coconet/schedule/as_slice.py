@@ -28,7 +28,7 @@ from coconet.ir.node import Node
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.ir.types import Sliced, format_shape
-from coconet.schedule.graph import new_node, resolve, rewrite
+from coconet.schedule.graph import new_node, resolve, rewrite, value_list
 from coconet.schedule.regroup import recheck_groups
 
 __all__ = ["apply_as_slice", "check_as_slice"]
@@ -36,9 +36,11 @@ __all__ = ["apply_as_slice", "check_as_slice"]
 
 def check_as_slice(program: Program, tensors: Iterable[Any]) -> list[tuple[Node, int, str | None]]:
     """For each tensor: (input node, sliced dim, axis), or a ScheduleError saying what blocks it."""
-    refs = list(tensors)
+    refs = value_list(tensors, "as_slice")
     if not refs:
-        raise ScheduleError("no tensors to slice", op="as_slice")
+        raise ScheduleError(
+            "no tensors to slice", op="as_slice", hint="name the state inputs: as_slice(['m', 'v'])"
+        )
     users = program.users()
     plans = []
     for ref in refs:
@@ -52,7 +54,10 @@ def check_as_slice(program: Program, tensors: Iterable[Any]) -> list[tuple[Node,
             )
         if not t.type.layout.is_replicated:
             raise ScheduleError(
-                f"{t.name} is {t.type.layout}, not Replicated", op="as_slice", loc=t.loc
+                f"{t.name} is {t.type.layout}, not Replicated",
+                op="as_slice",
+                loc=t.loc,
+                hint="as_slice stores a Replicated input sliced; this one is not Replicated",
             )
         geometry: set[tuple[int, str | None]] = set()
         for u in users[t.name]:

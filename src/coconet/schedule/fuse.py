@@ -59,7 +59,12 @@ def check_fuse(program: Program, nodes: Iterable[Any]) -> list[Node]:
     members = group_members(program, nodes, "fuse")
     for n in members:
         if n.op not in COMPUTATION and n.op not in COMMUNICATION and n.op is not Op.SCATTER:
-            raise ScheduleError(f"{n.name} ({n.op}) cannot be fused", op="fuse", loc=n.loc)
+            raise ScheduleError(
+                f"{n.name} ({n.op}) cannot be fused",
+                op="fuse",
+                loc=n.loc,
+                hint=f"leave {n.name} out of the group",
+            )
     for g in program.groups:
         if g.kind is GroupKind.FUSE:
             clash = sorted(set(g.members) & {n.name for n in members})

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from coconet.errors import DSLError, ScheduleError
+from coconet.errors import DSLError, ScheduleError, UnknownNameError
 from coconet.ir.group import Group
 from coconet.ir.node import Node, make_node
 from coconet.ir.ops import LEAVES, Op
@@ -15,17 +15,38 @@ from coconet.ir.program import Program
 # (primitive, rewritten program, new group -> old group) -> None, or a ScheduleError
 Recheck = Callable[[str, Program, Mapping[Group, Group]], None]
 
-__all__ = ["downstream", "fresh_name", "group_members", "new_node", "resolve", "rewrite"]
+__all__ = [
+    "downstream",
+    "fresh_name",
+    "group_members",
+    "new_node",
+    "resolve",
+    "rewrite",
+    "value_list",
+]
+
+
+def value_list(values: Any, primitive: str) -> list[Any]:
+    """``values`` (names, nodes or Tensors) as a list; a lone name or Tensor is refused, since
+    iterating ``"m_new"`` would look up the values ``m``, ``_``, ``n``, ..."""
+    lone = isinstance(values, str) or isinstance(getattr(values, "node", values), Node)
+    if lone or not isinstance(values, Iterable):
+        raise ScheduleError(
+            f"{primitive} takes a list of values, got {type(values).__name__} {values!r}",
+            op=primitive,
+            hint=f"wrap it in a list: {primitive}([{values!r}, ...])",
+        )
+    return list(values)
 
 
 def resolve(program: Program, ref: Any, primitive: str) -> Node:
     """The program's node for a name, a node or a DSL handle, or a ScheduleError saying why not."""
     try:
         return program.node(ref)
-    except KeyError as e:
+    except UnknownNameError as e:
         names = ", ".join(n.name for n in program.nodes[:40])
         raise ScheduleError(
-            f"{e.args[0]}",
+            e.message,
             op=primitive,
             hint=f"refer to values by name or by the Tensor that built them; values: {names}",
         ) from None
@@ -60,9 +81,13 @@ def new_node(primitive: str, op, inputs, attrs=None, *, name: str, like: Node | 
 
 def group_members(program: Program, nodes: Iterable[Any], primitive: str) -> list[Node]:
     """The nodes named by ``nodes``, in program order; leaves and updates cannot be grouped."""
-    refs = list(nodes)
+    refs = value_list(nodes, primitive)
     if not refs:
-        raise ScheduleError("no nodes given", op=primitive)
+        raise ScheduleError(
+            "no nodes given",
+            op=primitive,
+            hint=f"name the values to group: {primitive}(['a', 'b'])",
+        )
     chosen = {resolve(program, r, primitive).name for r in refs}
     members = [n for n in program.nodes if n.name in chosen]
     for n in members:
@@ -71,6 +96,7 @@ def group_members(program: Program, nodes: Iterable[Any], primitive: str) -> lis
                 f"{n.name} is a {n.op}: only computations and communication can be grouped",
                 op=primitive,
                 loc=n.loc,
+                hint=f"leave {n.name} out of the group",
             )
     return members
 

@@ -50,7 +50,10 @@ def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[N
     members = group_members(program, nodes, "overlap")
     if len(members) < 2:
         raise ScheduleError(
-            "overlap needs a chain of at least two nodes (a producer and a consumer)", op="overlap"
+            "overlap needs a chain of at least two nodes (a producer and a consumer), got "
+            f"{[n.name for n in members]}",
+            op="overlap",
+            hint="overlap(['g_sum', 'm_new'], chunks=4): a collective and what reads it",
         )
     if not any(n.op in COMMUNICATION for n in members):
         raise ScheduleError(
@@ -60,7 +63,11 @@ def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[N
         )
     for g in program.groups:
         if g.kind is GroupKind.OVERLAP and set(g.members) & {n.name for n in members}:
-            raise ScheduleError(f"{g} already overlaps some of these nodes", op="overlap")
+            raise ScheduleError(
+                f"{g} already overlaps some of these nodes",
+                op="overlap",
+                hint="a value runs in one overlapped chain only",
+            )
     check_no_cycle(program, members, "overlap")
     inside = {n.name for n in members}
     for n in members[1:]:
@@ -85,7 +92,9 @@ def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[N
     }
     if len(slicing_axes) > 1:
         raise ScheduleError(
-            f"the chain is sliced over several axes {sorted(map(str, slicing_axes))}", op="overlap"
+            f"the chain is sliced over several axes {sorted(map(str, slicing_axes))}",
+            op="overlap",
+            hint="overlap a chain whose values are sliced over one mesh axis",
         )
     for n in members:
         why = _not_rowwise(n, rows)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from coconet.errors import ScheduleError
+from coconet.errors import ScheduleError, UnknownNameError
 from coconet.ir.ops import COMMUNICATION, Op
 from coconet.ir.program import Program
 from coconet.schedule.schedule import Handle, Schedule
@@ -69,8 +69,8 @@ def _the_all_reduce(program: Program, all_reduce: Any, schedule: str) -> str:
         )
     try:
         node = program.node(all_reduce)
-    except KeyError as e:
-        node, why = None, e.args[0]
+    except UnknownNameError as e:
+        node, why = None, e.message
     else:
         why = f"{node.name} is a {node.op}, not an all_reduce"
     if node is None or node.op is not Op.ALL_REDUCE:

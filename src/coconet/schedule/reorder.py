@@ -34,7 +34,7 @@ from coconet.ir.node import Node
 from coconet.ir.ops import REDUCTIONS, Op, ReduceOp
 from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
-from coconet.schedule.graph import fresh_name, new_node, resolve, rewrite
+from coconet.schedule.graph import fresh_name, new_node, resolve, rewrite, value_list
 from coconet.schedule.regroup import recheck_groups
 
 __all__ = ["REORDERABLE", "apply_reorder", "check_reorder"]
@@ -55,9 +55,13 @@ def check_reorder(
             loc=ag.loc,
             hint=hint or "reorder moves computations before an all_gather",
         )
-    refs = list(computations)
+    refs = value_list(computations, "reorder")
     if not refs:
-        raise ScheduleError("no computations to reorder", op="reorder")
+        raise ScheduleError(
+            "no computations to reorder",
+            op="reorder",
+            hint=f"reorder(s.computations({ag.name!r}), {ag.name!r}) moves what reads it",
+        )
     chosen = {resolve(program, r, "reorder").name for r in refs}
     order = [n for n in program.nodes if n.name in chosen]
     for n in order:

@@ -25,12 +25,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from coconet.errors import ScheduleError
+from coconet.errors import ScheduleError, UnknownNameError
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.schedule.as_slice import apply_as_slice
 from coconet.schedule.fuse import apply_fuse
-from coconet.schedule.graph import downstream, resolve
+from coconet.schedule.graph import downstream, resolve, value_list
 from coconet.schedule.overlap import apply_overlap
 from coconet.schedule.reorder import REORDERABLE, apply_reorder
 from coconet.schedule.split import apply_split
@@ -98,15 +98,23 @@ class Step:
             raise ScheduleError(
                 f"unknown schedule step {d!r}", hint=f"primitives: {known}"
             ) from None
+        # A document is written by Schedule.to_json: a step that does not fit was edited by hand.
+        fix = "replay a document written by Schedule.to_json, or correct this step"
         nodes = d.get("nodes", ())
         if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
-            raise ScheduleError(f"schedule step {d!r}: nodes must be a list of value names")
+            raise ScheduleError(
+                f"schedule step {d!r}: nodes must be a list of value names", hint=fix
+            )
         if primitive is Primitive.SPLIT and len(nodes) != 1:
-            raise ScheduleError(f"schedule step {d!r}: split takes exactly one all_reduce")
+            raise ScheduleError(
+                f"schedule step {d!r}: split takes exactly one all_reduce", hint=fix
+            )
         for key, kind in (("target", str), ("chunks", int), ("dim", int)):
             v = d.get(key)
             if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
-                raise ScheduleError(f"schedule step {d!r}: {key} must be a {kind.__name__}")
+                raise ScheduleError(
+                    f"schedule step {d!r}: {key} must be a {kind.__name__}", hint=fix
+                )
         return cls(primitive, tuple(nodes), d.get("target"), d.get("chunks"), d.get("dim"))
 
 
@@ -171,7 +179,17 @@ class Schedule:
 
     def __init__(self, program: Program, name: str | None = None) -> None:
         if not isinstance(program, Program):
-            raise ScheduleError(f"Schedule takes a Program, got {type(program).__name__}")
+            raise ScheduleError(
+                f"Schedule takes a Program, got {type(program).__name__} {program!r}",
+                op="Schedule",
+                hint="build the program with coconet.Program(...) and pass it: Schedule(program)",
+            )
+        if name is not None and not isinstance(name, str):
+            raise ScheduleError(
+                f"a schedule's name is a string, got {type(name).__name__} {name!r}",
+                op="Schedule",
+                hint='Schedule(program, name="my_schedule")',
+            )
         self.original = program
         self.program = program
         self.name = name or "custom"
@@ -264,13 +282,13 @@ class Schedule:
             return resolve(self.program, ref, primitive).name
         try:
             return self.original.node(ref).name
-        except KeyError:
+        except UnknownNameError:
             return resolve(self.program, ref, primitive).name
 
     def _resolve_all(self, refs: Iterable[Any], primitive: str) -> tuple[str, ...]:
         """The names of several values; a handle counts for every value it stands for now."""
         names: list[str] = []
-        for ref in refs:
+        for ref in value_list(refs, primitive):  # a lone name is refused, not iterated
             if isinstance(ref, Handle):
                 names += self._follow(ref, primitive)
             else:
@@ -333,12 +351,31 @@ class Schedule:
     @classmethod
     def from_json(cls, program: Program, text: str) -> Schedule:
         """Replay a saved schedule onto ``program`` (the program it was recorded on)."""
+        if not isinstance(program, Program):
+            raise ScheduleError(
+                f"from_json replays onto a Program, got {type(program).__name__} {program!r}",
+                op="Schedule.from_json",
+                hint="Schedule.from_json(program, text): the program the schedule was made for",
+            )
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ScheduleError(
+                f"from_json takes the JSON text, got {type(text).__name__}",
+                op="Schedule.from_json",
+                hint="pass what Schedule.to_json() returned (for a parsed document: "
+                "json.dumps(doc))",
+            )
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ScheduleError(f"not a schedule JSON document: {e}") from None
+            raise ScheduleError(
+                f"not a schedule JSON document: {e}",
+                hint="pass what Schedule.to_json() returned",
+            ) from None
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            raise ScheduleError(f"not a {_FORMAT} document")
+            raise ScheduleError(
+                f"not a {_FORMAT} document",
+                hint=f'Schedule.to_json() writes {{"format": "{_FORMAT}", ...}}',
+            )
         if data.get("program_digest") not in (None, program.digest()):
             raise ScheduleError(
                 f"the schedule was recorded on another program ({data.get('program')!r}, digest "
@@ -348,7 +385,10 @@ class Schedule:
             )
         steps = data.get("steps", [])
         if not isinstance(steps, list):
-            raise ScheduleError(f"the schedule's steps must be a list, got {steps!r}")
+            raise ScheduleError(
+                f"the schedule's steps must be a list, got {steps!r}",
+                hint="replay a document written by Schedule.to_json",
+            )
         s = cls(program, data.get("name"))
         for d in steps:
             s._do(Step.from_dict(d))

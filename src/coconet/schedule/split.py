@@ -39,7 +39,12 @@ def check_split(program: Program, all_reduce: Any, dim: int = 0) -> Node:
             hint="split applies to all_reduce values only",
         )
     if not isinstance(dim, int) or isinstance(dim, bool):
-        raise ScheduleError(f"split's dim must be an int, got {dim!r}", op="split", loc=node.loc)
+        raise ScheduleError(
+            f"split's dim must be an int, got {dim!r}",
+            op="split",
+            loc=node.loc,
+            hint=f"split({node.name!r}, dim=0) slices the first dim",
+        )
     rank = node.type.rank
     if rank == 0:
         raise ScheduleError(
@@ -50,7 +55,10 @@ def check_split(program: Program, all_reduce: Any, dim: int = 0) -> Node:
         )
     if not -rank <= dim < rank:
         raise ScheduleError(
-            f"dim={dim} is out of range for {node.describe()}", op="split", loc=node.loc
+            f"dim={dim} is out of range for {node.describe()}",
+            op="split",
+            loc=node.loc,
+            hint=f"a dim of {node.name} is from {-rank} to {rank - 1}",
         )
     return node
 

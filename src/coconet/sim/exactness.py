@@ -40,6 +40,7 @@ two are bitwise equal by construction (with rank-ordered reductions).
 
 from __future__ import annotations
 
+from coconet.errors import SimulationError
 from coconet.ir.group import GroupKind
 from coconet.ir.node import Node
 from coconet.ir.opspec import Prop, ops_with
@@ -66,6 +67,13 @@ def reassociations(original: Program, scheduled: Program) -> tuple[str, ...]:
     original has a node of the same name and op whose operands have the same types (dtype, shape,
     layout), and no overlap group runs it chunk by chunk. Every other one is reported.
     """
+    for role, p in (("original", original), ("scheduled", scheduled)):
+        if not isinstance(p, Program):
+            raise SimulationError(
+                f"reassociations compares two Programs; the {role} is {type(p).__name__} {p!r}",
+                op="reassociations",
+                hint="reassociations(program, schedule.program)",
+            )
     before = {n.name: _signature(n) for n in original.nodes if n.op in SHAPE_SENSITIVE}
     chunked = {
         m: g.chunks for g in scheduled.groups if g.kind is GroupKind.OVERLAP for m in g.members

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from coconet.errors import SimulationError
+from coconet.errors import SimulationError, UnknownNameError
 from coconet.ir import semantics
 from coconet.ir.chunks import ChunkPlan
 from coconet.ir.group import Group, GroupKind
@@ -44,11 +44,22 @@ class SimResult:
     def output(self, name: str) -> torch.Tensor | PerRank:
         """An output as one tensor when its layout allows (whole-world Replicated or Sliced),
         else the per-rank list."""
+        self._check_name(name, self.outputs, "output")
         return self._assemble(self.program.node(name), self.outputs[name])
 
     def updated(self, name: str) -> torch.Tensor | PerRank:
         """The new value of input ``name``, assembled like ``output``."""
+        self._check_name(name, self.updates, "updated")
         return self._assemble(self.program.input(name), self.updates[name])
+
+    def _check_name(self, name: Any, values: dict[str, PerRank], what: str) -> None:
+        if name not in values:
+            kind = "outputs" if what == "output" else "updated inputs"
+            raise UnknownNameError(
+                f"program {self.program.name} has no {kind[:-1]} named {name!r}",
+                op=f"SimResult.{what}",
+                hint=f"its {kind} are {sorted(values)}",
+            )
 
     def _assemble(self, node: Node, values: PerRank) -> torch.Tensor | PerRank:
         lay = node.type.layout
@@ -75,6 +86,16 @@ def simulate(
 
     The caller's tensors are never modified; updates come back in ``SimResult.updates``.
     """
+    if not isinstance(program, Program):
+        raise SimulationError(
+            f"simulate takes a Program, got {type(program).__name__} {program!r}",
+            hint="simulate(program, inputs, world); for a schedule: simulate(s.program, ...)",
+        )
+    if not isinstance(inputs, Mapping):
+        raise SimulationError(
+            f"simulate's inputs map input names to values, got {type(inputs).__name__}",
+            hint="simulate(program, {'g': torch.ones(8), ...}, world)",
+        )
     mesh = _as_mesh(program, world)
     sim = _Simulator(program, mesh)
     sim.bind_inputs(inputs)

@@ -1,0 +1,90 @@
+"""Layers point one way: no import cycles, each layer imports only the layers below it, and every
+module imports on its own (no reliance on another module having been imported first).
+
+The import edges come from ``tools/import_graph.py`` (run it to see them: ``--layers`` for the
+layer graph). The data flow is DSL -> IR -> schedule -> plan (codegen) -> generated code ->
+transport (runtime); the simulator reads only the IR.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_TOOL = Path(__file__).resolve().parents[2] / "tools" / "import_graph.py"
+_spec = importlib.util.spec_from_file_location("import_graph", _TOOL)
+import_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_graph)
+
+BASE = {"errors", "version"}  # leaves every layer may use
+# layer -> the layers it may import (besides itself and BASE)
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "version": set(),
+    "random": set(),
+    "cache": set(),
+    "options": set(),
+    "ir": {"random"},
+    "dsl": {"ir"},
+    "ops": {"dsl"},
+    "sim": {"ir"},
+    "accounting": {"ir"},
+    "schedule": {"ir"},
+    "codegen": {"ir"},
+    "runtime": {"ir", "codegen", "cache", "options"},
+    "compiler": {"ir", "codegen", "schedule", "runtime", "cache", "options"},
+    "testing": {"ir", "sim", "compiler", "runtime"},
+    "coconet": {"ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting"},
+    "cli": {"ir", "schedule", "compiler", "runtime", "cache", "coconet"},
+}
+
+
+def test_there_are_no_import_cycles():
+    assert import_graph.cycles(import_graph.edges()) == []
+
+
+def test_every_layer_is_known():
+    layers = {import_graph.layer(m) for m in import_graph.modules()}
+    assert layers <= set(ALLOWED), f"add {sorted(layers - set(ALLOWED))} to ALLOWED"
+
+
+def test_layers_point_one_way():
+    wrong = sorted(
+        f"{a} -> {b}"
+        for a, b in import_graph.edges()
+        if (la := import_graph.layer(a)) != (lb := import_graph.layer(b))
+        and lb not in ALLOWED[la] | BASE
+    )
+    assert wrong == [], "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_the_simulator_and_generated_code_depend_only_on_the_ir():
+    """Generated modules import ``coconet.ir`` only (op meanings, chunk geometry)."""
+    from examples_loader import load_example
+
+    import coconet as cc
+
+    tp = load_example("tensor_parallel")
+    source = cc.compile(tp.SCHEDULES["ol_MM_fuse_RS_C_AG"](tp.program()), world=2).source
+    imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+    assert imports and all(
+        line.startswith(("import torch", "from coconet.ir")) for line in imports
+    ), imports
+
+
+@pytest.mark.parametrize("module", sorted(import_graph.modules()))
+def test_each_module_imports_alone(module):
+    """Forget every coconet module, then import this one first."""
+    saved = {k: v for k, v in sys.modules.items() if k == "coconet" or k.startswith("coconet.")}
+    for k in saved:
+        del sys.modules[k]
+    try:
+        importlib.import_module(module)
+    finally:
+        for k in [k for k in sys.modules if k == "coconet" or k.startswith("coconet.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
