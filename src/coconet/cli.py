@@ -17,11 +17,20 @@ import subprocess
 import sys
 from typing import Any
 
+from coconet import schedule as schedules
+from coconet.cache import keyed_cache_dir
+from coconet.compiler import compile
+from coconet.ir.mesh import Mesh
+from coconet.ir.program import Program
+from coconet.runtime.calibrate import calibrate_local
+from coconet.runtime.launch import run_script
+from coconet.runtime.tuning import AlgorithmTable
+from coconet.version import __version__
+
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from coconet import __version__
 
     p = argparse.ArgumentParser(
         prog="coconet",
@@ -103,7 +112,6 @@ def _namespace(target: str) -> tuple[dict[str, Any], str]:
 
 
 def _load(target: str):
-    from coconet.ir.program import Program
 
     namespace, attr = _namespace(target)
     obj = namespace[attr]
@@ -115,7 +123,6 @@ def _load(target: str):
 
 
 def _schedule(program, name: str, namespace: dict[str, Any]):
-    from coconet import schedule as schedules
 
     table = namespace.get("SCHEDULES", {})
     found = table.get(name) if isinstance(table, dict) else None
@@ -133,7 +140,6 @@ def _schedule(program, name: str, namespace: dict[str, Any]):
 
 
 def _mesh(args):
-    from coconet.ir.mesh import Mesh
 
     if not args.mesh:
         return args.world
@@ -154,9 +160,6 @@ def _print(args) -> int:
 
 
 def _show(args) -> int:
-    from coconet.cache import keyed_cache_dir
-    from coconet.compiler import compile
-    from coconet.runtime.tuning import AlgorithmTable
 
     obj, namespace = _load(args.target)
     if args.schedule:
@@ -173,7 +176,6 @@ def _show(args) -> int:
 
 
 def _run(args) -> int:
-    from coconet.runtime.launch import run_script
 
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     if args.nnodes > 1:
@@ -197,7 +199,6 @@ def _run(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from coconet.runtime.calibrate import calibrate_local
 
     classes = args.classes.split(",") if args.classes else None
     print(calibrate_local(args.nproc, classes, args.cache_dir, force=args.force))
