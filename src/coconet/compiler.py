@@ -99,10 +99,15 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     mesh = _mesh(program, world, comm)
     device = options.device or (comm.device.type if comm is not None else "cpu")
     donate = _donated(program, options.donate)
-    transport = (comm.transport.kind if comm is not None else TransportKind.TORCH_DISTRIBUTED).value
+    # What runs each axis's collectives (said in the generated code; part of the key).
+    transports = {
+        axis: (comm.transport_of(axis) if comm is not None else TransportKind.TORCH_DISTRIBUTED)
+        for axis in (None, *mesh.names)
+    }
+    routes = ",".join(f"{a}={t.value}" for a, t in transports.items())
     key = _key(
         program,
-        schedule_digest + f"|donate={sorted(donate)}|{transport}",
+        schedule_digest + f"|donate={sorted(donate)}|{routes}",
         mesh,
         device,
         __version__,
@@ -122,7 +127,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
             "Collectives start as soon as their inputs are ready and are waited for just",
             "before their first use.",
         ]
-        source = emit(plan, header, transport)
+        source = emit(plan, header, {a: t.value for a, t in transports.items()})
         generated = keyed_cache_dir(options.cache_dir) / "generated"
         module = load_module(source, f"{program.name}_{key}", generated)
         module.__coconet_source__ = source

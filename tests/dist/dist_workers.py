@@ -90,7 +90,12 @@ def run_world_and_mesh(comm: Communicator, sizes, mesh_axes) -> dict:
     import dist_programs as dp
 
     out = {"world": run_examples(comm, OPTIMIZERS + LAYERS, sizes, ["float32"])}
-    out["native"] = run_examples(comm, ("adam", "lamb"), sizes[:1], ["float32"], "native")
+    # gloo's own algorithms: a communicator on torch.distributed (the default on one host is
+    # shared memory, which reduces in rank order)
+    gloo = Communicator(
+        comm.mesh, CommOptions(algorithms="native", timeout=60, transport="torch.distributed")
+    )
+    out["native"] = run_examples(gloo, ("adam", "lamb"), sizes[:1], ["float32"], "native")
     mesh_comm = Communicator(cc.Mesh(**mesh_axes), CommOptions(algorithms="exact", timeout=60))
     out["mesh"] = run_examples(mesh_comm, PIPELINES, sizes, ["float32", "bfloat16"])
     rows = []

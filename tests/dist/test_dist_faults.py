@@ -1,6 +1,8 @@
-"""Safety at the edges, on 2 gloo ranks: mismatched programs and bad inputs fail together before
+"""Safety at the edges, on 2 local ranks: mismatched programs and bad inputs fail together before
 any communication; a rank that dies or stalls gives the others a RuntimeFault (no hang, no C++
 abort: the survivors report and exit 0); a failed step leaves every rank's tensors as they were.
+Dead and stalled peers are checked on both transports (shared memory, the default on one host,
+and torch.distributed/gloo).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import pytest
 from coconet.runtime import CommOptions, RankFailure, spawn
 
 OPTIONS = CommOptions(timeout=30, algorithms="exact")
+TRANSPORTS = ["shared memory", "torch.distributed"]
 
 
 @pytest.mark.timeout(60)
@@ -31,10 +34,12 @@ def test_mismatch_and_bad_inputs_fail_on_every_rank():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("where", ["all_gather", "commit"])
-def test_peer_killed_mid_step(where):
+def test_peer_killed_mid_step(where, transport):
+    options = CommOptions(timeout=30, algorithms="exact", transport=transport)
     results = spawn(
-        dist_workers.fault_peer_dies, 2, 1, where, options=OPTIONS, timeout=50, failures="return"
+        dist_workers.fault_peer_dies, 2, 1, where, options=options, timeout=50, failures="return"
     )
     survivor, victim = results
     assert isinstance(victim, RankFailure) and victim.exit_code == -9
@@ -45,8 +50,9 @@ def test_peer_killed_mid_step(where):
 
 
 @pytest.mark.timeout(60)
-def test_stalled_peer_times_out():
-    options = CommOptions(timeout=1.5, algorithms="exact")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stalled_peer_times_out(transport):
+    options = CommOptions(timeout=1.5, algorithms="exact", transport=transport)
     results = spawn(
         dist_workers.fault_peer_stalls, 2, 1, 4.0, options=options, timeout=50, failures="return"
     )

@@ -1,4 +1,5 @@
-"""Every op and layout, run on 2 gloo ranks under every collective algorithm, equals the simulator.
+"""Every op and layout, run on 2 ranks, equals the simulator: on torch.distributed (gloo) under every
+collective algorithm, and on shared memory.
 
 One spawned group runs every case (spawning costs ~2.3 s); the tests below read its rows.
 
@@ -31,17 +32,22 @@ SIZES = (5, 8)  # 5: uneven over 2 ranks
 
 @pytest.fixture(scope="module")
 def rows():
-    results = spawn(
-        dist_workers.run_programs, 2, SIZES, POLICIES, options=CommOptions(timeout=30), timeout=150
-    )
-    return results[0]
+    """torch.distributed (gloo) under every algorithm policy, then shared memory."""
+    gloo = CommOptions(timeout=30, transport="torch.distributed")
+    results = spawn(dist_workers.run_programs, 2, SIZES, POLICIES, options=gloo, timeout=150)
+    shm = CommOptions(timeout=30, transport="shared memory")
+    shared = spawn(dist_workers.run_programs, 2, SIZES, ["exact"], options=shm, timeout=150)
+    return {"torch.distributed": results[0], "shared memory": shared[0]}
+
+
+CASES = [("torch.distributed", str(p)) for p in POLICIES] + [("shared memory", "exact")]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("policy", [str(p) for p in POLICIES])
+@pytest.mark.parametrize(("transport", "policy"), CASES)
 @pytest.mark.parametrize("program", sorted(dist_programs.PROGRAMS))
-def test_program_equals_simulator(rows, program, policy):
-    mine = [r for r in rows if r["program"] == program and r["policy"] == policy]
+def test_program_equals_simulator(rows, program, transport, policy):
+    mine = [r for r in rows[transport] if r["program"] == program and r["policy"] == policy]
     assert len(mine) == len(SIZES) * (2 if program == "collectives" else 1)
     for r in mine:
         assert r["status"] == "ok", r["status"]

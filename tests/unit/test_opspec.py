@@ -62,3 +62,15 @@ def test_sliced_work_is_per_rank():
     prog = cc.Program("p", [g], {"h": (rs * 2.0).named("h")})
     acc = account(prog, 3, {"N": 7})  # uneven: 3, 2, 2 elements
     assert [w.flops for w in acc.work_by_node["h"]] == [3, 2, 2]
+
+
+@pytest.mark.parametrize("op", sorted(COMMUNICATION, key=lambda o: o.value))
+def test_each_transport_implements_each_communication_op(op):
+    """What generated code calls (``comm.<transport op>_start``) exists for every op, and the
+    torch.distributed transport has the method the spec names."""
+    from coconet.runtime.comm import Communicator
+    from coconet.runtime.torchdist import TorchDistributedTransport
+
+    name = spec(op).transport
+    assert callable(getattr(TorchDistributedTransport, name))
+    assert getattr(Communicator, f"{name}_start").__name__ == f"{name}_start"

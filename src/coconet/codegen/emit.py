@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from coconet.codegen.names import Namer
 from coconet.codegen.plan import ChunkLoop, Compute, FusedCollective, Kernel, Plan, Start, Wait
@@ -32,16 +32,19 @@ _INDENT = "    "
 GeoRef = Callable[[Node, str], str]  # (node, "shapes"|"offsets"|"bounds"|"parts") -> code
 
 
-def emit(plan: Plan, header: Sequence[str], transport: str = "torch.distributed") -> str:
+def emit(
+    plan: Plan, header: Sequence[str], transports: Mapping[str | None, str] | None = None
+) -> str:
     """The module's source. ``header`` lines go first, as comments (program, schedule, key...);
-    ``transport`` names what runs the collectives (said at each fused collective)."""
-    return _Emitter(plan, transport).module(header)
+    ``transports`` names what runs each mesh axis's collectives (said at each fused collective;
+    default torch.distributed)."""
+    return _Emitter(plan, dict(transports or {})).module(header)
 
 
 class _Emitter:
-    def __init__(self, plan: Plan, transport: str) -> None:
+    def __init__(self, plan: Plan, transports: dict[str | None, str]) -> None:
         self.plan = plan
-        self.transport = transport
+        self.transports = transports
         self.program = plan.program
         namer = Namer()
         self.namer = namer
@@ -171,8 +174,10 @@ class _Emitter:
                 parts.append(f"{s.node.op} {s.node.name}")
             elif isinstance(s, Kernel):
                 parts.append(f"kernel {s.name}")
+        axis = unit.collectives[0].attr("axis")
+        transport = self.transports.get(axis, "torch.distributed")
         lines = _comment_lines(
-            f"{unit.name}: {', '.join(parts)} -- one fused collective; {self.transport} runs "
+            f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport} runs "
             "its collectives and kernels one after the other",
             "# ",
         )

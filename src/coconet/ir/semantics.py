@@ -98,13 +98,24 @@ def combine(op: ReduceOp, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a * b
 
 
+_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
 def reduce_values(op: ReduceOp, values: Sequence[torch.Tensor]) -> torch.Tensor:
     """Reduce in rank order: the order the simulator defines (and re-associated schedules match
-    within a stated tolerance)."""
-    acc = values[0].clone()
+    within a stated tolerance). 16-bit floats accumulate in float32 and are rounded once at the
+    end, as the transports do. The result is always a new tensor."""
+    dtype = values[0].dtype
+    wide = _WIDE.get(dtype)
+    if wide is None:
+        acc = values[0].clone()
+        for v in values[1:]:
+            acc = combine(op, acc, v)
+        return acc
+    acc = values[0].to(wide)
     for v in values[1:]:
-        acc = combine(op, acc, v)
-    return acc
+        acc = combine(op, acc, v.to(wide))
+    return acc.to(dtype)
 
 
 # -- collectives: the values of one group (in group-rank order) -> each member's result ---------

@@ -38,7 +38,7 @@ def calibrate(
     """
     labels = list(classes) if classes else [label for _, label, _ in SIZE_CLASSES]
     size = comm.group(axis).size
-    for op in tuned_ops(comm.transport):
+    for op in tuned_ops(comm.torch):
         for cls in labels:
             if force or comm.table.get(TuningKey(op, cls, comm.backend, size)) is None:
                 comm.measure(op, cls, axis)

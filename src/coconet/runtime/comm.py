@@ -1,15 +1,22 @@
-"""The Communicator: collectives over torch.distributed process groups built from a Mesh.
+"""The Communicator: collectives over the groups of a Mesh, each run by a transport beside it.
 
-One process group per group of every mesh axis (every rank creates every group, in the same order,
-as torch.distributed requires); the whole world uses the default group. Collectives are methods in
-start/wait form: ``work = comm.all_reduce_start(x, ...)`` returns at once with the operation in
-flight, ``comm.wait(work)`` returns the result. all_reduce, reduce_scatter and all_gather pick
-their algorithm per size class (``tuning``), the same on every rank.
+One group per group of every mesh axis (every rank creates every group, in the same order, as
+torch.distributed requires); the whole world uses the default group. Each group's transport
+(``coconet.runtime.transport``) moves the data: shared memory when every rank of the group is on
+one host (``coconet.runtime.shmem``), torch.distributed otherwise (``CommOptions.transport`` can
+force either). The communicator chooses algorithms, enforces deadlines, translates failures and
+carries the control messages (handshake, commit vote, barrier) over torch.distributed.
 
-Failures: a torch.distributed error (a peer that died closes its connections; a peer that stalls
-trips the process group's timeout) becomes a ``RuntimeFault`` naming the collective, the value it
-computed and the likely cause. After one, the communicator is marked broken and refuses further
-work: a process group that failed mid-collective cannot be trusted to line up again.
+Collectives are in start/wait form: ``work = comm.all_reduce_start(x, ...)`` (one entry point per
+communication op, named by its spec, all going through ``Communicator.start``) returns with the
+operation in flight, ``comm.wait(work)`` returns the result. On torch.distributed, all_reduce,
+reduce_scatter and all_gather pick their algorithm per size class (``tuning``), the same on every
+rank.
+
+Failures: a transport error (a peer that died closes its connections or leaves its signals
+unposted; a peer that stalls trips the deadline) becomes a ``RuntimeFault`` naming the
+collective, the value it computed and the likely cause. After one, the communicator is marked
+broken and refuses further work: a group that failed mid-collective cannot line up again.
 """
 
 from __future__ import annotations
@@ -27,8 +34,19 @@ from coconet.cache import keyed_cache_dir
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.opspec import Arg, Prop, spec
+from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup, torch_gather
+from coconet.runtime.symmem import host_identity
 from coconet.runtime.torchdist import TorchDistributedTransport
-from coconet.runtime.transport import Algorithm, AlgorithmPolicy, Group, Pending, Transport
+from coconet.runtime.transport import (
+    Algorithm,
+    AlgorithmPolicy,
+    Group,
+    Pending,
+    Transport,
+    TransportKind,
+    TransportPolicy,
+)
 from coconet.runtime.tuning import (
     SIZE_CLASSES,
     AlgorithmTable,
@@ -74,9 +92,18 @@ class CommOptions:
     cache_dir: str | Path | None = None
     measure_reps: int = 5
     keep_buffers_mapped: bool = True
+    transport: TransportPolicy = TransportPolicy.AUTO
 
     def __post_init__(self) -> None:
         # Checked here, where the options are written, not at the first collective of a job.
+        try:
+            object.__setattr__(self, "transport", TransportPolicy(self.transport))
+        except ValueError:
+            raise ConfigError(
+                f"unknown transport {self.transport!r}",
+                op="CommOptions",
+                hint=f"use one of {[p.value for p in TransportPolicy]}",
+            ) from None
         if not _is_number(self.timeout) or not self.timeout > 0:
             raise ConfigError(
                 f"timeout must be a positive number of seconds, got {self.timeout!r}",
@@ -176,18 +203,23 @@ class Communicator:
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.broken: str | None = None
-        self.transport: Transport = TorchDistributedTransport()
+        # torch.distributed: every group's process group (the control channel of the handshake,
+        # the commit vote and the shared-memory rendezvous), and the transport of groups that
+        # span hosts; shared memory for groups within one host (``routes``).
+        self.torch = TorchDistributedTransport()
+        self.shm = SharedMemoryTransport()
         everyone = tuple(range(self.world))
         self._groups: dict[str | None, Group] = {
-            None: Group(None, everyone, self.rank, self.transport.new_group(everyone, self.world))
+            None: Group(None, everyone, self.rank, self.torch.new_group(everyone, self.world))
         }
         for axis in self.mesh.names:
             for ranks in self.mesh.groups(axis):
                 # every rank must create every group, in the same order
-                handle = self.transport.new_group(ranks, self.world)
+                handle = self.torch.new_group(ranks, self.world)
                 if self.rank in ranks:
                     self._groups[axis] = Group(axis, tuple(ranks), ranks.index(self.rank), handle)
         self._check_fixed_algorithms()
+        self.routes = self._route_groups()
         cache = self.options.cache_dir
         self.table = AlgorithmTable.load(keyed_cache_dir(cache))
         self._share_table()
@@ -197,16 +229,65 @@ class Communicator:
         if not isinstance(self.options.algorithms, Mapping):
             return
         for op, algorithm in self.options.algorithms.items():
-            have = self.transport.algorithms(op)
+            have = self.torch.algorithms(op)
             if algorithm not in have:
                 raise ConfigError(
                     f"CommOptions(algorithms=...) fixes {op} to {algorithm.value}, which the "
-                    f"{self.transport.kind.value} transport does not have",
+                    f"{self.torch.kind.value} transport does not have",
                     op="CommOptions",
                     hint=f"{op} has {[a.value for a in have]}"
                     if have
                     else f"{op} has one way only: leave it out of the mapping",
                 )
+
+    def _route_groups(self) -> dict[str | None, tuple[Transport, Group]]:
+        """The transport of each of this rank's groups, from evidence every rank contributes.
+
+        Collective (one exchange over the world). Every member of a group sees the same hosts, so
+        they all choose alike; ``CommOptions.transport`` can force either transport."""
+        policy = self.options.transport
+        hosts = self.exchange(host_identity(), "host identity")
+        cpu = self.device.type == "cpu" and hasattr(os, "memfd_create")
+        routes: dict[str | None, tuple[Transport, Group]] = {}
+        for axis, group in self._groups.items():
+            one_host = len({hosts[r] for r in group.ranks}) == 1
+            if policy is TransportPolicy.SHARED_MEMORY and not (one_host and cpu):
+                spread = sorted({hosts[r] for r in group.ranks})
+                raise ConfigError(
+                    f"CommOptions(transport='shared memory'), but the group along axis {axis!r} "
+                    + (f"spans {len(spread)} hosts" if not one_host else "is not on CPU"),
+                    op="CommOptions",
+                    details=[f"hosts: {spread}"],
+                    hint="use transport='auto' (shared memory where it can, torch.distributed "
+                    "elsewhere)",
+                )
+            use_shm = (
+                group.size > 1
+                and one_host
+                and cpu
+                and policy is not TransportPolicy.TORCH_DISTRIBUTED
+            )
+            if use_shm:
+                state = ShmGroup(
+                    group.index,
+                    group.size,
+                    torch_gather(group.handle),
+                    self.options.timeout,
+                    None if self.options.cache_dir is None else str(self.options.cache_dir),
+                )
+                routes[axis] = (self.shm, Group(axis, group.ranks, group.index, state))
+            else:
+                routes[axis] = (self.torch, group)
+        return routes
+
+    def transport_of(self, axis: str | None) -> TransportKind:
+        """What runs the collectives of this rank's group along ``axis``."""
+        return self.route(axis)[0].kind
+
+    def route(self, axis: str | None) -> tuple[Transport, Group]:
+        """(transport, group) of this rank's group along ``axis``."""
+        self.group(axis)  # a clear error for an axis the mesh does not have
+        return self.routes[axis]
 
     # -- groups ---------------------------------------------------------------------------------
 
@@ -276,105 +357,41 @@ class Communicator:
         """The result of a started collective, once it has completed on this rank."""
         return self._guard(work.op, work.label, work.axis, work.pending.wait)
 
-    def _start(self, op: Op, label: str, axis: str | None, run, nbytes: int = 0) -> Work:
-        # The transport runs inside the guard, so whatever it raises becomes a RuntimeFault.
-        """Start ``op`` on ``axis``'s group: ``run(group, algorithm)`` returns the Pending."""
-
-        def start():
-            group = self.group(axis)
-            tuned = group.size > 1 and self.transport.algorithms(op)
-            return run(group, self._algorithm(op, nbytes, group) if tuned else None)
-
-        return Work(op.value, label, axis, self._guard(op.value, label, axis, start))
-
-    def all_reduce_start(
-        self, x: torch.Tensor, op: ReduceOp, *, axis: str | None, donate: bool, label: str
+    def start(
+        self, op: Op, x: torch.Tensor, *, label: str, axis: str | None, **arguments: Any
     ) -> Work:
-        return self._start(
-            Op.ALL_REDUCE,
-            label,
-            axis,
-            lambda g, a: self.transport.all_reduce(x, g, reduce_op=op, algorithm=a, donate=donate),
-            _nbytes(x),
-        )
+        """Start communication op ``op`` on ``x`` over ``axis``'s group and return at once.
 
-    def reduce_scatter_start(
-        self,
-        x: torch.Tensor,
-        op: ReduceOp,
-        *,
-        dim: int,
-        axis: str | None,
-        donate: bool,
-        label: str,
-    ) -> Work:
-        return self._start(
-            Op.REDUCE_SCATTER,
-            label,
-            axis,
-            lambda g, a: self.transport.reduce_scatter(
-                x, g, reduce_op=op, dim=dim, algorithm=a, donate=donate
-            ),
-            _nbytes(x),
-        )
+        ``arguments`` are the op spec's (``coconet.ir.opspec``: ``reduce_op``, ``dim``,
+        ``parts``, ``root``, ``donate``); the transport's method named by the spec does the work,
+        with the algorithm chosen here when the transport has several. Everything the transport
+        raises becomes a ``RuntimeFault`` (``_guard``).
+        """
+        form = spec(op)
+        transport, _ = self.route(axis)
+        run = getattr(transport, form.transport)
+        if Arg.GATHER_DIM in form.arguments:  # tuned by the size of what it gathers
+            parts, dim = arguments["parts"], arguments["dim"]
+            nbytes = sum(parts) * (x.numel() // max(x.shape[dim], 1)) * x.element_size()
+        else:
+            nbytes = x.numel() * x.element_size()
 
-    def all_gather_start(
-        self,
-        x: torch.Tensor,
-        *,
-        dim: int,
-        parts: Sequence[int],
-        axis: str | None,
-        label: str,
-    ) -> Work:
-        nbytes = sum(parts) * (x.numel() // max(x.shape[dim], 1)) * x.element_size()
-        return self._start(
-            Op.ALL_GATHER,
-            label,
-            axis,
-            lambda g, a: self.transport.all_gather(x, g, dim=dim, parts=parts, algorithm=a),
-            nbytes,
-        )
+        def begin() -> Pending:
+            group = self.route(axis)[1]
+            if transport.algorithms(op):
+                # a group of one has nothing to choose: its collectives move no data
+                tuned = group.size > 1
+                arguments["algorithm"] = (
+                    self._algorithm(op, nbytes, group) if tuned else Algorithm.NATIVE
+                )
+            return run(x, group, **arguments)
 
-    def broadcast_start(
-        self, x: torch.Tensor, *, root: int, axis: str | None, donate: bool, label: str
-    ) -> Work:
-        return self._start(
-            Op.BROADCAST,
-            label,
-            axis,
-            lambda g, a: self.transport.broadcast(x, g, root=root, donate=donate),
-        )
-
-    def reduce_start(
-        self,
-        x: torch.Tensor,
-        op: ReduceOp,
-        *,
-        root: int,
-        axis: str | None,
-        donate: bool,
-        label: str,
-    ) -> Work:
-        """The group's ``root``-th rank gets the reduction; the others get zeros."""
-        return self._start(
-            Op.REDUCE,
-            label,
-            axis,
-            lambda g, a: self.transport.reduce(
-                x, g, reduce_op=op, root=root, algorithm=a, donate=donate
-            ),
-            _nbytes(x),
-        )
-
-    def send_start(self, x: torch.Tensor, *, axis: str | None, label: str) -> Work:
-        """Rank i of ``axis`` receives rank i-1's ``x``; the first rank of the axis gets zeros."""
-        return self._start(Op.SEND, label, axis, lambda g, a: self.transport.send(x, g))
+        return Work(op.value, label, axis, self._guard(op.value, label, axis, begin))
 
     # -- algorithm choice -----------------------------------------------------------------------
 
     def _algorithm(self, op: Op, nbytes: int, group: Group) -> Algorithm:
-        fixed = self.options.fixed_algorithm(op, self.transport)
+        fixed = self.options.fixed_algorithm(op, self.torch)
         if fixed is not None:
             return fixed  # the communicator checked it against its transport at construction
         key = TuningKey(op, size_class(nbytes), self.backend, group.size)
@@ -389,11 +406,11 @@ class Communicator:
 
         Collective: every rank of the world must call it at the same point (generated code does:
         every rank runs the same collectives in the same order)."""
-        if not self.transport.algorithms(op) or cls not in (label for _, label, _ in SIZE_CLASSES):
+        if not self.torch.algorithms(op) or cls not in (label for _, label, _ in SIZE_CLASSES):
             raise ConfigError(
                 f"cannot measure {op} at size class {cls!r}",
                 op="Communicator.measure",
-                hint=f"op is one of {[str(o) for o in Op if self.transport.algorithms(o)]}, "
+                hint=f"op is one of {[str(o) for o in Op if self.torch.algorithms(o)]}, "
                 f"cls one of {[label for _, label, _ in SIZE_CLASSES]}",
             )
         group = self.group(axis)
@@ -402,7 +419,7 @@ class Communicator:
         numel -= numel % n
 
         def run_once(algorithm: Algorithm) -> None:
-            self.transport.run_for_measurement(op, algorithm, group, numel, self.device)
+            self.torch.run_for_measurement(op, algorithm, group, numel, self.device)
 
         def agree(times: list[float]) -> list[float]:
             t = torch.tensor(times, dtype=torch.float64)
@@ -414,7 +431,7 @@ class Communicator:
             f"measuring algorithms ({cls})",
             axis,
             measure_choice,
-            self.transport.algorithms(op),
+            self.torch.algorithms(op),
             run_once,
             agree,
             reps_for(cls, self.options.measure_reps),
@@ -460,5 +477,22 @@ class Communicator:
         return f"Communicator(rank {self.rank} of {self.mesh}, {self.backend}{state})"
 
 
-def _nbytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
+def _named_start(op: Op):
+    """``comm.<transport op>_start(x[, reduce_op], **arguments)``: what generated code calls
+    (``coconet.codegen.emit`` writes one per communication op, named by its spec)."""
+    takes_reduce_op = Arg.REDUCE_OP in spec(op).arguments
+
+    def start(self: Communicator, x: torch.Tensor, *reduce_op: ReduceOp, **arguments: Any):
+        if takes_reduce_op:
+            (arguments["reduce_op"],) = reduce_op
+        return self.start(op, x, **arguments)
+
+    start.__name__ = f"{spec(op).transport}_start"
+    start.__doc__ = f"Start {op} (see ``Communicator.start``)."
+    return start
+
+
+# One entry point per communication op, from its spec: a new collective needs no method here.
+for _op in Op:
+    if spec(_op).has(Prop.COMMUNICATES):
+        setattr(Communicator, f"{spec(_op).transport}_start", _named_start(_op))

@@ -33,11 +33,31 @@ import torch
 
 from coconet.ir.ops import Op
 
-__all__ = ["Algorithm", "AlgorithmPolicy", "Group", "Pending", "Transport", "TransportKind"]
+__all__ = [
+    "Algorithm",
+    "AlgorithmPolicy",
+    "Group",
+    "Pending",
+    "Transport",
+    "TransportKind",
+    "TransportPolicy",
+]
 
 
-class TransportKind(enum.Enum):
-    TORCH_DISTRIBUTED = "torch.distributed"
+class TransportKind(str, enum.Enum):
+    """What runs a group's collectives (a ``str`` enum: ``CommOptions(transport=...)`` takes
+    either form)."""
+
+    TORCH_DISTRIBUTED = "torch.distributed"  # gloo on CPU, NCCL on GPU, across hosts
+    SHARED_MEMORY = "shared memory"  # symmetric memory among the ranks of one host
+
+
+class TransportPolicy(str, enum.Enum):
+    """Which transport a group uses (``CommOptions.transport``)."""
+
+    AUTO = "auto"  # shared memory when every rank of the group is on one host, else torch
+    SHARED_MEMORY = "shared memory"  # shared memory, or a ConfigError when the group spans hosts
+    TORCH_DISTRIBUTED = "torch.distributed"  # always torch.distributed
 
 
 class Algorithm(str, enum.Enum):

@@ -1,0 +1,81 @@
+"""The small C library of cross-process signals (``shm_sync.c``), built once and loaded with ctypes.
+
+Python has no memory model for memory shared between processes, so the release stores and
+acquire loads that order data and signals live in C (``__atomic`` builtins, correct on x86-64
+and aarch64 alike). It is compiled by the system C compiler (the same one Inductor needs on CPU)
+in well under a second, into the build-keyed cache (``coconet.cache``), atomically so that ranks
+building it at once do not collide, and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from coconet.cache import keyed_cache_dir
+from coconet.errors import ConfigError
+
+__all__ = ["sync_library"]
+
+_SOURCE = Path(__file__).with_name("shm_sync.c")
+
+
+@functools.cache
+def sync_library(cache_dir: str | None = None) -> ctypes.CDLL:
+    """The loaded library (built on first use), with its functions' signatures declared."""
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:12]
+    target = keyed_cache_dir(cache_dir) / "native" / f"coconet_shm_sync_{digest}.so"
+    if not target.exists():
+        _build(source, target)
+    lib = ctypes.CDLL(str(target))
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    lib.cn_store_release.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    lib.cn_store_release.restype = None
+    lib.cn_load_acquire.argtypes = [ctypes.c_void_p]
+    lib.cn_load_acquire.restype = ctypes.c_uint64
+    lib.cn_alive.argtypes = [ctypes.c_int32]
+    lib.cn_alive.restype = ctypes.c_int
+    lib.cn_wait_all.argtypes = [
+        ctypes.POINTER(u64p),
+        ctypes.POINTER(ctypes.c_int32),
+        ctypes.c_int,
+        ctypes.c_uint64,
+        ctypes.c_double,
+        ctypes.POINTER(ctypes.c_int32),
+    ]
+    lib.cn_wait_all.restype = ctypes.c_int
+    return lib
+
+
+def _build(source: bytes, target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise ConfigError(
+            "the shared-memory transport needs a C compiler to build its signals, and none "
+            "was found (cc, gcc or $CC)",
+            op="shared memory",
+            hint="install gcc (apt-get install gcc), or run with "
+            "CommOptions(transport='torch.distributed')",
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "shm_sync.c"
+        src.write_bytes(source)
+        out = Path(tmp) / target.name
+        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ConfigError(
+                f"building the shared-memory signals failed: {' '.join(cmd)}",
+                op="shared memory",
+                details=done.stderr.strip().splitlines()[-10:],
+                hint="check the C compiler, or run with CommOptions(transport='torch.distributed')",
+            )
+        os.replace(out, target)  # atomic: a rank building at the same time sees one or the other

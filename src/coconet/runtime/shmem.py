@@ -1,0 +1,239 @@
+"""The shared-memory transport: collectives among the ranks of one host, through symmetric memory.
+
+Every rank of a group maps every peer's segment (``coconet.runtime.symmem``). A collective is one
+epoch of the group (the same count on every rank: ranks run the same collectives in the same
+order) and moves through the segments' signals:
+
+- every rank waits until its peers have finished reading its segment for the previous epoch
+  (``CONSUMED``), then writes its input into its segment's input area and posts ``READY``;
+- each rank owns one slice (``torch.tensor_split`` bounds) and reduces that slice of every peer's
+  input **in rank order 0, 1, ..., n-1**, accumulating 16-bit floats in float32, exactly as the
+  simulator's ``semantics.reduce_values`` does: results are bitwise the simulator's and the same on
+  every rank; an all_reduce writes its slice to its output area and posts ``REDUCED``, and every
+  rank copies the slices it needs from the owners;
+- when a rank has read what it needed from the peers, it posts ``CONSUMED``.
+
+Data is written before a release store of the signal and read after an acquire load of it; every
+wait has the communicator's deadline and checks that the peer it waits for is alive. Segments
+grow (collectively: every rank sees the same sizes) when a collective needs more room.
+
+The work happens when the collective starts (``Pending`` is already complete): on a CPU the
+copying is the work, and there is no idle core for it to overlap with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from coconet.ir import semantics
+from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.types import slice_bounds
+from coconet.runtime.symmem import Phase, SymmetricMemory
+from coconet.runtime.transport import Algorithm, Group, Pending, TransportKind, ready
+
+__all__ = ["ShmGroup", "SharedMemoryTransport"]
+
+_MIN_BYTES = 1 << 20  # the first segment's data area; it doubles as collectives need more
+
+
+class ShmGroup:
+    """The shared-memory state of one group (``Group.handle``): its segments and its epoch."""
+
+    def __init__(
+        self,
+        index: int,
+        size: int,
+        gather: Callable[[object], Sequence[object]],
+        timeout: float,
+        cache_dir: str | None = None,
+    ) -> None:
+        self.index, self.size, self.gather = index, size, gather
+        self.timeout, self.cache_dir = timeout, cache_dir
+        self.epoch = 0
+        self.mem: SymmetricMemory | None = None
+        self.area = 0  # bytes of each of the input and output areas
+
+    def begin(self, nbytes: int) -> tuple[SymmetricMemory, int]:
+        """Start the next epoch for a collective that needs ``nbytes`` per area: (memory, epoch).
+
+        Waits until every peer has finished reading this rank's segment for the previous epoch,
+        so the areas can be overwritten."""
+        if self.mem is not None:
+            self.mem.wait(Phase.CONSUMED, self.epoch)
+        if self.mem is None or nbytes > self.area:
+            self._grow(nbytes)
+        self.epoch += 1
+        return self.mem, self.epoch
+
+    def _grow(self, nbytes: int) -> None:
+        area = max(_MIN_BYTES, 2 * self.area)
+        while area < nbytes:
+            area *= 2
+        old = self.mem
+        # Collective: every rank needs the same size at the same epoch.
+        mem = SymmetricMemory(
+            2 * area,
+            self.index,
+            self.size,
+            self.gather,
+            timeout=self.timeout,
+            cache_dir=self.cache_dir,
+        )
+        for phase in Phase:  # a new segment's signals start where the group's epoch is
+            mem.post(phase, self.epoch)
+        self.gather(None)  # every rank posted: waits on the new segments are meaningful
+        if old is not None:
+            old.close()
+        self.mem, self.area = mem, area
+
+    def close(self) -> None:
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None
+
+
+def _accumulate(parts: Sequence[torch.Tensor], op: ReduceOp, dtype: torch.dtype) -> torch.Tensor:
+    """``parts`` reduced in rank order, as the simulator does (16-bit floats in float32)."""
+    return semantics.reduce_values(op, parts).to(dtype)
+
+
+class SharedMemoryTransport:
+    """Collectives through symmetric memory, for groups whose ranks share one host."""
+
+    kind = TransportKind.SHARED_MEMORY
+
+    def algorithms(self, op: Op) -> tuple[Algorithm, ...]:
+        return ()  # one way, in rank order: nothing to choose or to measure
+
+    def exact_algorithm(self, op: Op) -> Algorithm | None:
+        return None
+
+    # -- the communication ops -------------------------------------------------------------------
+
+    def all_reduce(self, x, group: Group, *, reduce_op: ReduceOp, donate: bool) -> Pending:
+        st: ShmGroup = group.handle
+        flat = x.reshape(-1)
+        n, i = st.size, st.index
+        item = flat.element_size()
+        mem, e = st.begin(flat.numel() * item)
+        mem.buffer(i, flat.dtype, flat.numel()).copy_(flat)
+        mem.post(Phase.READY, e)
+        mem.wait(Phase.READY, e)
+        bounds = [slice_bounds(flat.numel(), n, r) for r in range(n)]
+        lo, hi = bounds[i]
+        mine = [mem.buffer(j, flat.dtype, flat.numel())[lo:hi] for j in range(n)]
+        mem.buffer(i, flat.dtype, flat.numel(), st.area)[lo:hi].copy_(
+            _accumulate(mine, reduce_op, flat.dtype)
+        )
+        mem.post(Phase.REDUCED, e)
+        mem.wait(Phase.REDUCED, e)
+        # A donated input (a gradient reduced in place, as DDP does) receives the result: its
+        # content is already in the segment.
+        out = flat if donate and flat.data_ptr() == x.data_ptr() else torch.empty_like(flat)
+        for j, (a, b) in enumerate(bounds):
+            out[a:b].copy_(mem.buffer(j, flat.dtype, flat.numel(), st.area)[a:b])
+        mem.post(Phase.CONSUMED, e)
+        return ready(out.view(x.shape))
+
+    def reduce_scatter(
+        self, x, group: Group, *, reduce_op: ReduceOp, dim: int, donate: bool
+    ) -> Pending:
+        st: ShmGroup = group.handle
+        x0 = x.movedim(dim, 0).contiguous()
+        n, i = st.size, st.index
+        mem, e = st.begin(x0.numel() * x0.element_size())
+        mem.buffer(i, x0.dtype, x0.numel()).view(x0.shape).copy_(x0)
+        mem.post(Phase.READY, e)
+        mem.wait(Phase.READY, e)
+        lo, hi = slice_bounds(x0.shape[0], n, i)
+        mine = [mem.buffer(j, x0.dtype, x0.numel()).view(x0.shape)[lo:hi] for j in range(n)]
+        out = _accumulate(mine, reduce_op, x0.dtype)  # a new tensor, never the segment itself
+        mem.post(Phase.CONSUMED, e)
+        return ready(out.movedim(0, dim))
+
+    def all_gather(self, x, group: Group, *, dim: int, parts: Sequence[int]) -> Pending:
+        st: ShmGroup = group.handle
+        x0 = x.movedim(dim, 0).contiguous()
+        n, i = st.size, st.index
+        rows = sum(parts)
+        shape = (rows, *x0.shape[1:])
+        numel = rows * _row_numel(shape)
+        starts = [sum(parts[:r]) for r in range(n)]
+        mem, e = st.begin(numel * x0.element_size())
+        mem.buffer(i, x0.dtype, numel).view(shape)[starts[i] : starts[i] + parts[i]].copy_(x0)
+        mem.post(Phase.READY, e)
+        mem.wait(Phase.READY, e)
+        out = torch.empty(shape, dtype=x0.dtype)
+        for j in range(n):
+            a, b = starts[j], starts[j] + parts[j]
+            out[a:b].copy_(mem.buffer(j, x0.dtype, numel).view(shape)[a:b])
+        mem.post(Phase.CONSUMED, e)
+        return ready(out.movedim(0, dim))
+
+    def broadcast(self, x, group: Group, *, root: int, donate: bool) -> Pending:
+        st: ShmGroup = group.handle
+        flat = x.reshape(-1)
+        mem, e = st.begin(flat.numel() * flat.element_size())
+        if st.index == root:
+            mem.buffer(root, flat.dtype, flat.numel()).copy_(flat)
+            mem.post(Phase.READY, e)
+            out = flat.clone()
+        else:
+            mem.post(Phase.READY, e)
+            mem.wait(Phase.READY, e, [root])
+            out = mem.buffer(root, flat.dtype, flat.numel()).clone()
+        mem.post(Phase.CONSUMED, e)
+        return ready(out.view(x.shape))
+
+    def reduce(self, x, group: Group, *, reduce_op: ReduceOp, root: int, donate: bool) -> Pending:
+        """The group's ``root``-th rank gets the reduction; the others get zeros."""
+        st: ShmGroup = group.handle
+        flat = x.reshape(-1)
+        mem, e = st.begin(flat.numel() * flat.element_size())
+        mem.buffer(st.index, flat.dtype, flat.numel()).copy_(flat)
+        mem.post(Phase.READY, e)
+        if st.index == root:
+            mem.wait(Phase.READY, e)
+            parts = [mem.buffer(j, flat.dtype, flat.numel()) for j in range(st.size)]
+            out = _accumulate(parts, reduce_op, flat.dtype)
+        else:
+            out = torch.zeros_like(flat)
+        mem.post(Phase.CONSUMED, e)
+        return ready(out.view(x.shape))
+
+    def send(self, x, group: Group) -> Pending:
+        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros."""
+        st: ShmGroup = group.handle
+        flat = x.reshape(-1)
+        mem, e = st.begin(flat.numel() * flat.element_size())
+        i = st.index
+        mem.buffer(i, flat.dtype, flat.numel()).copy_(flat)
+        mem.post(Phase.READY, e)
+        if i > 0:
+            mem.wait(Phase.READY, e, [i - 1])
+            out = mem.buffer(i - 1, flat.dtype, flat.numel()).clone()
+        else:
+            out = torch.zeros_like(flat)
+        mem.post(Phase.CONSUMED, e)
+        return ready(out.view(x.shape))
+
+
+def _row_numel(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape[1:]:
+        out *= s
+    return out
+
+
+def torch_gather(pg) -> Callable[[object], list[object]]:
+    """The control channel of a shared-memory group: all_gather_object over its process group."""
+
+    def gather(obj: object) -> list[object]:
+        out: list[object] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(out, obj, group=pg)
+        return out
+
+    return gather

@@ -1,0 +1,243 @@
+"""Symmetric memory on one host: buffers every rank of a group maps, and signals between them.
+
+Shaped like PyTorch's symmetric memory (``torch.distributed._symmetric_memory``) so that the GPU
+path can follow the same design: each rank allocates a segment of the same size, a rendezvous
+over the group maps every peer's segment, and ``buffer(peer)`` gives a peer's memory as a tensor.
+Each segment starts with a signal area: one 64-byte cache line per ``Phase``, holding an epoch
+counter that only its owner writes and that is never reset (``coconet.runtime.native`` does the
+release stores and the waits with deadlines).
+
+**Nothing can leak.** A segment is an anonymous ``memfd`` (``memfd_create``), never a file in
+/dev/shm: peers map it through ``/proc/<owner pid>/fd/<fd>``, and the kernel frees it when the
+last rank that maps it exits, however it exits (a normal exit, an exception, SIGKILL of one rank
+or of the whole job). Names cannot collide between jobs because there are none. The memory counts
+against RAM, not against a container's small /dev/shm: free memory is checked first, with a clear
+error.
+
+**Same host** is decided from evidence every rank contributes: hostname, the kernel's boot id and
+the PID namespace (``/proc/<pid>/fd`` of a peer resolves only within one). ``COCONET_HOST_ID``
+overrides it, for tests that pretend that ranks of one machine live on different hosts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import mmap
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from coconet.errors import ConfigError, RuntimeFault
+from coconet.runtime.native import sync_library
+
+__all__ = ["Phase", "SymmetricMemory", "host_identity"]
+
+_LINE = 64  # bytes per signal: one cache line each, so writers never share a line
+_MAGIC = 0x636F636F6E657431  # "coconet1": the header word a mapper checks
+
+
+class Phase(enum.IntEnum):
+    """The signals of a segment, one epoch counter each (index = cache line after the header)."""
+
+    READY = 1  # my input (or my slice for a gather) is in my segment for this epoch
+    REDUCED = 2  # my reduced slice is in my segment's output area
+    CONSUMED = 3  # I finished reading the peers' segments for this epoch
+    COMMITTED = 4  # a fused collective's results are published and may be committed
+
+
+SIGNAL_BYTES = _LINE * (max(Phase) + 1)  # header line + one line per phase
+
+
+def host_identity() -> str:
+    """What two ranks must share to map each other's memory: hostname, boot id, PID namespace."""
+    override = os.environ.get("COCONET_HOST_ID")
+    if override:
+        return f"override:{override}"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = "no-pid-ns"
+    return f"{socket.gethostname()}|{boot}|{pidns}"
+
+
+def available_memory() -> int | None:
+    """MemAvailable in bytes (None where /proc/meminfo does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What a rank tells its peers about its segment."""
+
+    pid: int
+    fd: int
+    nbytes: int
+    host: str
+
+
+class SymmetricMemory:
+    """One segment per rank of a group, each mapped by every rank of the group.
+
+    Collective: every rank of the group constructs it at the same point with the same ``nbytes``.
+    ``gather(obj)`` is the group's control channel: it returns every member's ``obj`` in group
+    order (the communicator passes an all_gather_object over the group's process group).
+    """
+
+    def __init__(
+        self,
+        nbytes: int,
+        index: int,
+        size: int,
+        gather: Callable[[object], Sequence[object]],
+        *,
+        timeout: float,
+        cache_dir: str | None = None,
+    ) -> None:
+        self.index, self.size, self.timeout = index, size, timeout
+        self.data_bytes = int(nbytes)
+        self.lib = sync_library(cache_dir)
+        total = SIGNAL_BYTES + self.data_bytes
+        free = available_memory()
+        if free is not None and total * 2 > free:  # this rank's segment plus headroom
+            raise ConfigError(
+                f"shared memory: {total / 2**20:.1f} MiB per rank requested, "
+                f"{free / 2**20:.1f} MiB of memory available",
+                op="shared memory",
+                hint="use smaller buckets, or CommOptions(transport='torch.distributed')",
+            )
+        fd = os.memfd_create("coconet-symmem", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, total)
+            mine = mmap.mmap(fd, total)
+            entries = gather(_Entry(os.getpid(), fd, total, host_identity()))
+            self.pids = [e.pid for e in entries]
+            maps: list[mmap.mmap | None] = []
+            failure = None
+            for i, e in enumerate(entries):
+                if i == index:
+                    maps.append(mine)
+                    continue
+                try:
+                    peer_fd = os.open(f"/proc/{e.pid}/fd/{e.fd}", os.O_RDWR)
+                    try:
+                        maps.append(mmap.mmap(peer_fd, e.nbytes))
+                    finally:
+                        os.close(peer_fd)
+                except OSError as exc:
+                    maps.append(None)
+                    failure = f"rank {i} (pid {e.pid}): {exc}"
+            # Everyone mapped (or failed): the owners may now close their fds; the mappings keep
+            # the memory alive exactly as long as some rank of the job is alive.
+            verdicts = gather(failure)
+        finally:
+            os.close(fd)
+        problems = [v for v in verdicts if v]
+        if problems:
+            raise ConfigError(
+                "shared memory: ranks could not map each other's segments",
+                op="shared memory",
+                details=[str(p) for p in problems],
+                hint="run the ranks in one PID namespace, or use "
+                "CommOptions(transport='torch.distributed')",
+            )
+        self._maps = maps
+        self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+        self._base = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
+        # The header: a magic word and the owner's pid, checked by every peer.
+        self._bytes[index][:8].view(torch.int64)[0] = _MAGIC
+        self._bytes[index][8:16].view(torch.int64)[0] = os.getpid()
+        verdict = gather(None)  # the headers are written
+        del verdict
+        for i in range(size):
+            head = self._bytes[i][:16].view(torch.int64)
+            if int(head[0]) != _MAGIC or int(head[1]) != self.pids[i]:
+                raise ConfigError(
+                    f"shared memory: the segment mapped for rank {i} is not that rank's",
+                    op="shared memory",
+                    hint="report this: the rendezvous mapped the wrong memory",
+                )
+        self._wait_args: dict[Phase, tuple] = {}
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def buffer(self, peer: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` at byte ``offset`` of ``peer``'s data area."""
+        start = SIGNAL_BYTES + offset
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or start + nbytes > SIGNAL_BYTES + self.data_bytes:
+            raise ConfigError(
+                f"shared memory: {nbytes} bytes at offset {offset} exceed the segment's "
+                f"{self.data_bytes}",
+                op="shared memory",
+            )
+        return self._bytes[peer][start : start + nbytes].view(dtype)
+
+    # -- signals ---------------------------------------------------------------------------------
+
+    def _counter(self, peer: int, phase: Phase) -> int:
+        return self._base[peer] + _LINE * int(phase)
+
+    def post(self, phase: Phase, epoch: int) -> None:
+        """Publish ``epoch`` for ``phase``: everything this rank wrote before is visible to a peer
+        that sees it."""
+        self.lib.cn_store_release(self._counter(self.index, phase), epoch)
+
+    def value(self, peer: int, phase: Phase) -> int:
+        return int(self.lib.cn_load_acquire(self._counter(peer, phase)))
+
+    def wait(self, phase: Phase, epoch: int, peers: Sequence[int] | None = None) -> None:
+        """Until every peer in ``peers`` (default: all others) posted ``phase`` >= ``epoch``;
+        a ``RuntimeFault`` when one dies or the deadline passes."""
+        peers = [p for p in (range(self.size) if peers is None else peers) if p != self.index]
+        if not peers:
+            return
+        n = len(peers)
+        counters = (ctypes.POINTER(ctypes.c_uint64) * n)(
+            *[ctypes.cast(self._counter(p, phase), ctypes.POINTER(ctypes.c_uint64)) for p in peers]
+        )
+        pids = (ctypes.c_int32 * n)(*[self.pids[p] for p in peers])
+        why = ctypes.c_int32(0)
+        late = self.lib.cn_wait_all(counters, pids, n, epoch, self.timeout, ctypes.byref(why))
+        if late >= 0:
+            peer = peers[late]
+            if why.value == 2:
+                cause = "a peer rank died"
+            else:
+                cause = f"no answer within {self.timeout:g} s: a peer rank stalled or died"
+            raise RuntimeFault(
+                cause,
+                op="shared memory",
+                details=[
+                    f"waiting for group rank {peer} (pid {self.pids[peer]}) to reach "
+                    f"{phase.name.lower()} epoch {epoch}; it is at {self.value(peer, phase)}",
+                ],
+                hint="look at the other ranks' output for the first failure; this job cannot "
+                "continue: end it (coconet.runtime.shutdown) and restart it",
+            )
+
+    def close(self) -> None:
+        """Drop this rank's mappings (the memory goes when every rank dropped them)."""
+        self._bytes = []
+        for m in self._maps:
+            if m is not None:
+                try:
+                    m.close()
+                except BufferError:
+                    pass  # a tensor still views it: the mapping goes with the last view
+        self._maps = []

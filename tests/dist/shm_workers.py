@@ -1,0 +1,220 @@
+"""Rank functions for the shared-memory transport's tests (``test_dist_shm.py``).
+
+Every rank can rebuild every other rank's input from (seed, rank, ...), so each checks its own
+results against the op's group meaning (``coconet.ir.semantics.COLLECTIVES``, what the simulator
+runs) without moving more data than the collective itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import time
+
+import torch
+
+import coconet as cc
+from coconet.errors import ConfigError
+from coconet.ir import semantics
+from coconet.ir.node import make_node
+from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.types import slice_bounds
+from coconet.runtime import CommOptions, Communicator
+from coconet.testing import check_distributed
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _value(seed: int, rank: int, shape, dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def _node(op: Op, dtype: torch.dtype, rows: int, **attrs):
+    """A collective node of the right type, whose attributes the group meanings read."""
+    N = cc.Dim("N")
+    lay = cc.Sliced(0) if op is Op.ALL_GATHER else cc.Local
+    x = cc.Tensor("x", cc.DType.from_torch(dtype), [N, 3], lay).node
+    return make_node(op, (x,), {"axis": None, **attrs})
+
+
+def collectives_vs_meaning(comm: Communicator, sizes, dtypes) -> list[dict]:
+    """Every collective, in every dtype and size, against its group meaning, bit for bit."""
+    n, me = comm.world, comm.rank
+    rows = []
+    seed = 0
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        for size in sizes:
+            seed += 1
+            shape = (size, 3)
+            xs = [_value(seed, r, shape, dtype) for r in range(n)]
+            cases = {
+                "all_reduce": (_node(Op.ALL_REDUCE, dtype, size, reduce_op=ReduceOp.SUM), None),
+                "all_reduce_max": (
+                    _node(Op.ALL_REDUCE, dtype, size, reduce_op=ReduceOp.MAX),
+                    None,
+                ),
+                "reduce_scatter": (
+                    _node(Op.REDUCE_SCATTER, dtype, size, reduce_op=ReduceOp.SUM, dim=0),
+                    None,
+                ),
+                "broadcast": (_node(Op.BROADCAST, dtype, size, root=n - 1), None),
+                "reduce": (_node(Op.REDUCE, dtype, size, reduce_op=ReduceOp.SUM, root=1 % n), None),
+            }
+            for name, (node, _) in cases.items():
+                want = semantics.COLLECTIVES[node.op](node, xs)[me]
+                x = xs[me].clone()
+                if node.op is Op.ALL_REDUCE:
+                    w = comm.all_reduce_start(
+                        x, node.attr("reduce_op"), axis=None, donate=False, label=name
+                    )
+                elif node.op is Op.REDUCE_SCATTER:
+                    w = comm.reduce_scatter_start(
+                        x, ReduceOp.SUM, dim=0, axis=None, donate=False, label=name
+                    )
+                elif node.op is Op.BROADCAST:
+                    w = comm.broadcast_start(x, root=n - 1, axis=None, donate=False, label=name)
+                else:
+                    w = comm.reduce_start(
+                        x, ReduceOp.SUM, root=1 % n, axis=None, donate=False, label=name
+                    )
+                got = comm.wait(w)
+                rows.append(_row(name, dtype_name, size, got, want, x, xs[me]))
+            # all_gather of uneven parts
+            parts = [hi - lo for lo, hi in (slice_bounds(size, n, r) for r in range(n))]
+            pieces = [_value(seed + 500, r, (parts[r], 3), dtype) for r in range(n)]
+            node = _node(Op.ALL_GATHER, dtype, size)
+            want = semantics.COLLECTIVES[Op.ALL_GATHER](node, pieces)[me]
+            w = comm.all_gather_start(
+                pieces[me].clone(), dim=0, parts=parts, axis=None, label="all_gather"
+            )
+            rows.append(_row("all_gather", dtype_name, size, comm.wait(w), want, None, None))
+            # send: rank i gets rank i-1's value, the first rank zeros
+            w = comm.send_start(xs[me].clone(), axis=None, label="send")
+            want = xs[me - 1] if me > 0 else torch.zeros_like(xs[me])
+            rows.append(_row("send", dtype_name, size, comm.wait(w), want, None, None))
+    return rows
+
+
+def _row(name, dtype, size, got, want, x_after, x_before) -> dict:
+    return {
+        "op": name,
+        "dtype": dtype,
+        "size": size,
+        "equal": bool(got.dtype == want.dtype and torch.equal(got, want)),
+        "input_untouched": x_after is None or bool(torch.equal(x_after, x_before)),
+    }
+
+
+def stress(comm: Communicator, steps: int, seed: int) -> dict:
+    """``steps`` collectives of changing sizes with random per-rank delays between them; every
+    result is checked exactly (integer-valued data: sums are exact in any order)."""
+    rng = random.Random(seed * 31 + comm.rank)
+    n, me = comm.world, comm.rank
+    bad = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        size = (1, 5, 257, 4096, 70_000)[step % 5]
+        x = torch.full((size,), float(me + step % 7))
+        if rng.random() < 0.3:
+            time.sleep(rng.random() * 3e-4)  # a late rank: peers must wait, not read stale data
+        want_sum = sum(float(r + step % 7) for r in range(n))
+        if step % 3 == 0:
+            got = comm.wait(
+                comm.all_reduce_start(x, ReduceOp.SUM, axis=None, donate=False, label="s")
+            )
+            ok = bool((got == want_sum).all())
+        elif step % 3 == 1:
+            got = comm.wait(
+                comm.reduce_scatter_start(
+                    x, ReduceOp.SUM, dim=0, axis=None, donate=False, label="s"
+                )
+            )
+            lo, hi = slice_bounds(size, n, me)
+            ok = got.shape == (hi - lo,) and bool((got == want_sum).all())
+        else:
+            parts = [hi - lo for lo, hi in (slice_bounds(size, n, r) for r in range(n))]
+            mine = torch.full((parts[me],), float(step * 10 + me))
+            got = comm.wait(comm.all_gather_start(mine, dim=0, parts=parts, axis=None, label="s"))
+            want = torch.cat([torch.full((parts[r],), float(step * 10 + r)) for r in range(n)])
+            ok = bool(torch.equal(got, want))
+        if not ok:
+            bad.append(step)
+    return {"bad": bad, "seconds": time.perf_counter() - t0, "transport": comm.transport_of(None)}
+
+
+def split_hosts(comm: Communicator, sizes) -> dict:
+    """Pretend ranks 0-1 and 2-3 are two hosts: a pp x tp mesh whose tp groups stay on a host
+    (shared memory) while its pp groups and the world cross hosts (torch.distributed); the
+    pipeline example's schedules still equal the simulator."""
+    from examples_loader import load_example
+
+    os.environ["COCONET_HOST_ID"] = f"host{comm.rank // 2}"
+    mesh = cc.Mesh(pp=2, tp=2)
+    comm2 = Communicator(mesh, dataclasses.replace(comm.options, algorithms="exact"))
+    out = {
+        "world": comm2.transport_of(None).value,
+        "pp": comm2.transport_of("pp").value,
+        "tp": comm2.transport_of("tp").value,
+        "rows": [],
+    }
+    mod = load_example("pipeline_parallel")
+    program = mod.program()
+    for size in sizes:
+        inputs = mod.program_inputs(mod.make_inputs(mesh, size))
+        for name, make in {"(none)": None, **mod.SCHEDULES}.items():
+            target = program if make is None else make(program)
+            r = check_distributed(
+                target, inputs, comm=comm2, reference=program, verbose=False, fused_kernels=False
+            )
+            out["rows"].append((name, size, r.max_abs_error))
+    try:
+        Communicator(mesh, dataclasses.replace(comm.options, transport="shared memory"))
+        out["forced"] = "accepted"
+    except ConfigError as e:
+        out["forced"] = e.message
+    return out
+
+
+def job_script(steps: int, tag: float) -> str:
+    """A ``coconet run`` script: ``steps`` all_reduces of values that name this job (``tag``)."""
+    return f"""
+import sys, torch
+from coconet import runtime
+from coconet.ir.ops import ReduceOp
+comm = runtime.init(timeout=30)
+assert comm.transport_of(None).value == "shared memory"
+bad = 0
+for step in range({steps}):
+    x = torch.full((1000 + step,), {tag} + comm.rank)
+    got = comm.wait(comm.all_reduce_start(x, ReduceOp.SUM, axis=None, donate=False, label="x"))
+    bad += int(not bool((got == {tag} * comm.world + sum(range(comm.world))).all()))
+print(f"rank {{comm.rank}} bad={{bad}}", flush=True)
+runtime.shutdown(comm, exit_code=0 if bad == 0 else 1)
+"""
+
+
+def raise_after_one(comm: Communicator) -> str:
+    """One collective, then rank 1 raises."""
+    comm.wait(
+        comm.all_reduce_start(torch.ones(10), ReduceOp.SUM, axis=None, donate=False, label="x")
+    )
+    if comm.rank == 1:
+        raise ValueError("injected")
+    return "ok"
+
+
+def killed_mid_collective(comm: Communicator) -> str:
+    """Rank 1 dies between two collectives; the other must get a RuntimeFault, not hang."""
+    x = torch.ones(10)
+    comm.wait(comm.all_reduce_start(x, ReduceOp.SUM, axis=None, donate=False, label="x"))
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.wait(comm.all_reduce_start(x, ReduceOp.SUM, axis=None, donate=False, label="x"))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -1,0 +1,145 @@
+"""The shared-memory transport (the default for ranks on one host).
+
+- every collective, in float32/bfloat16/float16, uneven sizes, on 2, 3 and 4 ranks (4 ranks on
+  2 cores: waits must yield), is bitwise the op's group meaning (what the simulator computes:
+  rank-ordered reductions, 16-bit floats accumulated in float32), inputs untouched;
+- 1000 collectives with random per-rank delays: no torn or stale read;
+- ranks that only pretend to share a host (``COCONET_HOST_ID``) route their cross-host groups to
+  torch.distributed and keep shared memory within a host; forcing shared memory across hosts
+  is a ConfigError;
+- nothing is ever left in /dev/shm, and no process keeps a segment mapped, after a normal exit,
+  an exception, a SIGKILL of one rank and a SIGKILL of the whole job; two jobs on one host at
+  once do not collide.
+
+Every example x schedule runs over shared memory in test_dist_examples.py (the default
+transport); dead and stalled peers on it are in test_dist_faults.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import shm_workers
+
+from coconet.runtime import CommOptions, RankFailure, spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+OPTIONS = CommOptions(timeout=30)
+
+
+def _segments_mapped() -> list[str]:
+    """Processes that map a coconet segment (a memfd named coconet-symmem)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if "coconet-symmem" in f.read():
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def clean_host():
+    """/dev/shm as it was, and no segment mapped, once the test's job is over."""
+    before = sorted(os.listdir("/dev/shm"))
+    yield
+    deadline = time.time() + 10  # killed ranks may take a moment to be reaped
+    while _segments_mapped() and time.time() < deadline:
+        time.sleep(0.1)
+    assert sorted(os.listdir("/dev/shm")) == before
+    assert _segments_mapped() == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_collectives_equal_their_meaning(nproc, clean_host):
+    dtypes = ["float32", "bfloat16", "float16"] if nproc != 4 else ["float32", "bfloat16"]
+    sizes = (1, 7, 64, 100_003)  # 100_003 rows x 3: past the first segment, which grows
+    results = spawn(
+        shm_workers.collectives_vs_meaning, nproc, sizes, dtypes, options=OPTIONS, timeout=220
+    )
+    for rank, rows in enumerate(results):
+        assert len(rows) == len(sizes) * len(dtypes) * 7
+        bad = [r for r in rows if not (r["equal"] and r["input_untouched"])]
+        assert bad == [], f"rank {rank}: {bad[:5]}"
+
+
+@pytest.mark.timeout(120)
+def test_many_steps_with_random_delays(clean_host):
+    results = spawn(shm_workers.stress, 2, 1200, 7, options=OPTIONS, timeout=100)
+    for out in results:
+        assert out["transport"].value == "shared memory"
+        assert out["bad"] == []
+
+
+@pytest.mark.timeout(200)
+def test_groups_that_cross_hosts_use_torch_distributed(clean_host):
+    results = spawn(shm_workers.split_hosts, 4, (4, 7), options=OPTIONS, timeout=180)
+    for out in results:
+        assert (out["world"], out["pp"], out["tp"]) == (
+            "torch.distributed",
+            "torch.distributed",
+            "shared memory",
+        )
+        assert all(err == 0.0 for _, _, err in out["rows"]), out["rows"]
+        assert "spans 2 hosts" in out["forced"]
+
+
+def _run_job(script: Path, nproc: int = 2) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "coconet.cli", "run", "--nproc", str(nproc), str(script)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: killable as a whole
+    )
+
+
+@pytest.mark.timeout(120)
+def test_two_jobs_at_once_and_a_normal_exit(tmp_path, clean_host):
+    jobs = []
+    for tag in (1.0, 1000.0):
+        script = tmp_path / f"job{int(tag)}.py"
+        script.write_text(shm_workers.job_script(300, tag))
+        jobs.append(_run_job(script))
+    for job in jobs:
+        out, _ = job.communicate(timeout=100)
+        assert job.returncode == 0, out
+        assert out.count("bad=0") == 2, out
+
+
+@pytest.mark.timeout(120)
+def test_a_job_killed_whole_leaves_nothing(tmp_path, clean_host):
+    script = tmp_path / "long.py"
+    script.write_text(shm_workers.job_script(10**7, 3.0))
+    job = _run_job(script)
+    deadline = time.time() + 60
+    while not _segments_mapped() and time.time() < deadline:
+        time.sleep(0.2)  # until the ranks have their segments
+    assert _segments_mapped(), "the job never mapped its segments"
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+
+
+@pytest.mark.timeout(90)
+def test_an_exception_and_a_killed_rank_leave_nothing(clean_host):
+    results = spawn(shm_workers.raise_after_one, 2, options=OPTIONS, timeout=60, failures="return")
+    assert results[0] == "ok" and isinstance(results[1], RankFailure)
+    t0 = time.time()
+    results = spawn(
+        shm_workers.killed_mid_collective, 2, options=OPTIONS, timeout=60, failures="return"
+    )
+    assert "RuntimeFault" in results[0] and "a peer rank died" in results[0], results[0]
+    assert time.time() - t0 < 30
+    assert isinstance(results[1], RankFailure) and results[1].exit_code == -9
