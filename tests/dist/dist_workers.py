@@ -237,8 +237,9 @@ def fault_peer_dies(comm: Communicator, victim: int, where: str) -> dict:
     step = cc.compile(schedule, comm=comm, fused_kernels=False)
     step(**mine)  # one good step first: the fault happens on a warm, agreed program
     if comm.rank == victim:
-        if where == "all_gather":
+        if where == "all_gather":  # (over shared memory, a one-pass unit's gather)
             comm.all_gather_start = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+            comm.fused_all_gather_finish = comm.all_gather_start
         else:
             real = comm.agree_max
 
@@ -257,13 +258,14 @@ def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
     schedule, mine = _adam_case(comm)
     step = cc.compile(schedule, comm=comm, fused_kernels=False)
     if comm.rank == victim:
-        real = comm.all_gather_start
+        for name in ("all_gather_start", "fused_all_gather_finish"):  # either form of the gather
+            real = getattr(comm, name)
 
-        def slow(*a, **k):
-            time.sleep(sleep)
-            return real(*a, **k)
+            def slow(*a, real=real, **k):
+                time.sleep(sleep)
+                return real(*a, **k)
 
-        comm.all_gather_start = slow
+            setattr(comm, name, slow)
     return _step_expecting_fault(step, mine)
 
 

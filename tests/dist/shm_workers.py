@@ -22,7 +22,7 @@ from coconet.ir.node import make_node
 from coconet.ir.ops import Op, ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.runtime import CommOptions, Communicator
-from coconet.testing import check_distributed
+from coconet.testing import check_distributed, rank_inputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -218,3 +218,43 @@ def killed_mid_collective(comm: Communicator) -> str:
     except Exception as e:  # noqa: BLE001 - reported to the test
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def registered_gradient(comm: Communicator, size: int, steps: int) -> dict:
+    """Adam's schedules fed a gradient that lives in symmetric memory (``input_buffer``) give
+    bit for bit what they give with an ordinary gradient tensor (copied in), over many steps
+    with random per-rank delays (the buffer is rewritten right after each step returns)."""
+    from examples_loader import load_example
+
+    mod = load_example("adam")
+    program = mod.program()
+    rng = random.Random(comm.rank)
+    out = {}
+    for name in ("AR_C", "RS_C_AG", "fuse_RS_C_AG"):
+        sched = mod.SCHEDULES[name](program)
+        step = cc.compile(sched, comm=comm, fused_kernels=False)
+        buffer = step.input_buffer("g", (size,))
+        state = {}
+        for label in ("registered", "plain"):
+            full = mod.make_inputs(comm.world, size, seed=3, step=1)
+            state[label] = rank_inputs(sched.program, full, comm.mesh, comm.rank)
+        for k in range(steps):
+            grad = _value(k, comm.rank, (size,), torch.float32)
+            for label in ("registered", "plain"):
+                mine = state[label]
+                mine["step"] = float(k + 1)
+                if label == "registered":
+                    if rng.random() < 0.3:
+                        time.sleep(rng.random() * 2e-3)
+                    buffer.copy_(grad)  # what backward would do: write the gradient in place
+                    mine["g"] = buffer
+                else:
+                    mine["g"] = grad.clone()
+                step(**mine)
+        out[name] = {
+            "equal": all(
+                torch.equal(state["registered"][k], state["plain"][k]) for k in ("p", "m", "v")
+            ),
+            "in_symmetric_memory": buffer.data_ptr() in comm.route(None)[1].handle.registered,
+        }
+    return out

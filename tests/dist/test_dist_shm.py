@@ -143,3 +143,12 @@ def test_an_exception_and_a_killed_rank_leave_nothing(clean_host):
     assert "RuntimeFault" in results[0] and "a peer rank died" in results[0], results[0]
     assert time.time() - t0 < 30
     assert isinstance(results[1], RankFailure) and results[1].exit_code == -9
+
+
+@pytest.mark.timeout(120)
+def test_a_gradient_in_symmetric_memory_is_read_in_place(clean_host):
+    results = spawn(shm_workers.registered_gradient, 2, 1001, 40, options=OPTIONS, timeout=100)
+    for out in results:
+        for name, r in out.items():
+            assert r["in_symmetric_memory"], name
+            assert r["equal"], name

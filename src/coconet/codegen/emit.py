@@ -18,7 +18,16 @@ import textwrap
 from collections.abc import Callable, Mapping, Sequence
 
 from coconet.codegen.names import Namer
-from coconet.codegen.plan import ChunkLoop, Compute, FusedCollective, Kernel, Plan, Start, Wait
+from coconet.codegen.plan import (
+    ChunkLoop,
+    Compute,
+    FusedCollective,
+    Kernel,
+    OnePass,
+    Plan,
+    Start,
+    Wait,
+)
 from coconet.errors import CodegenError
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
@@ -28,6 +37,7 @@ from coconet.ir.types import DType
 __all__ = ["emit"]
 
 _INDENT = "    "
+_SHARED_MEMORY = "shared memory"  # TransportKind.SHARED_MEMORY's value (codegen sits below runtime)
 
 GeoRef = Callable[[Node, str], str]  # (node, "shapes"|"offsets"|"bounds"|"parts") -> code
 
@@ -68,6 +78,7 @@ class _Emitter:
         self.work = {s.node.name: namer.claim(f"{self.var[s.node.name]}_work") for s in starts}
         # per kernel: (node, geometry field, parameter name) for the sizes a kernel is passed
         self._geo_cache: dict[str, list[tuple[Node, str, str]]] = {}
+        self._one_pass_vars: dict[str, tuple[str, str]] = {}
 
     # -- the module -----------------------------------------------------------------------------
 
@@ -104,9 +115,17 @@ class _Emitter:
         names = ", ".join(repr(n.name) for n in self.program.inputs)
         out.append("# the program's inputs, in the order step() takes them")
         out.append(f"INPUTS = ({names}{',' if len(self.program.inputs) == 1 else ''})")
+        # a one-pass unit's kernel is written in its one-pass form only (the other is never run)
+        one_pass = {u.one_pass.kernel.name: u.one_pass for u in self._one_pass_units()}
+        names = []
         for k in self.plan.kernels:
-            out += ["", ""] + self.kernel_def(k)
-        entries = ", ".join(f'"{k.name}": _kernel_{k.name}' for k in self.plan.kernels)
+            if k.name in one_pass:
+                out += ["", ""] + self.one_pass_kernel_def(one_pass[k.name])
+                names.append((k.name, f"{k.name}_one_pass"))
+            else:
+                out += ["", ""] + self.kernel_def(k)
+                names.append((k.name, k.name))
+        entries = ", ".join(f'"{name}": _kernel_{fn}' for name, fn in names)
         out += ["", "", f"KERNELS = {{{entries}}}", "", ""]
         out += self.step_def()
         return "\n".join(out) + "\n"
@@ -176,6 +195,8 @@ class _Emitter:
                 parts.append(f"kernel {s.name}")
         axis = unit.collectives[0].attr("axis")
         transport = self.transports.get(axis, "torch.distributed")
+        if unit in self._one_pass_units():
+            return self.one_pass_lines(unit, parts, transport)
         lines = _comment_lines(
             f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport} runs "
             "its collectives and kernels one after the other",
@@ -183,6 +204,117 @@ class _Emitter:
         )
         for s in unit.steps:
             lines += self.step_lines(s, _env_geo)
+        return lines + [f"# end of {unit.name}"]
+
+    # -- one-pass fused collectives over shared memory -------------------------------------------
+
+    def _one_pass_units(self) -> list[FusedCollective]:
+        """Fused collectives that run as one pass: shared memory along their axis, and the
+        ``OnePass`` form."""
+        out = []
+        for unit in self.plan.fused_collectives:
+            axis = unit.collectives[0].attr("axis")
+            if self.transports.get(axis) == _SHARED_MEMORY and unit.one_pass is not None:
+                out.append(unit)
+        return out
+
+    def _one_pass_names(self, op: OnePass) -> tuple[str, str]:
+        """(the peers' slices parameter, the gather slot parameter) of a one-pass kernel."""
+        key = op.kernel.name
+        if key not in self._one_pass_vars:
+            self._one_pass_vars[key] = (
+                self.namer.claim(f"{self.var[op.reduce_scatter.name]}_parts"),
+                self.namer.claim(f"{self.var[op.all_gather.inputs[0].name]}_slot"),
+            )
+        return self._one_pass_vars[key]
+
+    def _one_pass_outputs(self, op: OnePass) -> list[Node]:
+        """The kernel's outputs, less the gather's input when only the gather reads it (the
+        kernel writes it into the slot instead)."""
+        returned = {n.name for n in self.program.outputs} | {
+            u.inputs[1].name for u in self.program.updates
+        }
+        given = op.all_gather.inputs[0]
+        users = self.program.users()[given.name]
+        only_gathered = given.name not in returned and all(u is op.all_gather for u in users)
+        return [n for n in op.kernel.outputs if not (only_gathered and n is given)]
+
+    def one_pass_kernel_def(self, op: OnePass) -> list[str]:
+        """The kernel, reading every peer's slice of the reduce_scatter's input (it reduces them
+        in rank order, as the simulator does) and writing the gather's input into its slot."""
+        k = op.kernel
+        parts, slot = self._one_pass_names(op)
+        rs = op.reduce_scatter
+        params = [parts if i is rs else self.var[i.name] for i in k.inputs]
+        params += [p for _, _, p in self._geo_params(k)] + [slot]
+        geo = {(n.name, f): p for n, f, p in self._geo_params(k)}
+        lines = [
+            f"def _kernel_{k.name}_one_pass({', '.join(params)}):",
+            f'{_INDENT}"""{_short(k.group)}: one pass over shared memory (torch.compile, or '
+            'eager)."""',
+            f"{_INDENT}# {rs.name}: this rank's slice, reduced from every peer's in rank order",
+            f"{_INDENT}{self.var[rs.name]} = _ops.reduce_values("
+            f"ReduceOp.{rs.attr('reduce_op').name}, {parts})",
+        ]
+        for n in k.nodes:
+            lines += [_INDENT + c for c in self.node_lines(n, lambda n, f: geo.get((n.name, f)))]
+        given = op.all_gather.inputs[0]
+        lines.append(f"{_INDENT}{slot}.copy_({self.var[given.name]})  # where the peers read it")
+        outs = [self.var[n.name] for n in self._one_pass_outputs(op)]
+        tail = "," if len(outs) == 1 else ""
+        lines.append(f"{_INDENT}return ({', '.join(outs)}{tail})")
+        return lines
+
+    def one_pass_lines(self, unit: FusedCollective, parts: list[str], transport: str) -> list[str]:
+        op = unit.one_pass
+        rs, ag, k = op.reduce_scatter, op.all_gather, op.kernel
+        names = self._one_pass_names(op)
+        lines = _comment_lines(
+            f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport} runs it as "
+            f"one pass: kernel {k.name} reads every peer's slice of {rs.inputs[0].name}, "
+            f"reduces them in rank order, computes, and writes {ag.inputs[0].name} where the "
+            "peers read it for the gather",
+            "# ",
+        )
+        for s in op.scalars:
+            lines += self.step_lines(s, _env_geo)
+        dtype = _dtype(ag.type.dtype)
+        gather = [
+            f"gather_shape={_env_ref(ag, 'shapes')}",
+            f"gather_dtype={dtype}",
+            f"gather_parts={_env_ref(ag, 'parts')}",
+        ]
+        lines += [self.comment(rs)]
+        lines += _call(
+            ", ".join(names),
+            "comm.fused_reduce_scatter_start",
+            [
+                self.var[rs.inputs[0].name],
+                f"axis={rs.attr('axis')!r}",
+                *gather,
+                f"label={rs.name!r}",
+            ],
+        )
+        args = [names[0] if i is rs else self.var[i.name] for i in k.inputs]
+        args += [_env_geo(n, f) or "None" for n, f, _ in self._geo_params(k)] + [names[1]]
+        outs = [self.var[n.name] for n in self._one_pass_outputs(op)]
+        if outs:
+            target = f"({outs[0]},)" if len(outs) == 1 else ", ".join(outs)
+            lines += _call(target, f"kernels.{k.name}", args)
+        else:  # everything the kernel computes goes to the gather's slot
+            lines += _call("_", f"kernels.{k.name}", args)
+        lines += [self.comment(ag)]
+        lines += _call(
+            self.var[ag.name],
+            "comm.fused_all_gather_finish",
+            [
+                f"axis={ag.attr('axis')!r}",
+                f"shape={_env_ref(ag, 'shapes')}",
+                f"dtype={dtype}",
+                f"parts={_env_ref(ag, 'parts')}",
+                f"label={ag.name!r}",
+            ],
+        )
         return lines + [f"# end of {unit.name}"]
 
     # -- overlapped chains ----------------------------------------------------------------------

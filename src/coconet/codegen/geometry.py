@@ -135,7 +135,8 @@ def geometry(program: Program, mesh: Mesh, rank: int, sizes: Mapping[str, int]) 
             total = resolve_shape(node.type.shape, sizes)[lay.dim]
             lo, hi = _bounds(mesh, rank, lay.axis, total)
             geo.bounds[node.name] = (lo, hi - lo)
-        elif Arg.GATHER_DIM in form.arguments:  # the parts it gathers
+        elif Arg.GATHER_DIM in form.arguments:  # the parts it gathers, and the whole's shape
+            geo.shapes[node.name] = resolve_shape(node.type.shape, sizes)
             src = node.inputs[0].type.layout
             total = resolve_shape(node.type.shape, sizes)[src.dim]
             n = mesh.axis_size(src.axis)

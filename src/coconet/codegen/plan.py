@@ -41,6 +41,7 @@ __all__ = [
     "ChunkLoop",
     "Compute",
     "FusedCollective",
+    "OnePass",
     "Kernel",
     "Plan",
     "Start",
@@ -122,6 +123,24 @@ class FusedCollective:
     @property
     def kernels(self) -> tuple[Kernel, ...]:
         return tuple(s for s in self.steps if isinstance(s, Kernel))
+
+    @property
+    def one_pass(self) -> OnePass | None:
+        """The unit as one pass over symmetric memory, when it has that form (else None)."""
+        return _one_pass(self)
+
+
+@dataclass(frozen=True)
+class OnePass:
+    """``reduce_scatter -> (scalar arithmetic) -> kernel -> all_gather`` along dim 0: the form a
+    shared-memory transport runs as one pass. The kernel reads every peer's slice of the
+    reduce_scatter's input and reduces them itself, in rank order, and writes the all_gather's
+    input straight into this rank's slot of the gather, where the peers read it."""
+
+    reduce_scatter: Node
+    kernel: Kernel
+    all_gather: Node
+    scalars: tuple[Compute, ...]  # arithmetic on 0-d values that runs once, before the kernel
 
 
 Step = Compute | Start | Wait | Kernel | ChunkLoop | FusedCollective
@@ -496,6 +515,36 @@ def _fused_collectives(program: Program, steps: list[Step]) -> list[Step]:
         unit = FusedCollective(f"fused_collective_{count}", group, tuple(mine))
         out = out[:lo] + before + [unit] + after + out[hi + 1 :]
     return out
+
+
+def _one_pass(unit: FusedCollective) -> OnePass | None:
+    """The unit's ``OnePass`` form: its steps are Start(rs), Compute*, Wait(rs), Compute*,
+    Kernel (reading the reduce_scatter), Start(ag of a kernel output), Wait(ag), with both
+    collectives along dim 0 and over one axis."""
+    starts = [s for s in unit.steps if isinstance(s, Start)]
+    kernels = unit.kernels
+    if len(starts) != 2 or len(kernels) != 1:
+        return None
+    rs, ag = starts[0].node, starts[1].node
+    (kernel,) = kernels
+    if rs.op is not Op.REDUCE_SCATTER or ag.op is not Op.ALL_GATHER:
+        return None
+    if rs.type.layout.dim != 0 or ag.inputs[0].type.layout.dim != 0:
+        return None
+    if rs.attr("axis") != ag.attr("axis"):
+        return None
+    made = {n.name for n in kernel.outputs}
+    if rs not in kernel.inputs or ag.inputs[0].name not in made:
+        return None
+    order = [type(s) for s in unit.steps]
+    k = order.index(Kernel)
+    if order[k + 1 :] != [Start, Wait] or not all(
+        isinstance(s, (Start, Compute)) or (isinstance(s, Wait) and s.node is rs)
+        for s in unit.steps[:k]
+    ):
+        return None
+    scalars = tuple(s for s in unit.steps[:k] if isinstance(s, Compute))
+    return OnePass(rs, kernel, ag, scalars)
 
 
 def _belongs(step: Step, group: Group, members: set[str]) -> bool:

@@ -388,6 +388,84 @@ class Communicator:
 
         return Work(op.value, label, axis, self._guard(op.value, label, axis, begin))
 
+    # -- a fused collective as one pass over shared memory (coconet.codegen.plan.OnePass) ------
+
+    def fused_reduce_scatter_start(
+        self,
+        x: torch.Tensor,
+        *,
+        axis: str | None,
+        gather_shape: Sequence[int],
+        gather_dtype: torch.dtype,
+        gather_parts: Sequence[int],
+        label: str,
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(every peer's rows of this rank's slice of ``x``, this rank's slot of the gather):
+        what generated code calls to open a one-pass fused collective (shared memory only)."""
+        transport, group = self._shared_memory(axis, label)
+        return self._guard(
+            "reduce_scatter",
+            label,
+            axis,
+            lambda: transport.fused_reduce_scatter(
+                x,
+                group,
+                gather_shape=gather_shape,
+                gather_dtype=gather_dtype,
+                gather_parts=gather_parts,
+            ),
+        )
+
+    def fused_all_gather_finish(
+        self,
+        *,
+        axis: str | None,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        parts: Sequence[int],
+        label: str,
+    ) -> torch.Tensor:
+        """The gathered result of a one-pass fused collective, once every slot is written."""
+        transport, group = self._shared_memory(axis, label)
+        return self._guard(
+            "all_gather",
+            label,
+            axis,
+            lambda: transport.fused_all_gather(group, shape=shape, dtype=dtype, parts=parts),
+        )
+
+    def symmetric_tensor(
+        self, shape: Sequence[int], dtype: torch.dtype, *, axis: str | None = None
+    ) -> torch.Tensor:
+        """A tensor for a collective's input along ``axis`` that every peer maps, so the
+        collective reads it in place instead of copying it in (as DDP's gradient buckets are
+        views into what its all_reduce reads). Collective over the group: every rank calls it
+        at the same point, with the same shape. Off shared memory it is an ordinary tensor.
+
+        Its content is the caller's: a collective that reads it may return before a peer has
+        finished reading it only when the step's own structure guarantees the peer is done
+        (shared memory waits for that)."""
+        transport, group = self.route(axis)
+        if transport is not self.shm:
+            return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        return self._guard(
+            "symmetric memory",
+            f"a {tuple(shape)} {dtype} buffer",
+            axis,
+            lambda: self.shm.symmetric_tensor(group, shape, dtype),
+        )
+
+    def _shared_memory(self, axis: str | None, label: str) -> tuple[SharedMemoryTransport, Group]:
+        transport, group = self.route(axis)
+        if transport is not self.shm:
+            raise ConfigError(
+                f"{label}: the step was compiled for shared memory along axis {axis!r}, but "
+                f"this communicator runs it on {transport.kind.value}",
+                op="fused collective",
+                hint="compile the step with the communicator that runs it (comm=...)",
+            )
+        return self.shm, group
+
     # -- algorithm choice -----------------------------------------------------------------------
 
     def _algorithm(self, op: Op, nbytes: int, group: Group) -> Algorithm:

@@ -55,6 +55,36 @@ class ShmGroup:
         self.epoch = 0
         self.mem: SymmetricMemory | None = None
         self.area = 0  # bytes of each of the input and output areas
+        # tensors that live in symmetric memory of their own (a gradient bucket): data pointer ->
+        # (their memory, numel, dtype); a collective reads the peers' copies in place
+        self.registered: dict[int, tuple[SymmetricMemory, int, torch.dtype]] = {}
+
+    def register(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` in symmetric memory of its own, mapped by every peer.
+        Collective: every rank of the group calls it at the same point."""
+        numel = _numel(shape)
+        nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
+        mem = SymmetricMemory(
+            nbytes,
+            self.index,
+            self.size,
+            self.gather,
+            timeout=self.timeout,
+            cache_dir=self.cache_dir,
+        )
+        t = mem.buffer(self.index, dtype, numel).view(tuple(shape))
+        self.registered[t.data_ptr()] = (mem, numel, dtype)
+        return t
+
+    def peer_views(self, x: torch.Tensor) -> Callable[[int], torch.Tensor] | None:
+        """For a registered tensor ``x`` (the whole of it): peer j's copy of it, by j."""
+        entry = self.registered.get(x.data_ptr())
+        if entry is None or not x.is_contiguous():
+            return None
+        mem, numel, dtype = entry
+        if x.numel() != numel or x.dtype != dtype:
+            return None
+        return lambda j: mem.buffer(j, dtype, numel).view(x.shape)
 
     def begin(self, nbytes: int) -> tuple[SymmetricMemory, int]:
         """Start the next epoch for a collective that needs ``nbytes`` per area: (memory, epoch).
@@ -93,6 +123,9 @@ class ShmGroup:
         if self.mem is not None:
             self.mem.close()
             self.mem = None
+        for mem, _, _ in self.registered.values():
+            mem.close()
+        self.registered = {}
 
 
 def _accumulate(parts: Sequence[torch.Tensor], op: ReduceOp, dtype: torch.dtype) -> torch.Tensor:
@@ -119,12 +152,18 @@ class SharedMemoryTransport:
         n, i = st.size, st.index
         item = flat.element_size()
         mem, e = st.begin(flat.numel() * item)
-        mem.buffer(i, flat.dtype, flat.numel()).copy_(flat)
+        peer = st.peer_views(flat)
+        if peer is None:  # not in symmetric memory of its own: copy it in
+            mem.buffer(i, flat.dtype, flat.numel()).copy_(flat)
+
+            def peer(j):
+                return mem.buffer(j, flat.dtype, flat.numel())
+
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
         bounds = [slice_bounds(flat.numel(), n, r) for r in range(n)]
         lo, hi = bounds[i]
-        mine = [mem.buffer(j, flat.dtype, flat.numel())[lo:hi] for j in range(n)]
+        mine = [peer(j)[lo:hi] for j in range(n)]
         mem.buffer(i, flat.dtype, flat.numel(), st.area)[lo:hi].copy_(
             _accumulate(mine, reduce_op, flat.dtype)
         )
@@ -145,13 +184,23 @@ class SharedMemoryTransport:
         x0 = x.movedim(dim, 0).contiguous()
         n, i = st.size, st.index
         mem, e = st.begin(x0.numel() * x0.element_size())
-        mem.buffer(i, x0.dtype, x0.numel()).view(x0.shape).copy_(x0)
+        peer = st.peer_views(x0)
+        registered = peer is not None
+        if peer is None:  # not in symmetric memory of its own: copy it in
+            mem.buffer(i, x0.dtype, x0.numel()).view(x0.shape).copy_(x0)
+
+            def peer(j):
+                return mem.buffer(j, x0.dtype, x0.numel()).view(x0.shape)
+
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
         lo, hi = slice_bounds(x0.shape[0], n, i)
-        mine = [mem.buffer(j, x0.dtype, x0.numel()).view(x0.shape)[lo:hi] for j in range(n)]
+        mine = [peer(j)[lo:hi] for j in range(n)]
         out = _accumulate(mine, reduce_op, x0.dtype)  # a new tensor, never the segment itself
         mem.post(Phase.CONSUMED, e)
+        if registered:
+            # the caller may overwrite x as soon as this returns: the peers must be done with it
+            mem.wait(Phase.CONSUMED, e)
         return ready(out.movedim(0, dim))
 
     def all_gather(self, x, group: Group, *, dim: int, parts: Sequence[int]) -> Pending:
@@ -204,6 +253,71 @@ class SharedMemoryTransport:
         mem.post(Phase.CONSUMED, e)
         return ready(out.view(x.shape))
 
+    # -- a fused collective as one pass (coconet.codegen.plan.OnePass) -------------------------
+
+    def fused_reduce_scatter(
+        self,
+        x: torch.Tensor,
+        group: Group,
+        *,
+        gather_shape: Sequence[int],
+        gather_dtype: torch.dtype,
+        gather_parts: Sequence[int],
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Open the unit's epoch: publish ``x`` (dim 0 is scattered) and return every peer's
+        rows of this rank's slice, in rank order (the fused kernel reduces them itself), and this
+        rank's slot of the gather's output area (the kernel writes its result there). An ``x``
+        that lives in symmetric memory of its own (``register``) is read in place."""
+        st: ShmGroup = group.handle
+        x0 = x.contiguous()
+        n, i = st.size, st.index
+        out_numel = _numel(gather_shape)
+        out_bytes = out_numel * torch.empty((), dtype=gather_dtype).element_size()
+        mem, e = st.begin(max(x0.numel() * x0.element_size(), out_bytes))
+        peer = st.peer_views(x0)
+        if peer is None:  # not in symmetric memory of its own: copy it in
+            mem.buffer(i, x0.dtype, x0.numel()).view(x0.shape).copy_(x0)
+
+            def peer(j):
+                return mem.buffer(j, x0.dtype, x0.numel()).view(x0.shape)
+
+        mem.post(Phase.READY, e)
+        mem.wait(Phase.READY, e)
+        lo, hi = slice_bounds(x0.shape[0], n, i)
+        # the peers' rows stay valid until the gather: every rank reads them before it posts
+        # REDUCED, and a rank leaves the unit only when every peer has posted REDUCED
+        peers = [peer(j)[lo:hi] for j in range(n)]
+        start = sum(gather_parts[:i])
+        slot = mem.buffer(i, gather_dtype, out_numel, st.area).view(tuple(gather_shape))
+        return peers, slot[start : start + gather_parts[i]]
+
+    def fused_all_gather(
+        self, group: Group, *, shape: Sequence[int], dtype: torch.dtype, parts: Sequence[int]
+    ) -> torch.Tensor:
+        """Close the unit's epoch: every rank's slot is written; gather them."""
+        st: ShmGroup = group.handle
+        mem, e = st.mem, st.epoch
+        mem.post(Phase.REDUCED, e)
+        mem.wait(Phase.REDUCED, e)
+        shape = tuple(shape)
+        numel = _numel(shape)
+        out = torch.empty(shape, dtype=dtype)
+        start = 0
+        for j, rows in enumerate(parts):
+            area = mem.buffer(j, dtype, numel, st.area).view(shape)
+            out[start : start + rows].copy_(area[start : start + rows])
+            start += rows
+        mem.post(Phase.CONSUMED, e)
+        return out
+
+    def symmetric_tensor(
+        self, group: Group, shape: Sequence[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A tensor every peer maps (collective over the group): pass it to a collective and it is
+        read in place, not copied in."""
+        st: ShmGroup = group.handle
+        return st.register(shape, dtype)
+
     def send(self, x, group: Group) -> Pending:
         """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros."""
         st: ShmGroup = group.handle
@@ -219,6 +333,13 @@ class SharedMemoryTransport:
             out = torch.zeros_like(flat)
         mem.post(Phase.CONSUMED, e)
         return ready(out.view(x.shape))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
 
 
 def _row_numel(shape: Sequence[int]) -> int:

@@ -18,6 +18,7 @@ marked broken, because its collectives may no longer line up across ranks.
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from coconet.codegen.kernels import KernelSet
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
+from coconet.ir.opspec import Prop, spec
 from coconet.ir.program import Program
 from coconet.ir.types import format_shape
 from coconet.options import CompileOptions
@@ -94,6 +96,35 @@ class CompiledStep:
             ("device", self.device),
             ("coconet", __version__),
             ("collective algorithms", repr(comm.options.algorithms)),
+        )
+
+    def input_buffer(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """A tensor to pass as input ``name`` that lives where the step's collective reads it
+        (symmetric memory over shared memory), so that nothing is copied in: write the gradient
+        into it (``param.grad`` as a view of it) and pass it at every step. Collective: every
+        rank calls it at the same point with its own ``shape``. An ordinary tensor passed
+        instead is copied in; where the transport has no shared memory this is an ordinary
+        tensor too."""
+        comm = self._communicator()
+        node = self.program.input(name)
+        readers = [u for u in self.program.users()[node.name] if spec(u.op).has(Prop.COMMUNICATES)]
+        if not readers:
+            raise ConfigError(
+                f"input {name!r} of {self.program.name} is not read by a collective: it has "
+                "nothing to gain from symmetric memory",
+                op=f"{self.program.name} input_buffer",
+                hint="ask for the buffer of an input that a reduce_scatter or all_reduce reads "
+                "(the gradient)",
+            )
+        if len(shape) != node.type.rank:
+            raise ConfigError(
+                f"input {name!r} has rank {node.type.rank}, shape {tuple(shape)} has "
+                f"{len(shape)} dims",
+                op=f"{self.program.name} input_buffer",
+                hint=f"pass this rank's shape of {name!r}, e.g. tuple(grad.shape)",
+            )
+        return comm.symmetric_tensor(
+            tuple(int(s) for s in shape), node.type.dtype.torch, axis=readers[0].attr("axis")
         )
 
     def show(self) -> str:
