@@ -51,8 +51,10 @@ NOTE_CORES = (
 )
 # An extra coconet variant: the per-step safety checks off (fixed shapes, no commit vote), to show
 # what they cost. Not a baseline: coconet's defaults are the ones timed under the plain names.
-LEAN = "[lean]"
-LEAN_OPTIONS = {"check_every_step": False, "commit_vote": False}
+LEAN = "[lean]"  # no per-step shape check and no commit vote: the guarantee's price, measured
+LEAN_OPTIONS = {"check_every_step": False, "commit_vote": False, "commit": "swap"}
+SWAP = "[swap]"  # every check and the vote; state committed by taking the new storage, no copy
+SWAP_OPTIONS = {"commit": "swap"}
 SHM, GLOO = "[shm]", "[gloo]"  # coconet's transport: shared memory (one host) or gloo
 RTOL = 1e-5  # an element is an outlier beyond RTOL * max|reference param| (see is_correct)
 
@@ -303,18 +305,19 @@ def worker(comm, cfg: dict) -> dict:
                 contenders.append(
                     Coconet(f"{name}{transport}", target, on_comm, p0, hp, cfg["cache_dir"])
                 )
-            if f"{name}{transport}{LEAN}" in wanted:
-                contenders.append(
-                    Coconet(
-                        f"{name}{transport}{LEAN}",
-                        target,
-                        on_comm,
-                        p0,
-                        hp,
-                        cfg["cache_dir"],
-                        **LEAN_OPTIONS,
+            for suffix, options in ((SWAP, SWAP_OPTIONS), (LEAN, LEAN_OPTIONS)):
+                if f"{name}{transport}{suffix}" in wanted:
+                    contenders.append(
+                        Coconet(
+                            f"{name}{transport}{suffix}",
+                            target,
+                            on_comm,
+                            p0,
+                            hp,
+                            cfg["cache_dir"],
+                            **options,
+                        )
                     )
-                )
     names = [c.name for c in contenders]
 
     rounds = 1 + cfg["warmup"] + cfg["steps"]
@@ -647,6 +650,7 @@ ALL = [
     f"coconet:AR_C{SHM}",
     f"coconet:RS_C_AG{SHM}",
     f"coconet:fuse_RS_C_AG{SHM}",
+    f"coconet:fuse_RS_C_AG{SHM}{SWAP}",
     f"coconet:AR_C{SHM}{LEAN}",
     f"coconet:fuse_RS_C_AG{SHM}{LEAN}",
 ]

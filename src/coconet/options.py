@@ -4,6 +4,7 @@ it, and nothing is read from the environment instead)."""
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -11,7 +12,17 @@ from pathlib import Path
 
 from coconet.errors import CompileOptionError
 
-__all__ = ["CompileOptions"]
+__all__ = ["CommitMode", "CompileOptions"]
+
+
+class CommitMode(str, enum.Enum):
+    """How a step's updates reach the caller's tensors, once every rank has succeeded."""
+
+    COPY = "copy"  # copied into the caller's tensors (views of them see the new values)
+    # The caller's tensor takes the new value's storage (``Tensor.set_``): no copy. Only for
+    # whole tensors that nothing else views (optimizer state the caller owns): a view made
+    # before the step keeps the old values. Others are copied.
+    SWAP = "swap"
 
 
 @dataclass(frozen=True)
@@ -30,7 +41,9 @@ class CompileOptions:
       everywhere (one tiny all_reduce), so that no rank commits a step that failed elsewhere;
     - ``donate``: names of inputs the step may overwrite, as DDP does with gradients: a donated
       input read only by a collective is reduced in place instead of on a copy. Its content is
-      undefined after the step, even after a failed one (the other inputs stay untouched).
+      undefined after the step, even after a failed one (the other inputs stay untouched);
+    - ``commit``: how updates reach the caller's tensors (``CommitMode``): ``COPY`` (default) or
+      ``SWAP`` (state tensors the caller owns take the new values' storage: no copy).
 
     Every field is checked when the options are made (a ``CompileOptionError``); the donated
     names are checked against the program's inputs by ``compile``.
@@ -42,8 +55,17 @@ class CompileOptions:
     check_every_step: bool = True
     commit_vote: bool = True
     donate: tuple[str, ...] = ()
+    commit: CommitMode = CommitMode.COPY
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "commit", CommitMode(self.commit))
+        except ValueError:
+            raise CompileOptionError(
+                f"unknown commit mode {self.commit!r}",
+                op="CompileOptions",
+                hint=f"commit is one of {[m.value for m in CommitMode]}",
+            ) from None
         for flag in ("fused_kernels", "check_every_step", "commit_vote"):
             value = getattr(self, flag)
             if not isinstance(value, bool):

@@ -303,7 +303,12 @@ class _Emitter:
             lines += _call(target, f"kernels.{k.name}", args)
         else:  # everything the kernel computes goes to the gather's slot
             lines += _call("_", f"kernels.{k.name}", args)
-        lines += [self.comment(ag)]
+        # Read only by updates: the gather stays in the peers' slots and the commit copies it
+        # straight into the caller's tensor (the gather is the commit).
+        published = ag.name not in {n.name for n in self.program.outputs} and all(
+            u.op is Op.UPDATE for u in self.program.users()[ag.name]
+        )
+        lines += [self.comment(ag) + ("  (published: the commit copies it)" if published else "")]
         lines += _call(
             self.var[ag.name],
             "comm.fused_all_gather_finish",
@@ -313,6 +318,7 @@ class _Emitter:
                 f"dtype={dtype}",
                 f"parts={_env_ref(ag, 'parts')}",
                 f"label={ag.name!r}",
+                *(["published=True"] if published else []),
             ],
         )
         return lines + [f"# end of {unit.name}"]

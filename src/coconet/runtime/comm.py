@@ -43,6 +43,7 @@ from coconet.runtime.transport import (
     AlgorithmPolicy,
     Group,
     Pending,
+    Published,
     Transport,
     TransportKind,
     TransportPolicy,
@@ -424,14 +425,18 @@ class Communicator:
         dtype: torch.dtype,
         parts: Sequence[int],
         label: str,
-    ) -> torch.Tensor:
-        """The gathered result of a one-pass fused collective, once every slot is written."""
+        published: bool = False,
+    ) -> torch.Tensor | Published:
+        """The gathered result of a one-pass fused collective, once every slot is written
+        (``published``: left in the peers' slots for the commit to copy, see ``Published``)."""
         transport, group = self._shared_memory(axis, label)
         return self._guard(
             "all_gather",
             label,
             axis,
-            lambda: transport.fused_all_gather(group, shape=shape, dtype=dtype, parts=parts),
+            lambda: transport.fused_all_gather(
+                group, shape=shape, dtype=dtype, parts=parts, published=published
+            ),
         )
 
     def symmetric_tensor(

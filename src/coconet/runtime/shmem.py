@@ -32,7 +32,14 @@ from coconet.ir import semantics
 from coconet.ir.ops import Op, ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.runtime.symmem import Phase, SymmetricMemory
-from coconet.runtime.transport import Algorithm, Group, Pending, TransportKind, ready
+from coconet.runtime.transport import (
+    Algorithm,
+    Group,
+    Pending,
+    Published,
+    TransportKind,
+    ready,
+)
 
 __all__ = ["ShmGroup", "SharedMemoryTransport"]
 
@@ -292,23 +299,29 @@ class SharedMemoryTransport:
         return peers, slot[start : start + gather_parts[i]]
 
     def fused_all_gather(
-        self, group: Group, *, shape: Sequence[int], dtype: torch.dtype, parts: Sequence[int]
-    ) -> torch.Tensor:
-        """Close the unit's epoch: every rank's slot is written; gather them."""
+        self,
+        group: Group,
+        *,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        parts: Sequence[int],
+        published: bool = False,
+    ) -> torch.Tensor | Published:
+        """Close the unit's epoch: every rank's slot is written; gather them. With
+        ``published``, the slots stay where they are (a ``Published``) until the commit copies
+        them into the caller's tensor, and the epoch ends then."""
         st: ShmGroup = group.handle
         mem, e = st.mem, st.epoch
         mem.post(Phase.REDUCED, e)
         mem.wait(Phase.REDUCED, e)
         shape = tuple(shape)
         numel = _numel(shape)
-        out = torch.empty(shape, dtype=dtype)
-        start = 0
+        pieces, start = [], 0
         for j, rows in enumerate(parts):
-            area = mem.buffer(j, dtype, numel, st.area).view(shape)
-            out[start : start + rows].copy_(area[start : start + rows])
+            pieces.append(mem.buffer(j, dtype, numel, st.area).view(shape)[start : start + rows])
             start += rows
-        mem.post(Phase.CONSUMED, e)
-        return out
+        result = Published(pieces, lambda: mem.post(Phase.CONSUMED, e), shape, dtype)
+        return result if published else result.materialize()
 
     def symmetric_tensor(
         self, group: Group, shape: Sequence[int], dtype: torch.dtype

@@ -32,9 +32,10 @@ from coconet.ir.node import Node
 from coconet.ir.opspec import Prop, spec
 from coconet.ir.program import Program
 from coconet.ir.types import format_shape
-from coconet.options import CompileOptions
+from coconet.options import CommitMode, CompileOptions
 from coconet.runtime import handshake
 from coconet.runtime.comm import Communicator
+from coconet.runtime.transport import Published
 from coconet.version import __version__
 
 __all__ = ["CompiledStep"]
@@ -261,12 +262,39 @@ class CompiledStep:
             if isinstance(v, torch.Tensor) and v.numel()
         }
 
-        def own(t: torch.Tensor) -> torch.Tensor:
+        def own(t: torch.Tensor | Published) -> torch.Tensor | Published:
+            if isinstance(t, Published):  # in the peers' memory, never in an input
+                return t
             return t.clone() if t.numel() and t.untyped_storage().data_ptr() in held else t
 
         outputs = {k: own(v) for k, v in outputs.items()}
         updates = {k: own(v) for k, v in updates.items()}
+        swap = self.options.commit is CommitMode.SWAP
         with torch.no_grad():
             for name, value in updates.items():
-                given[name].copy_(value)
+                target = given[name]
+                if isinstance(value, Published):
+                    value.copy_into(target)  # the gather lands in the caller's tensor once
+                elif swap and _swappable(target, value):
+                    target.set_(value)  # the new values' storage: no copy
+                else:
+                    target.copy_(value)
         return outputs
+
+
+def _swappable(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``target`` can take ``value``'s storage (``CommitMode.SWAP``) instead of a copy:
+    a whole tensor of its own (not a view, no autograd) and a fresh value of the same kind."""
+    return (
+        target._base is None
+        and not target.requires_grad
+        and target.is_contiguous()
+        and value.is_contiguous()
+        and value._base is None
+        and value.shape == target.shape
+        and value.dtype == target.dtype
+        and value.device == target.device
+        and target.storage_offset() == 0
+        and value.storage_offset() == 0
+        and target.untyped_storage().nbytes() == target.numel() * target.element_size()
+    )

@@ -38,6 +38,7 @@ __all__ = [
     "AlgorithmPolicy",
     "Group",
     "Pending",
+    "Published",
     "Transport",
     "TransportKind",
     "TransportPolicy",
@@ -109,6 +110,39 @@ class Pending:
         for w in self.works:
             w.wait()
         return self.finish()
+
+
+class Published:
+    """A gathered result that stays where the peers published it until the step commits: the
+    commit copies it straight into the caller's tensor (``copy_into``), so the gather costs no
+    pass of its own. ``release`` tells the peers this rank is done reading."""
+
+    def __init__(
+        self,
+        pieces: list[torch.Tensor],
+        release: Callable[[], None],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> None:
+        self.pieces, self._release = pieces, release  # row blocks, in order, along dim 0
+        self.shape, self.dtype = shape, dtype
+
+    def copy_into(self, target: torch.Tensor) -> None:
+        start = 0
+        for piece in self.pieces:
+            target[start : start + piece.shape[0]].copy_(piece)
+            start += piece.shape[0]
+        self.release()
+
+    def materialize(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.copy_into(out)
+        return out
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
 
 
 def ready(value: torch.Tensor) -> Pending:
