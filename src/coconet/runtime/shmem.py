@@ -135,9 +135,32 @@ class ShmGroup:
         self.registered = {}
 
 
-def _accumulate(parts: Sequence[torch.Tensor], op: ReduceOp, dtype: torch.dtype) -> torch.Tensor:
-    """``parts`` reduced in rank order, as the simulator does (16-bit floats in float32)."""
-    return semantics.reduce_values(op, parts).to(dtype)
+_INTO = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.PROD: torch.mul,
+}
+
+
+def _accumulate(
+    parts: Sequence[torch.Tensor], op: ReduceOp, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``parts`` reduced in rank order into ``out`` (a new tensor by default), as the simulator's
+    ``semantics.reduce_values`` does: ((p0 . p1) . p2) ..., 16-bit floats in float32. Full-width
+    dtypes reduce straight into ``out``: one pass, no temporary."""
+    if dtype in (torch.float16, torch.bfloat16) or len(parts) == 1:
+        total = semantics.reduce_values(op, parts)
+        if out is None:
+            return total
+        return out.copy_(total)
+    if out is None:
+        out = torch.empty_like(parts[0])
+    combine = _INTO[op]
+    combine(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        combine(out, p, out=out)
+    return out
 
 
 class SharedMemoryTransport:
@@ -171,9 +194,8 @@ class SharedMemoryTransport:
         bounds = [slice_bounds(flat.numel(), n, r) for r in range(n)]
         lo, hi = bounds[i]
         mine = [peer(j)[lo:hi] for j in range(n)]
-        mem.buffer(i, flat.dtype, flat.numel(), st.area)[lo:hi].copy_(
-            _accumulate(mine, reduce_op, flat.dtype)
-        )
+        slot = mem.buffer(i, flat.dtype, flat.numel(), st.area)[lo:hi]
+        _accumulate(mine, reduce_op, flat.dtype, out=slot)
         mem.post(Phase.REDUCED, e)
         mem.wait(Phase.REDUCED, e)
         # A donated input (a gradient reduced in place, as DDP does) receives the result: its
