@@ -83,6 +83,18 @@ class ShmGroup:
         self.registered[t.data_ptr()] = (mem, numel, dtype)
         return t
 
+    def publish(
+        self, mem: SymmetricMemory, x: torch.Tensor
+    ) -> tuple[Callable[[int], torch.Tensor], bool]:
+        """Make contiguous ``x`` readable by the peers for this epoch: (peer j's copy of it, by
+        j; whether it lives in symmetric memory of its own). A registered tensor is read in
+        place; any other is copied into this rank's input area."""
+        peer = self.peer_views(x)
+        if peer is not None:
+            return peer, True
+        mem.buffer(self.index, x.dtype, x.numel()).view(x.shape).copy_(x)
+        return (lambda j: mem.buffer(j, x.dtype, x.numel()).view(x.shape)), False
+
     def peer_views(self, x: torch.Tensor) -> Callable[[int], torch.Tensor] | None:
         """For a registered tensor ``x`` (the whole of it): peer j's copy of it, by j."""
         entry = self.registered.get(x.data_ptr())
@@ -182,13 +194,7 @@ class SharedMemoryTransport:
         n, i = st.size, st.index
         item = flat.element_size()
         mem, e = st.begin(flat.numel() * item)
-        peer = st.peer_views(flat)
-        if peer is None:  # not in symmetric memory of its own: copy it in
-            mem.buffer(i, flat.dtype, flat.numel()).copy_(flat)
-
-            def peer(j):
-                return mem.buffer(j, flat.dtype, flat.numel())
-
+        peer, _ = st.publish(mem, flat)
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
         bounds = [slice_bounds(flat.numel(), n, r) for r in range(n)]
@@ -213,14 +219,7 @@ class SharedMemoryTransport:
         x0 = x.movedim(dim, 0).contiguous()
         n, i = st.size, st.index
         mem, e = st.begin(x0.numel() * x0.element_size())
-        peer = st.peer_views(x0)
-        registered = peer is not None
-        if peer is None:  # not in symmetric memory of its own: copy it in
-            mem.buffer(i, x0.dtype, x0.numel()).view(x0.shape).copy_(x0)
-
-            def peer(j):
-                return mem.buffer(j, x0.dtype, x0.numel()).view(x0.shape)
-
+        peer, registered = st.publish(mem, x0)
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
         lo, hi = slice_bounds(x0.shape[0], n, i)
@@ -303,13 +302,7 @@ class SharedMemoryTransport:
         out_numel = _numel(gather_shape)
         out_bytes = out_numel * torch.empty((), dtype=gather_dtype).element_size()
         mem, e = st.begin(max(x0.numel() * x0.element_size(), out_bytes))
-        peer = st.peer_views(x0)
-        if peer is None:  # not in symmetric memory of its own: copy it in
-            mem.buffer(i, x0.dtype, x0.numel()).view(x0.shape).copy_(x0)
-
-            def peer(j):
-                return mem.buffer(j, x0.dtype, x0.numel()).view(x0.shape)
-
+        peer, _ = st.publish(mem, x0)
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
         lo, hi = slice_bounds(x0.shape[0], n, i)
