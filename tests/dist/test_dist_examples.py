@@ -3,6 +3,7 @@ program.
 
 - 2 ranks: the optimizers and the tensor-parallel layer, even and uneven sizes (12, 7), in
   float32, bfloat16 and float16;
+- 3 ranks (on 2 cores): the optimizers and the layer in float32, uneven slices everywhere;
 - 4 ranks: the same in float32, then the pipeline example on a 2x2 mesh (pp x tp sub-groups) and
   a program using every mesh axis.
 
@@ -51,6 +52,22 @@ def two_ranks():
 
 
 @pytest.fixture(scope="module")
+def three_ranks():
+    """3 ranks on 2 cores, over shared memory: every example x schedule in float32 (uneven
+    slices everywhere: 12 and 7 rows over 3 ranks)."""
+    names = dist_workers.OPTIMIZERS + dist_workers.LAYERS
+    return spawn(
+        dist_workers.run_examples,
+        3,
+        names,
+        SIZES,
+        ["float32"],
+        options=CommOptions(timeout=60),
+        timeout=250,
+    )[0]
+
+
+@pytest.fixture(scope="module")
 def four_ranks():
     return spawn(
         dist_workers.run_world_and_mesh,
@@ -87,6 +104,15 @@ def test_two_ranks(two_ranks, name, schedule):
     _assert_rows(two_ranks, name, schedule)
     dtypes = {r["dtype"] for r in two_ranks if r["example"] == name}
     assert dtypes == set(DTYPES)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("name", "schedule"), _cases(dist_workers.OPTIMIZERS + dist_workers.LAYERS)
+)
+def test_three_ranks(three_ranks, name, schedule):
+    _assert_rows(three_ranks, name, schedule)
+    assert {r["world"] for r in three_ranks} == {"Mesh(world=3)"}
 
 
 @pytest.mark.timeout(300)

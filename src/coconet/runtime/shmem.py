@@ -237,7 +237,7 @@ class SharedMemoryTransport:
         n, i = st.size, st.index
         rows = sum(parts)
         shape = (rows, *x0.shape[1:])
-        numel = rows * _row_numel(shape)
+        numel = _numel(shape)
         starts = [sum(parts[:r]) for r in range(n)]
         mem, e = st.begin(numel * x0.element_size())
         mem.buffer(i, x0.dtype, numel).view(shape)[starts[i] : starts[i] + parts[i]].copy_(x0)
@@ -366,13 +366,6 @@ class SharedMemoryTransport:
 def _numel(shape: Sequence[int]) -> int:
     out = 1
     for s in shape:
-        out *= s
-    return out
-
-
-def _row_numel(shape: Sequence[int]) -> int:
-    out = 1
-    for s in shape[1:]:
         out *= s
     return out
 

@@ -45,8 +45,8 @@ class Phase(enum.IntEnum):
 
     READY = 1  # my input (or my slice for a gather) is in my segment for this epoch
     REDUCED = 2  # my reduced slice is in my segment's output area
-    CONSUMED = 3  # I finished reading the peers' segments for this epoch
-    COMMITTED = 4  # a fused collective's results are published and may be committed
+    CONSUMED = 3  # I finished reading the peers' segments for this epoch (and my published
+    # gather slots may be overwritten: for a published gather, posted after the commit)
 
 
 SIGNAL_BYTES = _LINE * (max(Phase) + 1)  # header line + one line per phase
