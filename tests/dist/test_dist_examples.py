@@ -1,4 +1,5 @@
-"""Every example x every named schedule, run on gloo ranks, equals the simulator's unscheduled
+"""Every example x every named schedule, run on local ranks (over shared memory, the default
+transport on one host; gloo for the native-algorithm rows), equals the simulator's unscheduled
 program.
 
 - 2 ranks: the optimizers and the tensor-parallel layer, even and uneven sizes (12, 7), in
