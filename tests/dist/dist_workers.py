@@ -229,12 +229,13 @@ def _step_expecting_fault(step, mine: dict) -> dict:
         )
 
 
-def fault_peer_dies(comm: Communicator, victim: int, where: str) -> dict:
+def fault_peer_dies(comm: Communicator, victim: int, where: str, commit: str = "copy") -> dict:
     """``victim`` kills itself at ``where`` ("all_gather": mid-step, between the reduce_scatter
     and the all_gather; "commit": after every collective, before the commit vote). The others
-    must get a RuntimeFault quickly and keep their tensors as they were."""
+    must get a RuntimeFault quickly and keep their tensors as they were (``commit``: the
+    CommitMode the step is compiled with)."""
     schedule, mine = _adam_case(comm)
-    step = cc.compile(schedule, comm=comm, fused_kernels=False)
+    step = cc.compile(schedule, comm=comm, fused_kernels=False, commit=commit)
     step(**mine)  # one good step first: the fault happens on a warm, agreed program
     if comm.rank == victim:
         if where == "all_gather":  # (over shared memory, a one-pass unit's gather)

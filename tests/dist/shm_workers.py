@@ -258,3 +258,37 @@ def registered_gradient(comm: Communicator, size: int, steps: int) -> dict:
             "in_symmetric_memory": buffer.data_ptr() in comm.route(None)[1].handle.registered,
         }
     return out
+
+
+def swap_commit(comm: Communicator, size: int) -> dict:
+    """Adam's fuse_RS_C_AG committed by swapping storage gives bit for bit what the copying
+    commit gives; the state tensors are the same Python objects with new storage, while the
+    parameters (a published gather) are written in place."""
+    from examples_loader import load_example
+
+    mod = load_example("adam")
+    program = mod.program()
+    sched = mod.SCHEDULES["fuse_RS_C_AG"](program)
+    out = {}
+    for commit in ("copy", "swap"):
+        step = cc.compile(sched, comm=comm, fused_kernels=False, commit=commit)
+        full = mod.make_inputs(comm.world, size, seed=4, step=1)
+        mine = rank_inputs(sched.program, full, comm.mesh, comm.rank)
+        m_object, m_ptr, p_ptr = mine["m"], mine["m"].data_ptr(), mine["p"].data_ptr()
+        for k in range(3):
+            mine["step"] = float(k + 1)
+            mine["g"] = _value(k, comm.rank, (size,), torch.float32)
+            step(**mine)
+        out[commit] = {
+            "state": {k: mine[k].clone() for k in ("p", "m", "v")},
+            "same_object": mine["m"] is m_object,
+            "m_moved": mine["m"].data_ptr() != m_ptr,
+            "p_in_place": mine["p"].data_ptr() == p_ptr,
+        }
+    return {
+        "equal": all(
+            torch.equal(out["copy"]["state"][k], out["swap"]["state"][k]) for k in ("p", "m", "v")
+        ),
+        "copy": {k: v for k, v in out["copy"].items() if k != "state"},
+        "swap": {k: v for k, v in out["swap"].items() if k != "state"},
+    }

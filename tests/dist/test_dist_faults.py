@@ -50,6 +50,25 @@ def test_peer_killed_mid_step(where, transport):
 
 
 @pytest.mark.timeout(60)
+def test_peer_killed_before_a_swapping_commit():
+    """CommitMode.SWAP keeps the guarantee: a vote that fails leaves state as it was."""
+    results = spawn(
+        dist_workers.fault_peer_dies,
+        2,
+        1,
+        "commit",
+        "swap",
+        options=OPTIONS,
+        timeout=50,
+        failures="return",
+    )
+    survivor, victim = results
+    assert isinstance(victim, RankFailure) and victim.exit_code == -9
+    assert survivor["status"] == "fault" and "a peer rank died" in survivor["message"]
+    assert survivor["unchanged"], "the survivor committed part of a failed step"
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_stalled_peer_times_out(transport):
     options = CommOptions(timeout=1.5, algorithms="exact", transport=transport)

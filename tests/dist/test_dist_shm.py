@@ -155,3 +155,11 @@ def test_a_gradient_in_symmetric_memory_is_read_in_place(clean_host):
         for name, r in out.items():
             assert r["in_symmetric_memory"], name
             assert r["equal"], name
+
+
+@pytest.mark.timeout(90)
+def test_a_swapping_commit_equals_a_copying_one(clean_host):
+    for out in spawn(shm_workers.swap_commit, 2, 1001, options=OPTIONS, timeout=80):
+        assert out["equal"]
+        assert out["copy"] == {"same_object": True, "m_moved": False, "p_in_place": True}
+        assert out["swap"] == {"same_object": True, "m_moved": True, "p_in_place": True}
