@@ -217,6 +217,70 @@ class ShmAllReduce(Contender):
         return self.p.detach()
 
 
+class DeepSpeedShm(Contender):
+    """DeepSpeed's CPU shared-memory all_reduce (``deepspeed.comm.inference_all_reduce``) of the
+    gradient, then ``torch.optim.Adam(fused=True)``: the best published peer on one host. Only
+    when DeepSpeed is installed (the ``bench`` extra); see ``deepspeed_available``."""
+
+    name = "deepspeed_shm_all_reduce+adam_fused"
+
+    def __init__(self, p0: torch.Tensor, hp: dict) -> None:
+        import deepspeed.comm as ds
+
+        self.all_reduce = ds.inference_all_reduce
+        self.p = torch.nn.Parameter(p0.clone())
+        self.p.grad = torch.empty_like(self.p)
+        self.opt = torch.optim.Adam([self.p], **hp, fused=True)
+
+    def prepare(self, g):
+        self.p.grad.copy_(g)
+
+    def step(self, k, g):
+        self.all_reduce(self.p.grad)  # in place, float32 SUM
+        self.opt.step()
+
+    def param(self):
+        return self.p.detach()
+
+
+def deepspeed_available(world: int) -> str:
+    """Set DeepSpeed up over the existing process group: '' when its shared-memory all_reduce
+    runs, else why not (then the contender is left out, and the report says why).
+
+    DeepSpeed needs ``LOCAL_SIZE`` = the ranks on this host (else its ranks segfault) and falls
+    back to gloo silently when its op did not build or the CPU lacks the vector ISA: both are
+    checked here, so a row labelled DeepSpeed is DeepSpeed's shared memory."""
+    try:
+        import deepspeed.comm as ds
+    except ImportError:
+        return "DeepSpeed is not installed (pip install -e '.[bench]', see benchmarks/README.md)"
+    os.environ["LOCAL_SIZE"] = str(world)
+    ds.init_distributed(dist_backend="gloo", verbose=False)
+    cdb = ds.comm.cdb
+    op = getattr(cdb, "shm_comm_op", None)
+    if op is None or not hasattr(torch.ops, "deepspeed"):
+        return "DeepSpeed's shared-memory op did not build: it would fall back to gloo"
+    if not hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
+        return "DeepSpeed registered no inference_all_reduce_ op: it would fall back to gloo"
+    if getattr(cdb, "shm_vector_kernel_level", 0) < 1:
+        return "this CPU lacks the ISA DeepSpeed's float32 kernel needs: it would use gloo"
+    return ""
+
+
+def remove_deepspeed_segments() -> list[str]:
+    """DeepSpeed leaves its workspace in /dev/shm (one file per rank, never unlinked): remove
+    this job's, so the benchmark leaves nothing behind. Returns what was removed."""
+    prefix = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+        f"{os.environ.get('MASTER_PORT')}_"
+    )
+    removed = []
+    for path in Path("/dev/shm").glob(prefix + "*"):
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
 class CopyProbe(Contender):
     """A copy loop: the memory bandwidth each rank sees while the other rank runs too."""
 
@@ -289,6 +353,15 @@ def worker(comm, cfg: dict) -> dict:
     on = {SHM: comm, GLOO: gloo}
     if "shm_all_reduce+adam_fused" in wanted:
         contenders.append(ShmAllReduce(comm, p0, hp))
+    skipped: dict[str, str] = {}
+    if DEEPSPEED in wanted:
+        why = deepspeed_available(world)
+        if why:
+            skipped[DEEPSPEED] = why
+            if say:
+                say(f"{DEEPSPEED} left out: {why}")
+        else:
+            contenders.append(DeepSpeedShm(p0, hp))
     if "ddp" in wanted:
         contenders.append(TorchDDP("ddp", p0, hp, "fused"))
     if "ddp_foreach" in wanted:
@@ -369,6 +442,12 @@ def worker(comm, cfg: dict) -> dict:
         errors[c.name]["max_abs_diff_across_ranks"] = vec[-1]
         errors[c.name]["correct"] = is_correct(errors[c.name], n, hp["lr"]) and vec[-1] == 0.0
 
+    if DEEPSPEED in wanted and DEEPSPEED not in skipped:
+        dist.barrier()  # every rank is done with DeepSpeed's workspace
+        removed = remove_deepspeed_segments()
+        if say and removed:
+            say(f"removed DeepSpeed's /dev/shm workspace: {', '.join(sorted(removed))}")
+
     out = []
     for i, c in enumerate(contenders):
         row = {
@@ -391,6 +470,7 @@ def worker(comm, cfg: dict) -> dict:
         "tuning_s": tuning_s,
         "choices": choices,
         "threads": torch.get_num_threads(),
+        "skipped": skipped,
     }
 
 
@@ -474,9 +554,18 @@ def lower_bound(rows: list[dict], n: int, world: int) -> dict:
     # (read and write: 8n).
     shm_bytes = 4 * n + 24 * n / world + 8 * n
     shm_ms = shm_bytes / copy_gbs / 1e6
+    # An all_reduce over shared memory, then Adam over all of the parameters (the unfused
+    # contenders: shm_all_reduce+adam_fused, DeepSpeed's): the all_reduce reads its slice of every
+    # peer's gradient (4n), writes its reduced slice (4n/world) and copies the peers' reduced
+    # slices into its gradient (8n (world-1)/world); Adam reads g, p, m, v and writes p, m, v
+    # over all n (28n). Their real bound, not gloo's bus time.
+    unfused_bytes = 4 * n + 4 * n / world + 8 * n * (world - 1) / world + 28 * n
+    unfused_ms = unfused_bytes / copy_gbs / 1e6
     return {
         "shared_memory_bytes_per_rank": int(shm_bytes),
         "shared_memory_ms": round(shm_ms, 3),
+        "shared_memory_unfused_bytes_per_rank": int(unfused_bytes),
+        "shared_memory_unfused_ms": round(unfused_ms, 3),
         "copy_GBps": round(copy_gbs, 3),
         "all_reduce_bus_GBps": round(bus_gbs, 3),
         "wire_bytes_per_rank": int(wire_bytes),
@@ -503,7 +592,7 @@ def table(doc: dict) -> str:
         f"coconet source digest {m['coconet_source_digest']}; environment {m['env']}",
         NOTE_CORES.format(cpus=m["cpus"], world=doc["world_size"], threads=cfg["threads_per_rank"]),
         "",
-        f"{'name':<28} {'kind':<9} {'median ms':>10} {'min':>9} {'max':>9} {'ddp/this':>9} "
+        f"{'name':<38} {'kind':<9} {'median ms':>10} {'min':>9} {'max':>9} {'ddp/this':>9} "
         f"{'first call':>11}  {'correct':<8} {'norm err':>9} {'max err':>9} {'outliers':>8}",
     ]
     for r in rows:
@@ -516,7 +605,7 @@ def table(doc: dict) -> str:
             err = f"{r['norm_rel_err']:>9.1e} {r['max_rel_err']:>9.1e} {int(r['outliers']):>8}"
         first = f"{r['first_call_ms'] / 1e3:.2f} s" if r["kind"] != "probe" else ""
         lines.append(
-            f"{r['name']:<28} {r['kind']:<9} {r['median_ms']:>10.1f} {r['min_ms']:>9.1f} "
+            f"{r['name']:<38} {r['kind']:<9} {r['median_ms']:>10.1f} {r['min_ms']:>9.1f} "
             f"{r['max_ms']:>9.1f} {speed:>9} {first:>11}  {correct:<8} {err}".rstrip()
         )
     lines += [
@@ -528,6 +617,9 @@ def table(doc: dict) -> str:
         f"{lb['shared_memory_bytes_per_rank'] / 2**20:.1f} MiB/rank read and written (its slice "
         "of every peer's gradient; its p, m, v slices read, m, v and the new p slice written; "
         "the peers' new p slices copied into its parameters) at the copy probe's bandwidth",
+        f"lower bound of an unfused step over shared memory (all_reduce, then Adam on every "
+        f"parameter: shm_all_reduce+adam_fused, DeepSpeed's) {lb['shared_memory_unfused_ms']:.1f}"
+        f" ms/step: {lb['shared_memory_unfused_bytes_per_rank'] / 2**20:.1f} MiB/rank",
         f"  communication: {lb['wire_bytes_per_rank'] / 2**20:.1f} MiB/rank on the wire "
         f"(reduce-scatter the gradient + all-gather the parameters) at the all_reduce probe's "
         f"{lb['all_reduce_bus_GBps']:.2f} GB/s bus bandwidth",
@@ -547,6 +639,8 @@ def table(doc: dict) -> str:
         "  (outliers are elements where g + weight_decay*p cancels to ~eps and the update hangs on "
         "its last bit)",
     ]
+    for name, why in doc.get("skipped", {}).items():
+        lines.append(f"left out: {name}: {why}")
     wrong = [r["name"] for r in rows if r.get("correct") is False]
     if wrong:
         lines += [
@@ -639,11 +733,13 @@ def loadavg() -> list[float]:
         return []
 
 
+DEEPSPEED = DeepSpeedShm.name
 ALL = [
     "ddp",
     "ddp_foreach",
     "zero",
     "shm_all_reduce+adam_fused",
+    DEEPSPEED,
     f"coconet:unscheduled{GLOO}",
     f"coconet:AR_C{GLOO}",
     f"coconet:fuse_RS_C_AG{GLOO}",
@@ -783,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
         "probes": probes,
         "note": NOTE_CORES.format(cpus=os.cpu_count(), world=args.world, threads=res["threads"]),
         "results": rows,
+        "skipped": res["skipped"],
     }
     print(table(doc))
     print(f"(wall time {wall:.0f} s)")
