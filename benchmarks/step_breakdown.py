@@ -1,17 +1,25 @@
 """Where one coconet data-parallel Adam step spends its time, phase by phase (a profile, not a
 benchmark: the phases are timed by wrapping coconet's runtime methods, which adds a little).
 
-Two gloo ranks (1 torch thread each), ``--params`` float32 values, ``--steps`` steps of each
-contender after a warm-up; each phase's median over the steps, on the slowest rank. Phases:
+Two ranks (1 torch thread each) on the transport ``--transport`` chooses (default: shared memory,
+what coconet uses on one host; ``torch.distributed`` for gloo), ``--params`` float32 values,
+``--steps`` steps of each contender after a warm-up; each phase's median over the steps, on the
+slowest rank. Phases:
 
 - ``bind``: checking this rank's inputs (no communication);
 - ``handshake``: the start-of-step all_reduce of program hash / shapes (``check_every_step``);
-- ``collective start``: launching the collectives, including the copies they make of their input;
-- ``collective wait``: waiting for them;
-- ``fused kernel``: the torch.compile'd kernel(s);
+- ``collective start``: launching the collectives, including the copies they make of their input
+  (over shared memory a collective does all its work here; so does the opening of a one-pass unit:
+  publishing the input and waiting until every peer has);
+- ``collective wait``: waiting for them; over shared memory also the closing of a one-pass unit
+  (waiting until every peer wrote its slot, or read this rank's rows);
+- ``fused kernel``: the torch.compile'd kernel(s) (one-pass: including the reduction of the peers'
+  slices it reads);
 - ``other step code``: the rest of the generated step (eager ops of unfused code, views);
 - ``commit vote``: the all_reduce confirming every rank succeeded (``commit_vote``);
-- ``commit copies``: copying the step's new tensors into the caller's ``p``, ``m``, ``v``.
+- ``commit copies``: copying the step's new tensors into the caller's ``p``, ``m``, ``v`` (with a
+  one-pass unit's published gather: the gather itself, from the peers' slots into ``p``; with
+  ``--commit swap`` the state is swapped in, not copied).
 
 For scale, ``ddp`` is split into its ``all_reduce`` and ``Adam(fused=True).step()``.
 
@@ -84,11 +92,16 @@ def worker(comm, cfg):
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
         wrap(comm, f"{op}_start", "collective start")
     wrap(comm, "wait", "collective wait")
+    # the shared-memory transport's one-pass units and in-place all_reduce
+    for attr in ("fused_reduce_scatter_start", "fused_all_gather_start", "all_reduce_parts_start"):
+        wrap(comm, attr, "collective start")
+    for attr in ("fused_reduce_scatter_finish", "fused_all_gather_finish"):
+        wrap(comm, attr, "collective wait")
 
     out = {}
     targets = {"unscheduled": program, **{k: f(program) for k, f in adam.SCHEDULES.items()}}
     for name, target in targets.items():
-        fn = coconet.compile(target, comm=comm, cache_dir=cfg["cache_dir"])
+        fn = coconet.compile(target, comm=comm, cache_dir=cfg["cache_dir"], commit=cfg["commit"])
         wrap(fn, "_bind", "bind")
         wrap(fn, "_commit", "commit copies")
         wrap(fn.module, "step", "module.step")
@@ -151,7 +164,9 @@ def worker(comm, cfg):
     worst = collections.defaultdict(dict)
     for (c, ph), v in zip(keys, t.tolist(), strict=True):
         worst[c][ph] = v
-    return dict(worst)
+    worst = dict(worst)
+    worst["transport"] = comm.transport_of(None).value
+    return worst
 
 
 def main(argv=None) -> int:
@@ -160,6 +175,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "shared memory", "torch.distributed"],
+        help="what runs coconet's collectives (auto: shared memory on one host)",
+    )
+    ap.add_argument("--commit", default="copy", choices=["copy", "swap"])
     args = ap.parse_args(argv)
 
     import tempfile
@@ -174,12 +196,15 @@ def main(argv=None) -> int:
             "warmup": args.warmup,
             "threads": args.threads,
             "cache_dir": tmp,
+            "commit": args.commit,
         }
-        res = spawn(worker, 2, cfg, options=CommOptions(cache_dir=tmp), timeout=1200)[0]
-    cols = [c for c in res if c != "ddp"]
+        options = CommOptions(cache_dir=tmp, transport=args.transport)
+        res = spawn(worker, 2, cfg, options=options, timeout=1200)[0]
+    cols = [c for c in res if c.startswith("coconet:")]
     print(
-        f"step_breakdown: {args.params:,} float32 params, 2 gloo ranks x {args.threads} thread(s), "
-        f"median of {args.steps} steps, slowest rank, ms (load average {os.getloadavg()[0]:.2f})"
+        f"step_breakdown: {args.params:,} float32 params, 2 ranks x {args.threads} thread(s), "
+        f"coconet over {res['transport']}, commit={args.commit}; ddp over gloo; median of "
+        f"{args.steps} steps, slowest rank, ms (load average {os.getloadavg()[0]:.2f})"
     )
     print(f"{'phase':<18}" + "".join(f"{c.removeprefix('coconet:'):>15}" for c in cols))
     for ph in PHASES:

@@ -24,6 +24,7 @@ from coconet.ir.mesh import Mesh
 from coconet.ir.program import Program
 from coconet.runtime.calibrate import calibrate_local
 from coconet.runtime.launch import run_script
+from coconet.runtime.transport import TransportKind
 from coconet.runtime.tuning import AlgorithmTable
 from coconet.version import __version__
 
@@ -56,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     world.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
     world.add_argument("--mesh", help="a mesh with named axes, e.g. pp=2,tp=2")
     sh.add_argument("--cache-dir", help="where measured collective choices are kept")
+    sh.add_argument(
+        "--transport",
+        choices=[t.value for t in TransportKind],
+        default=TransportKind.TORCH_DISTRIBUTED.value,
+        help="what runs the collectives: torch.distributed (the default; across hosts) or "
+        "'shared memory' (what ranks on one host use: fused collectives as one pass)",
+    )
     sh.set_defaults(func=_show)
 
     rn = sub.add_parser(
@@ -166,7 +174,7 @@ def _show(args) -> int:
         program = getattr(obj, "original", None) or getattr(obj, "program", obj)
         obj = _schedule(program, args.schedule, namespace)
     world = _mesh(args)
-    step = compile(obj, world=world, cache_dir=args.cache_dir)
+    step = compile(obj, world=world, cache_dir=args.cache_dir, transport=args.transport)
     print(step.source, end="")
     table = AlgorithmTable.load(keyed_cache_dir(args.cache_dir))
     print()

@@ -70,12 +70,34 @@ def resolve_target(target: Any) -> tuple[Program, str, str]:
     )
 
 
+def _transport(transport: TransportKind | str | None, comm: Communicator | None) -> TransportKind:
+    if transport is None:
+        return TransportKind.TORCH_DISTRIBUTED
+    if comm is not None:
+        raise CompileOptionError(
+            f"compile got transport={transport!r} and comm=: the communicator decides what runs "
+            "each group's collectives",
+            op="compile",
+            hint="drop transport=, or choose it with CommOptions(transport=...) for the "
+            "communicator",
+        )
+    try:
+        return TransportKind(transport)
+    except ValueError:
+        raise CompileOptionError(
+            f"unknown transport {transport!r}",
+            op="compile",
+            hint=f"one of {', '.join(repr(t.value) for t in TransportKind)}",
+        ) from None
+
+
 def compile(  # noqa: A001 - coconet.compile, like torch.compile
     target: Any,
     *,
     world: int | Mesh | None = None,
     comm: Communicator | None = None,
     options: CompileOptions | None = None,
+    transport: TransportKind | str | None = None,
     **overrides: Any,
 ) -> CompiledStep:
     """Compile ``target`` (a Program or Schedule) into a ``CompiledStep``.
@@ -83,6 +105,9 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     The mesh comes from ``comm`` (the ``coconet.runtime.Communicator`` that
     ``coconet.runtime.init()`` returned: needed to run steps), else from ``world`` (an int or a
     Mesh: enough to generate and show code). Nothing is taken from global state.
+    ``transport`` (with ``world=`` only) says what runs the collectives in the generated code:
+    ``"torch.distributed"`` (the default) or ``"shared memory"``; with ``comm=`` the communicator
+    decides, group by group.
     ``overrides`` set ``CompileOptions`` fields by name, e.g.
     ``compile(p, fused_kernels=False)``.
     """
@@ -100,8 +125,9 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
     device = options.device or (comm.device.type if comm is not None else "cpu")
     donate = _donated(program, options.donate)
     # What runs each axis's collectives (said in the generated code; part of the key).
+    chosen = _transport(transport, comm)
     transports = {
-        axis: (comm.transport_of(axis) if comm is not None else TransportKind.TORCH_DISTRIBUTED)
+        axis: (comm.transport_of(axis) if comm is not None else chosen)
         for axis in (None, *mesh.names)
     }
     routes = ",".join(f"{a}={t.value}" for a, t in transports.items())

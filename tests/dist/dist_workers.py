@@ -197,7 +197,31 @@ def run_compiled(comm: Communicator, cache_dir: str) -> dict:
     out["adam_again_seconds"] = (first, time.perf_counter() - t0)
     out["first_call_seconds"] = dict(step.kernels.first_call_seconds)
     out["compiled"] = step.kernels.fused
+    # The other one-pass forms over shared memory, compiled (their kernels mutate the peers'
+    # slots and slices of outputs, which torch.compile must write through).
+    out["one_pass"] = {}
+    for name, sname, marker in ONE_PASS_CASES:
+        mod = load_example(name)
+        program = mod.program()
+        target = mod.SCHEDULES[sname](program)
+        kwargs = {} if name == "tensor_parallel" else {"step": 2}
+        ins = mod.make_inputs(comm.world, 13, **kwargs)
+        r = check_distributed(
+            target, ins, comm=comm, reference=program, verbose=False, cache_dir=cache_dir
+        )
+        step = cc.compile(target, comm=comm, cache_dir=cache_dir)
+        out["one_pass"][f"{name}/{sname}"] = dict(
+            rel=r.max_rel_error, form=marker in step.source, compiled=step.kernels.fused
+        )
     return out
+
+
+# (example, schedule, what its generated code calls over shared memory)
+ONE_PASS_CASES = (
+    ("adam", "AR_C", "comm.all_reduce_parts_start("),
+    ("lamb", "fuse_RS_C_AG", "comm.fused_reduce_scatter_finish("),
+    ("tensor_parallel", "ol_MM_fuse_RS_C_AG", "comm.fused_reduce_scatter_start("),
+)
 
 
 # -- faults -----------------------------------------------------------------------------------

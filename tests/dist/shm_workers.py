@@ -221,16 +221,22 @@ def killed_mid_collective(comm: Communicator) -> str:
 
 
 def registered_gradient(comm: Communicator, size: int, steps: int) -> dict:
-    """Adam's schedules fed a gradient that lives in symmetric memory (``input_buffer``) give
-    bit for bit what they give with an ordinary gradient tensor (copied in), over many steps
-    with random per-rank delays (the buffer is rewritten right after each step returns)."""
+    """Adam's (and LAMB's fused) schedules fed a gradient that lives in symmetric memory
+    (``input_buffer``) give bit for bit what they give with an ordinary gradient tensor (copied
+    in), over many steps with random per-rank delays (the buffer is rewritten right after each
+    step returns)."""
     from examples_loader import load_example
 
-    mod = load_example("adam")
-    program = mod.program()
     rng = random.Random(comm.rank)
     out = {}
-    for name in ("AR_C", "RS_C_AG", "fuse_RS_C_AG"):
+    for example, name in (
+        ("adam", "AR_C"),
+        ("adam", "RS_C_AG"),
+        ("adam", "fuse_RS_C_AG"),
+        ("lamb", "fuse_RS_C_AG"),  # a one-pass half that ends without a gather
+    ):
+        mod = load_example(example)
+        program = mod.program()
         sched = mod.SCHEDULES[name](program)
         step = cc.compile(sched, comm=comm, fused_kernels=False)
         buffer = step.input_buffer("g", (size,))
@@ -251,7 +257,7 @@ def registered_gradient(comm: Communicator, size: int, steps: int) -> dict:
                 else:
                     mine["g"] = grad.clone()
                 step(**mine)
-        out[name] = {
+        out[f"{example}/{name}"] = {
             "equal": all(
                 torch.equal(state["registered"][k], state["plain"][k]) for k in ("p", "m", "v")
             ),

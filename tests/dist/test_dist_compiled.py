@@ -1,4 +1,6 @@
-"""The compiled path: fused groups as torch.compile (Inductor C++) kernels, on 2 gloo ranks.
+"""The compiled path: fused groups as torch.compile (Inductor C++) kernels, on 2 ranks (over
+shared memory, so the one-pass forms of fuse_RS_C_AG, AR_C, LAMB's halves and the overlapped layer
+are compiled too).
 
 This is the one compile-heavy test of the tier: Inductor's first compile costs ~30 s when both
 ranks compile at once on an empty cache (~5 s with a warm one, see docs in coconet.codegen).
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dist_workers
 import pytest
+from tolerances import schedule_rtol
 
 from coconet.runtime import CommOptions, spawn
 
@@ -31,3 +34,10 @@ def test_fused_kernels_compile_and_match(tmp_path):
             assert out[label]["rel"] <= 1e-6, out
         first, second = out["adam_again_seconds"]
         assert second < 5.0  # the kernel is compiled once, then reused
+        for case, r in out["one_pass"].items():
+            name, schedule = case.split("/")
+            assert r["form"] and r["compiled"], case  # over shared memory: the one-pass form
+            mod = dist_workers.load_example(name)
+            program = mod.program()
+            rtol = schedule_rtol(program, mod.SCHEDULES[schedule](program).program, "float32")
+            assert r["rel"] <= max(1e-6, rtol), (case, r)

@@ -1,4 +1,6 @@
-"""Golden files of generated code: every example x every named schedule, compiled for 2 ranks.
+"""Golden files of generated code: every example x every named schedule, compiled for 2 ranks
+(over torch.distributed; the schedules whose code differs over shared memory also in that form,
+``*__shm.py``).
 
 A change to lowering or emission shows up as a reviewed diff of ``tests/golden/*.py`` instead of
 passing silently. After an intended change, regenerate them with::
@@ -43,13 +45,28 @@ def _normalise(source: str) -> str:
     return source.replace(str(EXAMPLES) + os.sep, "examples/")
 
 
-@pytest.mark.parametrize(("name", "schedule"), list(_cases()))
-def test_generated_code_matches_golden(name, schedule, tmp_path):
+# Over shared memory these take the one-pass forms (coconet.codegen.plan): their code differs
+SHARED_MEMORY = (
+    ("adam", "AR_C"),
+    ("adam", "fuse_RS_C_AG"),
+    ("lamb", "fuse_RS_C_AG"),
+    ("tensor_parallel", "ol_MM_fuse_RS_C_AG"),
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "schedule", "transport"),
+    [(n, s, "torch.distributed") for n, s in _cases()]
+    + [(n, s, "shared memory") for n, s in SHARED_MEMORY],
+)
+def test_generated_code_matches_golden(name, schedule, transport, tmp_path):
     mod = load_example(name)
     program = mod.program()
     target = program if schedule == "none" else mod.SCHEDULES[schedule](program)
-    source = _normalise(cc.compile(target, world=_world(name), cache_dir=tmp_path).source)
-    path = GOLDEN / f"{name}__{schedule}.py"
+    step = cc.compile(target, world=_world(name), cache_dir=tmp_path, transport=transport)
+    source = _normalise(step.source)
+    suffix = "__shm" if transport == "shared memory" else ""
+    path = GOLDEN / f"{name}__{schedule}{suffix}.py"
     if UPDATE:
         path.write_text(source)
     assert path.exists(), f"no golden file {path.name}: run with COCONET_UPDATE_GOLDEN=1"

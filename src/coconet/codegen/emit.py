@@ -25,6 +25,7 @@ from coconet.codegen.plan import (
     Kernel,
     OnePass,
     Plan,
+    ReadInPlace,
     Start,
     Wait,
 )
@@ -79,6 +80,22 @@ class _Emitter:
         # per kernel: (node, geometry field, parameter name) for the sizes a kernel is passed
         self._geo_cache: dict[str, list[tuple[Node, str, str]]] = {}
         self._one_pass_vars: dict[str, tuple[str, str]] = {}
+        # all_reduces read in place by their kernel (shared memory only): by all_reduce / kernel
+        in_place = [
+            r for r in plan.reads_in_place
+            if transports.get(r.all_reduce.attr("axis")) == _SHARED_MEMORY
+        ]
+        self._in_place_ar = {r.all_reduce.name: r for r in in_place}
+        self._in_place_kernel = {r.kernel.name: r for r in in_place}
+        self._parts_var = {
+            r.all_reduce.name: namer.claim(f"{self.var[r.all_reduce.name]}_parts")
+            for r in in_place
+        }
+        self._out_params = {
+            (r.kernel.name, n.name): namer.claim(f"{self.var[n.name]}_out")
+            for r in in_place
+            for n in r.kernel.outputs
+        }
 
     # -- the module -----------------------------------------------------------------------------
 
@@ -117,11 +134,16 @@ class _Emitter:
         out.append(f"INPUTS = ({names}{',' if len(self.program.inputs) == 1 else ''})")
         # a one-pass unit's kernel is written in its one-pass form only (the other is never run)
         one_pass = {u.one_pass.kernel.name: u.one_pass for u in self._one_pass_units()}
+        loops = [self._loop_one_pass(loop) for loop in self.plan.loops]
+        one_pass.update({op.kernel.name: op for op in loops if op is not None})
         names = []
         for k in self.plan.kernels:
             if k.name in one_pass:
                 out += ["", ""] + self.one_pass_kernel_def(one_pass[k.name])
                 names.append((k.name, f"{k.name}_one_pass"))
+            elif k.name in self._in_place_kernel:
+                out += ["", ""] + self.by_parts_kernel_def(self._in_place_kernel[k.name])
+                names.append((k.name, f"{k.name}_by_parts"))
             else:
                 out += ["", ""] + self.kernel_def(k)
                 names.append((k.name, k.name))
@@ -179,11 +201,82 @@ class _Emitter:
         if isinstance(s, Compute):
             return self.node_lines(s.node, geo)
         if isinstance(s, Kernel):
+            if s.name in self._in_place_kernel:
+                return self.by_parts_call(self._in_place_kernel[s.name])
             return self.kernel_call(s, geo)
         if isinstance(s, Start):
+            if s.node.name in self._in_place_ar:
+                return self.parts_start_lines(self._in_place_ar[s.node.name])
             return self.start_lines(s, geo)
         name = s.node.name
+        if name in self._in_place_ar:
+            return []  # complete at its start; its kernel reads it where it was reduced
         return [f"{self.var[name]} = comm.wait({self.work[name]})"]
+
+    # -- an all_reduce read in place by its kernel (shared memory) -------------------------------
+
+    def parts_start_lines(self, r: ReadInPlace) -> list[str]:
+        ar = r.all_reduce
+        lines = [self.comment(ar)]
+        lines += _comment_lines(
+            f"  over shared memory: left where each slice's owner reduced it; kernel "
+            f"{r.kernel.name} reads it there, slice by slice (no copy into a tensor of its own)",
+            "# ",
+        )
+        args = [
+            self.var[ar.inputs[0].name],
+            f"ReduceOp.{ar.attr('reduce_op').name}",
+            f"axis={ar.attr('axis')!r}",
+            f"label={ar.name!r}",
+        ]
+        return lines + _call(self._parts_var[ar.name], "comm.all_reduce_parts_start", args)
+
+    def by_parts_kernel_def(self, r: ReadInPlace) -> list[str]:
+        """The kernel on one slice of everything it reads, writing its results into the
+        matching slices of its outputs (``<output>_out``)."""
+        k = r.kernel
+        outs = [self._out_params[(k.name, n.name)] for n in k.outputs]
+        params = [self.var[i.name] for i in k.inputs] + outs
+        lines = [
+            f"def _kernel_{k.name}_by_parts({', '.join(params)}):",
+            f'{_INDENT}"""{_short(k.group)}: one kernel (torch.compile, or eager), on one slice '
+            f'of {r.all_reduce.name} where its owner reduced it."""',
+        ]
+        for n in k.nodes:
+            lines += [_INDENT + c for c in self.node_lines(n, lambda n, f: None)]
+        for n, o in zip(k.outputs, outs, strict=True):
+            lines.append(f"{_INDENT}{o}.copy_({self.var[n.name]})")
+        return lines
+
+    def by_parts_call(self, r: ReadInPlace) -> list[str]:
+        k, ar = r.kernel, r.all_reduce
+        parts = self._parts_var[ar.name]
+        lo, hi = self.namer.claim("lo"), self.namer.claim("hi")
+        shape = self.var[ar.inputs[0].name] + ".shape"
+        members = ", ".join(n.name for n in k.nodes)
+        lines = _comment_lines(
+            f"{k.group.kind.value}: {members}  (one kernel, run on each slice of {ar.name} "
+            "where its owner reduced it)",
+            "# ",
+        )
+        for n in k.outputs:
+            lines.append(f"{self.var[n.name]} = torch.empty({shape}, dtype={_dtype(n.type.dtype)})")
+        args = [
+            self.var[i.name] if i is ar or i.type.rank == 0
+            else f"{self.var[i.name]}.reshape(-1)[{lo}:{hi}]"
+            for i in k.inputs
+        ]
+        args += [f"{self.var[n.name]}.view(-1)[{lo}:{hi}]" for n in k.outputs]
+        body = _call("", f"kernels.{k.name}", args)
+        lines += [
+            f"{lo} = 0",
+            f"for {self.var[ar.name]} in {parts}.pieces:",
+            f"{_INDENT}{hi} = {lo} + {self.var[ar.name]}.numel()",
+            *[_INDENT + b for b in body],
+            f"{_INDENT}{lo} = {hi}",
+            f"{parts}.release()  # every slice read: the peers may reuse their segments",
+        ]
+        return lines
 
     def fused_collective_lines(self, unit: FusedCollective) -> list[str]:
         """A fused collective: a header naming its collectives and kernels, then its steps."""
@@ -218,19 +311,87 @@ class _Emitter:
                 out.append(unit)
         return out
 
-    def _one_pass_names(self, op: OnePass) -> tuple[str, str]:
-        """(the peers' slices parameter, the gather slot parameter) of a one-pass kernel."""
+    def _loop_one_pass(self, loop: ChunkLoop) -> OnePass | None:
+        """The loop's chunks as one-pass units: shared memory along its axis, and the form."""
+        op = loop.one_pass
+        if op is None or self.transports.get(op.reduce_scatter.attr("axis")) != _SHARED_MEMORY:
+            return None
+        return op
+
+    def loop_one_pass_lines(
+        self, s: Compute | Kernel | Start | Wait, op: OnePass, geo: GeoRef
+    ) -> list[str]:
+        """A step of a chunk loop whose chunks run as one pass (``_loop_one_pass``)."""
+        rs, ag, k = op.reduce_scatter, op.all_gather, op.kernel
+        parts, slot = (f"v[{name!r}]" for name in self._one_pass_names(op))
+        dtype = _dtype(ag.type.dtype)
+        rows = geo(ag, "parts")
+        shape = f"(sum({rows}), *{_env_ref(ag, 'shapes')}[1:])"
+        if isinstance(s, Start) and s.node is rs:
+            return [
+                self.comment(rs),
+                *_call(
+                    f"{parts}, {slot}",
+                    "comm.fused_reduce_scatter_start",
+                    [
+                        self.var[rs.inputs[0].name],
+                        f"axis={rs.attr('axis')!r}",
+                        f"gather_shape={shape}",
+                        f"gather_dtype={dtype}",
+                        f"gather_parts={rows}",
+                        f"label={rs.name!r}",
+                    ],
+                ),
+            ]
+        if isinstance(s, Kernel) and s is k:
+            args = [parts if i is rs else self.var[i.name] for i in k.inputs]
+            args += [geo(n, f) for n, f, _ in self._geo_params(k)] + [slot]
+            outs = [self.var[n.name] for n in self._one_pass_outputs(op)]
+            target = (f"({outs[0]},)" if len(outs) == 1 else ", ".join(outs)) if outs else "_"
+            members = ", ".join(n.name for n in k.nodes)
+            return [
+                *_comment_lines(
+                    f"{k.group.kind.value}: {members}  (one kernel: reads every peer's rows of "
+                    f"{rs.inputs[0].name}, reduces them, writes {ag.inputs[0].name} into its slot)",
+                    "# ",
+                ),
+                *_call(target, f"kernels.{k.name}", args),
+            ]
+        if isinstance(s, Start) and s.node is ag:
+            return [self.comment(ag), "#   (its input is in its slot: the kernel wrote it there)"]
+        if isinstance(s, Wait) and s.node is ag:
+            return _call(
+                self.var[ag.name],
+                "comm.fused_all_gather_finish",
+                [
+                    f"axis={ag.attr('axis')!r}",
+                    f"shape={shape}",
+                    f"dtype={dtype}",
+                    f"parts={rows}",
+                    f"label={ag.name!r}",
+                ],
+            )
+        if isinstance(s, Wait) and s.node is rs:
+            return []  # read by the kernel from the peers' rows
+        return self.step_lines(s, geo)
+
+    def _one_pass_names(self, op: OnePass) -> tuple[str | None, str | None]:
+        """(the peers' slices parameter, the gather slot parameter) of a one-pass kernel (None
+        for the half it does not have)."""
         key = op.kernel.name
         if key not in self._one_pass_vars:
+            rs, ag = op.reduce_scatter, op.all_gather
             self._one_pass_vars[key] = (
-                self.namer.claim(f"{self.var[op.reduce_scatter.name]}_parts"),
-                self.namer.claim(f"{self.var[op.all_gather.inputs[0].name]}_slot"),
+                self.namer.claim(f"{self.var[rs.name]}_parts") if rs is not None else None,
+                self.namer.claim(f"{self.var[ag.inputs[0].name]}_slot") if ag is not None else None,
             )
         return self._one_pass_vars[key]
 
     def _one_pass_outputs(self, op: OnePass) -> list[Node]:
         """The kernel's outputs, less the gather's input when only the gather reads it (the
         kernel writes it into the slot instead)."""
+        if op.all_gather is None:
+            return list(op.kernel.outputs)
         returned = {n.name for n in self.program.outputs} | {
             u.inputs[1].name for u in self.program.updates
         }
@@ -241,25 +402,29 @@ class _Emitter:
 
     def one_pass_kernel_def(self, op: OnePass) -> list[str]:
         """The kernel, reading every peer's slice of the reduce_scatter's input (it reduces them
-        in rank order, as the simulator does) and writing the gather's input into its slot."""
+        in rank order, as the simulator does) and/or writing the gather's input into its slot."""
         k = op.kernel
         parts, slot = self._one_pass_names(op)
-        rs = op.reduce_scatter
+        rs, ag = op.reduce_scatter, op.all_gather
         params = [parts if i is rs else self.var[i.name] for i in k.inputs]
-        params += [p for _, _, p in self._geo_params(k)] + [slot]
+        params += [p for _, _, p in self._geo_params(k)] + ([slot] if slot else [])
         geo = {(n.name, f): p for n, f, p in self._geo_params(k)}
         lines = [
             f"def _kernel_{k.name}_one_pass({', '.join(params)}):",
             f'{_INDENT}"""{_short(k.group)}: one pass over shared memory (torch.compile, or '
             'eager)."""',
-            f"{_INDENT}# {rs.name}: this rank's slice, reduced from every peer's in rank order",
-            f"{_INDENT}{self.var[rs.name]} = _ops.reduce_values("
-            f"ReduceOp.{rs.attr('reduce_op').name}, {parts})",
         ]
+        if rs is not None:
+            lines += [
+                f"{_INDENT}# {rs.name}: this rank's slice, reduced from every peer's in rank order",
+                f"{_INDENT}{self.var[rs.name]} = _ops.reduce_values("
+                f"ReduceOp.{rs.attr('reduce_op').name}, {parts})",
+            ]
         for n in k.nodes:
             lines += [_INDENT + c for c in self.node_lines(n, lambda n, f: geo.get((n.name, f)))]
-        given = op.all_gather.inputs[0]
-        lines.append(f"{_INDENT}{slot}.copy_({self.var[given.name]})  # where the peers read it")
+        if ag is not None:
+            given = self.var[ag.inputs[0].name]
+            lines.append(f"{_INDENT}{slot}.copy_({given})  # where the peers read it")
         outs = [self.var[n.name] for n in self._one_pass_outputs(op)]
         tail = "," if len(outs) == 1 else ""
         lines.append(f"{_INDENT}return ({', '.join(outs)}{tail})")
@@ -269,40 +434,70 @@ class _Emitter:
         op = unit.one_pass
         rs, ag, k = op.reduce_scatter, op.all_gather, op.kernel
         names = self._one_pass_names(op)
+        what = []
+        if rs is not None:
+            what.append(
+                f"kernel {k.name} reads every peer's slice of {rs.inputs[0].name}, reduces them "
+                "in rank order, computes"
+            )
+        else:
+            what.append(f"kernel {k.name} computes")
+        if ag is not None:
+            what.append(f"and writes {ag.inputs[0].name} where the peers read it for the gather")
         lines = _comment_lines(
             f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport} runs it as "
-            f"one pass: kernel {k.name} reads every peer's slice of {rs.inputs[0].name}, "
-            f"reduces them in rank order, computes, and writes {ag.inputs[0].name} where the "
-            "peers read it for the gather",
+            f"one pass: {' '.join(what)}",
             "# ",
         )
         for s in op.scalars:
             lines += self.step_lines(s, _env_geo)
-        dtype = _dtype(ag.type.dtype)
-        gather = [
-            f"gather_shape={_env_ref(ag, 'shapes')}",
-            f"gather_dtype={dtype}",
-            f"gather_parts={_env_ref(ag, 'parts')}",
-        ]
-        lines += [self.comment(rs)]
-        lines += _call(
-            ", ".join(names),
-            "comm.fused_reduce_scatter_start",
-            [
-                self.var[rs.inputs[0].name],
-                f"axis={rs.attr('axis')!r}",
-                *gather,
-                f"label={rs.name!r}",
-            ],
-        )
+        if ag is not None:
+            dtype = _dtype(ag.type.dtype)
+            gather = [
+                f"gather_shape={_env_ref(ag, 'shapes')}",
+                f"gather_dtype={dtype}",
+                f"gather_parts={_env_ref(ag, 'parts')}",
+            ]
+        if rs is not None:
+            lines += [self.comment(rs)]
+            lines += _call(
+                f"{names[0]}, {names[1] or '_'}",
+                "comm.fused_reduce_scatter_start",
+                [
+                    self.var[rs.inputs[0].name],
+                    f"axis={rs.attr('axis')!r}",
+                    *(gather if ag is not None else []),
+                    f"label={rs.name!r}",
+                ],
+            )
+        else:
+            lines += _call(
+                names[1],
+                "comm.fused_all_gather_start",
+                [
+                    f"axis={ag.attr('axis')!r}",
+                    f"shape={_env_ref(ag, 'shapes')}",
+                    f"dtype={dtype}",
+                    f"parts={_env_ref(ag, 'parts')}",
+                    f"label={ag.name!r}",
+                ],
+            )
         args = [names[0] if i is rs else self.var[i.name] for i in k.inputs]
-        args += [_env_geo(n, f) or "None" for n, f, _ in self._geo_params(k)] + [names[1]]
+        args += [_env_geo(n, f) or "None" for n, f, _ in self._geo_params(k)]
+        args += [names[1]] if ag is not None else []
         outs = [self.var[n.name] for n in self._one_pass_outputs(op)]
         if outs:
             target = f"({outs[0]},)" if len(outs) == 1 else ", ".join(outs)
             lines += _call(target, f"kernels.{k.name}", args)
         else:  # everything the kernel computes goes to the gather's slot
             lines += _call("_", f"kernels.{k.name}", args)
+        if ag is None:
+            lines += _call(
+                "",
+                "comm.fused_reduce_scatter_finish",
+                [f"axis={rs.attr('axis')!r}", f"label={rs.name!r}"],
+            )
+            return lines + [f"# end of {unit.name}"]
         # Read only by updates: the gather stays in the peers' slots and the commit copies it
         # straight into the caller's tensor (the gather is the commit).
         published = ag.name not in {n.name for n in self.program.outputs} and all(
@@ -333,9 +528,15 @@ class _Emitter:
         """
         k, name = loop.chunks, loop.name
         members = ", ".join(loop.group.members)
+        one_pass = self._loop_one_pass(loop)
+        how = (
+            "one after the other, each as one pass over shared memory"
+            if one_pass is not None
+            else f"as a pipeline of {len(loop.stages)} stages"
+        )
         lines = _comment_lines(
-            f"overlap({members}, chunks={k}): the chain runs in {k} chunks of rows, as a "
-            f"pipeline of {len(loop.stages)} stages; each chunk's values live in {name}[c]",
+            f"overlap({members}, chunks={k}): the chain runs in {k} chunks of rows, {how}; each "
+            f"chunk's values live in {name}[c]",
             "# ",
         )
         outer = dict(self.var)
@@ -368,18 +569,39 @@ class _Emitter:
                             f"env.chunk_rows[{name + '/' + x.name!r}][c])"
                         )
                 for s in stage:
-                    body += self.step_lines(s, geo)
+                    if one_pass is not None:
+                        body += self.loop_one_pass_lines(s, one_pass, geo)
+                    else:
+                        body += self.step_lines(s, geo)
                 lines += [f"def {fn}(c, v):", *[_INDENT + b for b in body]]
         finally:
             self.var, self.work = saved
         ticks = k + len(loop.stages) - 1
-        lines += [
-            f"{name} = [{{}} for _ in range({k})]",
-            f"for _t in range({ticks}):  # stage s works on chunk _t - s",
-            f"{_INDENT}for _s, _stage in enumerate(({', '.join(stage_names)},)):",
-            f"{_INDENT * 2}if 0 <= _t - _s < {k}:",
-            f"{_INDENT * 3}_stage(_t - _s, {name}[_t - _s])",
-        ]
+        if one_pass is not None:
+            # Over shared memory a chunk's collectives complete where they start, so there is
+            # nothing in flight to pipeline; and a one-pass chunk holds its group's epoch from
+            # its reduce_scatter to its gather: the chunks run one after the other.
+            lines += _comment_lines(
+                f"over shared memory each chunk runs as one pass (kernel {one_pass.kernel.name} "
+                f"reads the peers' rows of {one_pass.reduce_scatter.inputs[0].name} and writes "
+                f"{one_pass.all_gather.inputs[0].name} into its slot), the chunks one after the "
+                "other",
+                "# ",
+            )
+            lines += [
+                f"{name} = [{{}} for _ in range({k})]",
+                f"for _c in range({k}):",
+                f"{_INDENT}for _stage in ({', '.join(stage_names)},):",
+                f"{_INDENT * 2}_stage(_c, {name}[_c])",
+            ]
+        else:
+            lines += [
+                f"{name} = [{{}} for _ in range({k})]",
+                f"for _t in range({ticks}):  # stage s works on chunk _t - s",
+                f"{_INDENT}for _s, _stage in enumerate(({', '.join(stage_names)},)):",
+                f"{_INDENT * 2}if 0 <= _t - _s < {k}:",
+                f"{_INDENT * 3}_stage(_t - _s, {name}[_t - _s])",
+            ]
         for n in loop.outputs:
             key = f"{name}/{n.name}"
             lines += _call(
@@ -471,12 +693,14 @@ _ARGUMENTS: dict[Arg, Callable[[Node, Start, GeoRef], list[str]]] = {
 
 
 def _call(target: str, fn: str, args: Sequence[str], width: int = 96) -> list[str]:
-    """``target = fn(args)`` on one line, or with the arguments wrapped when that is too long."""
-    line = f"{target} = {fn}({', '.join(args)})"
+    """``target = fn(args)`` (``fn(args)`` without a target) on one line, or with the arguments
+    wrapped when that is too long."""
+    head = f"{target} = {fn}(" if target else f"{fn}("
+    line = f"{head}{', '.join(args)})"
     if len(line) <= width:
         return [line]
     wrapped = textwrap.wrap(", ".join(args), width - len(_INDENT), break_long_words=False)
-    return [f"{target} = {fn}(", *[_INDENT + w for w in wrapped], ")"]
+    return [head, *[_INDENT + w for w in wrapped], ")"]
 
 
 def _comment_lines(text: str, prefix: str, width: int = 96) -> list[str]:

@@ -33,7 +33,7 @@ from coconet.ir.ops import (
     LEAVES,
     Op,
 )
-from coconet.ir.opspec import Prop, ops_with, spec
+from coconet.ir.opspec import Lowering, Prop, ops_with, spec
 from coconet.ir.program import Program
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "FusedCollective",
     "OnePass",
     "Kernel",
+    "ReadInPlace",
     "Plan",
     "Start",
     "Step",
@@ -101,6 +102,12 @@ class ChunkLoop:
     def kernels(self) -> tuple[Kernel, ...]:
         return tuple(s for stage in self.stages for s in stage if isinstance(s, Kernel))
 
+    @property
+    def one_pass(self) -> OnePass | None:
+        """Each chunk's ``reduce_scatter -> kernel -> all_gather`` as one pass over symmetric
+        memory (``ol_MM_fuse_RS_C_AG``), when the chain has that form (else None)."""
+        return _loop_one_pass(self)
+
 
 @dataclass(frozen=True)
 class FusedCollective:
@@ -132,15 +139,32 @@ class FusedCollective:
 
 @dataclass(frozen=True)
 class OnePass:
-    """``reduce_scatter -> (scalar arithmetic) -> kernel -> all_gather`` along dim 0: the form a
-    shared-memory transport runs as one pass. The kernel reads every peer's slice of the
-    reduce_scatter's input and reduces them itself, in rank order, and writes the all_gather's
-    input straight into this rank's slot of the gather, where the peers read it."""
+    """A fused collective in the form a shared-memory transport runs as one pass: a kernel that
+    reads every peer's slice of a ``reduce_scatter``'s input (along dim 0) and reduces them itself,
+    in rank order, and/or writes an ``all_gather``'s input straight into this rank's slot of the
+    gather, where the peers read it:
 
-    reduce_scatter: Node
+    - ``reduce_scatter -> (scalar arithmetic) -> kernel -> all_gather`` (Adam's fuse_RS_C_AG);
+    - ``reduce_scatter -> kernel`` and ``kernel -> all_gather`` (halves: a unit that a collective
+      outside the group cuts in two, such as LAMB's all_reduce of the partial norms).
+    """
+
+    reduce_scatter: Node | None
     kernel: Kernel
-    all_gather: Node
+    all_gather: Node | None
     scalars: tuple[Compute, ...]  # arithmetic on 0-d values that runs once, before the kernel
+
+
+@dataclass(frozen=True)
+class ReadInPlace:
+    """An all_reduce whose only reader is one elementwise kernel over values of its shape (AR_C's
+    update): a shared-memory transport leaves the reduced value where each slice's owner wrote
+    it, and the kernel runs slice by slice on it there, so the result is never copied into a
+    tensor of this rank's own. Bitwise the same as one call: every op of the kernel computes
+    each element alone and rounds the same on any slice (no ``Prop.ROUNDS_PER_KERNEL`` op)."""
+
+    all_reduce: Node
+    kernel: Kernel
 
 
 Step = Compute | Start | Wait | Kernel | ChunkLoop | FusedCollective
@@ -177,6 +201,11 @@ class Plan:
     @property
     def loops(self) -> tuple[ChunkLoop, ...]:
         return tuple(s for s in self.steps if isinstance(s, ChunkLoop))
+
+    @property
+    def reads_in_place(self) -> tuple[ReadInPlace, ...]:
+        """The all_reduces whose consumer kernel may read the result where it was reduced."""
+        return _reads_in_place(self)
 
 
 def lower(program: Program, donate: frozenset[str] = frozenset()) -> Plan:
@@ -518,33 +547,107 @@ def _fused_collectives(program: Program, steps: list[Step]) -> list[Step]:
 
 
 def _one_pass(unit: FusedCollective) -> OnePass | None:
-    """The unit's ``OnePass`` form: its steps are Start(rs), Compute*, Wait(rs), Compute*,
-    Kernel (reading the reduce_scatter), Start(ag of a kernel output), Wait(ag), with both
+    """The unit's ``OnePass`` form: one kernel; steps Start(rs), Compute*, Wait(rs), Compute*,
+    Kernel (reading the reduce_scatter), Start(ag of a kernel output), Wait(ag), or one half of
+    that (no rs: Compute*, Kernel, Start(ag), Wait(ag); no ag: ending at the kernel); both
     collectives along dim 0 and over one axis."""
-    starts = [s for s in unit.steps if isinstance(s, Start)]
+    starts = [s.node for s in unit.steps if isinstance(s, Start)]
     kernels = unit.kernels
-    if len(starts) != 2 or len(kernels) != 1:
+    if len(kernels) != 1 or not 1 <= len(starts) <= 2:
         return None
-    rs, ag = starts[0].node, starts[1].node
     (kernel,) = kernels
+    rs = starts[0] if starts[0].op is Op.REDUCE_SCATTER else None
+    ag = starts[-1] if starts[-1].op is Op.ALL_GATHER else None
+    if len(starts) != (rs is not None) + (ag is not None):
+        return None
+    if rs is not None and (rs.type.layout.dim != 0 or rs not in kernel.inputs):
+        return None
+    made = {n.name for n in kernel.outputs}
+    if ag is not None and (ag.inputs[0].type.layout.dim != 0 or ag.inputs[0].name not in made):
+        return None
+    if rs is not None and ag is not None and rs.attr("axis") != ag.attr("axis"):
+        return None
+    k = unit.steps.index(kernel)
+    after = [type(s) for s in unit.steps[k + 1 :]]
+    if after != ([Start, Wait] if ag is not None else []):
+        return None
+    if not all(
+        (isinstance(s, Compute) and rs not in s.node.inputs)
+        or (isinstance(s, (Start, Wait)) and s.node is rs)
+        for s in unit.steps[:k]
+    ):
+        return None
+    scalars = tuple(s for s in unit.steps[:k] if isinstance(s, Compute))
+    return OnePass(rs, kernel, ag, scalars)
+
+
+def _loop_one_pass(loop: ChunkLoop) -> OnePass | None:
+    """A chain whose only collectives are a reduce_scatter and an all_gather along dim 0 over one
+    axis, with one kernel that alone reads the reduce_scatter and makes the gather's input:
+    each chunk runs as a ``OnePass`` (its scalars: none; the chain has no 0-d values)."""
+    steps = [s for stage in loop.stages for s in stage]
+    starts = [s.node for s in steps if isinstance(s, Start)]
+    if len(starts) != 2:
+        return None
+    rs, ag = starts
     if rs.op is not Op.REDUCE_SCATTER or ag.op is not Op.ALL_GATHER:
         return None
     if rs.type.layout.dim != 0 or ag.inputs[0].type.layout.dim != 0:
         return None
     if rs.attr("axis") != ag.attr("axis"):
         return None
-    made = {n.name for n in kernel.outputs}
-    if rs not in kernel.inputs or ag.inputs[0].name not in made:
+    readers = [
+        s for s in steps if isinstance(s, (Compute, Kernel, Start)) and rs in _step_inputs(s)
+    ]
+    if len(readers) != 1 or not isinstance(readers[0], Kernel):
         return None
-    order = [type(s) for s in unit.steps]
-    k = order.index(Kernel)
-    if order[k + 1 :] != [Start, Wait] or not all(
-        isinstance(s, (Start, Compute)) or (isinstance(s, Wait) and s.node is rs)
-        for s in unit.steps[:k]
-    ):
+    (kernel,) = readers
+    if ag.inputs[0] not in kernel.outputs:
         return None
-    scalars = tuple(s for s in unit.steps[:k] if isinstance(s, Compute))
-    return OnePass(rs, kernel, ag, scalars)
+    return OnePass(rs, kernel, ag, ())
+
+
+def _reads_in_place(plan: Plan) -> tuple[ReadInPlace, ...]:
+    """Top-level ``Start(ar) ... Wait(ar) ... Kernel`` with nothing communicating in between
+    (the transport keeps the group's epoch open until the kernel is done), the kernel the only
+    reader of ``ar``, elementwise, and every tensor it reads or writes shaped like ``ar``."""
+    out = []
+    users = plan.program.users()
+    body = plan.body
+    for i, s in enumerate(body):
+        if not isinstance(s, Start) or s.node.op is not Op.ALL_REDUCE:
+            continue
+        ar = s.node
+        k = next(
+            (j for j in range(i + 1, len(body)) if isinstance(body[j], Kernel)
+             and ar in body[j].inputs),
+            None,
+        )
+        if k is None:
+            continue
+        kernel = body[k]
+        between = body[i + 1 : k]
+        if not all(isinstance(t, Compute) or (isinstance(t, Wait) and t.node is ar)
+                   for t in between):
+            continue
+        members = {n.name for n in kernel.nodes}
+        if kernel.chunked or not all(u.name in members for u in users[ar.name]):
+            continue
+        if any(n.name == ar.name for n in plan.program.outputs):
+            continue
+        shape = ar.type.shape
+        if not all(
+            spec(n.op).lowering is Lowering.POINTWISE
+            and not spec(n.op).has(Prop.ROUNDS_PER_KERNEL)
+            for n in kernel.nodes
+        ):
+            continue
+        if not all(i.type.rank == 0 or i.type.shape == shape for i in kernel.inputs):
+            continue
+        if not all(n.type.shape == shape for n in kernel.outputs):
+            continue
+        out.append(ReadInPlace(ar, kernel))
+    return tuple(out)
 
 
 def _belongs(step: Step, group: Group, members: set[str]) -> bool:

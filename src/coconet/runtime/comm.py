@@ -410,13 +410,14 @@ class Communicator:
         x: torch.Tensor,
         *,
         axis: str | None,
-        gather_shape: Sequence[int],
-        gather_dtype: torch.dtype,
-        gather_parts: Sequence[int],
         label: str,
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(every peer's rows of this rank's slice of ``x``, this rank's slot of the gather):
-        what generated code calls to open a one-pass fused collective (shared memory only)."""
+        gather_shape: Sequence[int] | None = None,
+        gather_dtype: torch.dtype | None = None,
+        gather_parts: Sequence[int] | None = None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """(every peer's rows of this rank's slice of ``x``, this rank's slot of the gather or
+        None): what generated code calls to open a one-pass fused collective (shared memory
+        only). Without a gather, ``fused_reduce_scatter_finish`` closes it."""
         transport, group = self._shared_memory(axis, label)
         return self._guard(
             "reduce_scatter",
@@ -429,6 +430,46 @@ class Communicator:
                 gather_dtype=gather_dtype,
                 gather_parts=gather_parts,
             ),
+        )
+
+    def fused_reduce_scatter_finish(self, *, axis: str | None, label: str) -> None:
+        """Close a one-pass unit that has no gather (its kernel has read the peers' rows)."""
+        transport, group = self._shared_memory(axis, label)
+        end = transport.fused_reduce_scatter_end
+        self._guard("reduce_scatter", label, axis, lambda: end(group))
+
+    def fused_all_gather_start(
+        self,
+        *,
+        axis: str | None,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        parts: Sequence[int],
+        label: str,
+    ) -> torch.Tensor:
+        """This rank's slot of a gather of ``shape``: what generated code calls to open a
+        one-pass unit that has no reduce_scatter (its kernel writes there)."""
+        transport, group = self._shared_memory(axis, label)
+        return self._guard(
+            "all_gather",
+            label,
+            axis,
+            lambda: transport.fused_all_gather_begin(group, shape=shape, dtype=dtype, parts=parts),
+        )
+
+    def all_reduce_parts_start(
+        self, x: torch.Tensor, reduce_op: ReduceOp, *, axis: str | None, label: str
+    ) -> Published:
+        """All-reduce ``x`` over shared memory and leave the result where each slice's owner
+        reduced it (a ``Published`` of flat slices, in order): what generated code calls when
+        the consumer kernel reads the result in place (``coconet.codegen.plan.ReadInPlace``).
+        Nothing else may communicate on the group until the caller releases it."""
+        transport, group = self._shared_memory(axis, label)
+        return self._guard(
+            "all_reduce",
+            label,
+            axis,
+            lambda: transport.all_reduce_parts(x, group, reduce_op=reduce_op),
         )
 
     def fused_all_gather_finish(

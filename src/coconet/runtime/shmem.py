@@ -65,6 +65,7 @@ class ShmGroup:
         # tensors that live in symmetric memory of their own (a gradient bucket): data pointer ->
         # (their memory, numel, dtype); a collective reads the peers' copies in place
         self.registered: dict[int, tuple[SymmetricMemory, int, torch.dtype]] = {}
+        self.open_registered = False  # the open one-pass unit reads a registered input in place
 
     def register(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` in symmetric memory of its own, mapped by every peer.
@@ -189,11 +190,23 @@ class SharedMemoryTransport:
     # -- the communication ops -------------------------------------------------------------------
 
     def all_reduce(self, x, group: Group, *, reduce_op: ReduceOp, donate: bool) -> Pending:
+        flat = x.reshape(-1)
+        parts = self.all_reduce_parts(flat, group, reduce_op=reduce_op)
+        # A donated input (a gradient reduced in place, as DDP does) receives the result: its
+        # content is already in the segment.
+        out = flat if donate and flat.data_ptr() == x.data_ptr() else torch.empty_like(flat)
+        parts.copy_into(out)
+        return ready(out.view(x.shape))
+
+    def all_reduce_parts(self, x, group: Group, *, reduce_op: ReduceOp) -> Published:
+        """All-reduce flattened ``x``, leaving the result where the owners reduced it: a
+        ``Published`` of the owners' slices (flat, in order; ``torch.tensor_split`` bounds) that
+        a consumer reads in place. Nothing else may run on the group until it is released: the
+        peers cannot reuse their segments before every rank is done reading them."""
         st: ShmGroup = group.handle
         flat = x.reshape(-1)
         n, i = st.size, st.index
-        item = flat.element_size()
-        mem, e = st.begin(flat.numel() * item)
+        mem, e = st.begin(flat.numel() * flat.element_size())
         peer, _ = st.publish(mem, flat)
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
@@ -203,14 +216,11 @@ class SharedMemoryTransport:
         slot = mem.buffer(i, flat.dtype, flat.numel(), st.area)[lo:hi]
         _accumulate(mine, reduce_op, flat.dtype, out=slot)
         mem.post(Phase.REDUCED, e)
+        # every peer has reduced its slice, so every peer is done reading this rank's input
         mem.wait(Phase.REDUCED, e)
-        # A donated input (a gradient reduced in place, as DDP does) receives the result: its
-        # content is already in the segment.
-        out = flat if donate and flat.data_ptr() == x.data_ptr() else torch.empty_like(flat)
-        for j, (a, b) in enumerate(bounds):
-            out[a:b].copy_(mem.buffer(j, flat.dtype, flat.numel(), st.area)[a:b])
-        mem.post(Phase.CONSUMED, e)
-        return ready(out.view(x.shape))
+        pieces = [mem.buffer(j, flat.dtype, flat.numel(), st.area)[a:b] for j, (a, b) in
+                  enumerate(bounds)]
+        return Published(pieces, lambda: mem.post(Phase.CONSUMED, e), (flat.numel(),), flat.dtype)
 
     def reduce_scatter(
         self, x, group: Group, *, reduce_op: ReduceOp, dim: int, donate: bool
@@ -288,30 +298,65 @@ class SharedMemoryTransport:
         x: torch.Tensor,
         group: Group,
         *,
-        gather_shape: Sequence[int],
-        gather_dtype: torch.dtype,
-        gather_parts: Sequence[int],
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        gather_shape: Sequence[int] | None = None,
+        gather_dtype: torch.dtype | None = None,
+        gather_parts: Sequence[int] | None = None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Open the unit's epoch: publish ``x`` (dim 0 is scattered) and return every peer's
         rows of this rank's slice, in rank order (the fused kernel reduces them itself), and this
-        rank's slot of the gather's output area (the kernel writes its result there). An ``x``
-        that lives in symmetric memory of its own (``register``) is read in place."""
+        rank's slot of the gather's output area (the kernel writes its result there; None without
+        ``gather_shape``: the unit has no gather and ends with ``fused_reduce_scatter_end``).
+        An ``x`` that lives in symmetric memory of its own (``register``) is read in place."""
         st: ShmGroup = group.handle
         x0 = x.contiguous()
         n, i = st.size, st.index
-        out_numel = _numel(gather_shape)
-        out_bytes = out_numel * torch.empty((), dtype=gather_dtype).element_size()
+        out_bytes = 0
+        if gather_shape is not None:
+            out_numel = _numel(gather_shape)
+            out_bytes = out_numel * torch.empty((), dtype=gather_dtype).element_size()
         mem, e = st.begin(max(x0.numel() * x0.element_size(), out_bytes))
-        peer, _ = st.publish(mem, x0)
+        peer, st.open_registered = st.publish(mem, x0)
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
         lo, hi = slice_bounds(x0.shape[0], n, i)
-        # the peers' rows stay valid until the gather: every rank reads them before it posts
-        # REDUCED, and a rank leaves the unit only when every peer has posted REDUCED
+        # the peers' rows stay valid until the gather (or the end): every rank reads them before
+        # it posts REDUCED (CONSUMED), and a peer overwrites its segment only after it saw that
         peers = [peer(j)[lo:hi] for j in range(n)]
-        start = sum(gather_parts[:i])
-        slot = mem.buffer(i, gather_dtype, out_numel, st.area).view(tuple(gather_shape))
-        return peers, slot[start : start + gather_parts[i]]
+        if gather_shape is None:
+            return peers, None
+        return peers, self._slot(st, mem, gather_shape, gather_dtype, gather_parts)
+
+    def fused_reduce_scatter_end(self, group: Group) -> None:
+        """Close a unit that has no gather: this rank is done reading the peers' rows. When its
+        input lives in symmetric memory of its own, also wait until the peers are done with it:
+        the caller may overwrite it as soon as this returns."""
+        st: ShmGroup = group.handle
+        mem, e = st.mem, st.epoch
+        mem.post(Phase.CONSUMED, e)
+        if st.open_registered:
+            mem.wait(Phase.CONSUMED, e)
+
+    def fused_all_gather_begin(
+        self,
+        group: Group,
+        *,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        parts: Sequence[int],
+    ) -> torch.Tensor:
+        """Open a unit that has no reduce_scatter: this rank's slot of the gather, for the kernel
+        to write its rows into (``fused_all_gather`` closes it)."""
+        st: ShmGroup = group.handle
+        numel = _numel(shape)
+        mem, _ = st.begin(numel * torch.empty((), dtype=dtype).element_size())
+        return self._slot(st, mem, shape, dtype, parts)
+
+    @staticmethod
+    def _slot(st: ShmGroup, mem: SymmetricMemory, shape, dtype, parts) -> torch.Tensor:
+        """This rank's rows of a gather of ``shape``, in its segment's output area."""
+        start = sum(parts[: st.index])
+        out = mem.buffer(st.index, dtype, _numel(shape), st.area).view(tuple(shape))
+        return out[start : start + parts[st.index]]
 
     def fused_all_gather(
         self,

@@ -1,0 +1,127 @@
+"""Which units run as one pass over shared memory, and the code generated for them.
+
+The plan finds three forms (``coconet.codegen.plan``): a fused collective as ``OnePass`` (whole:
+reduce_scatter -> kernel -> all_gather; or a half, when a collective outside the group cuts the
+unit in two, as LAMB's norm all_reduce does), a chunk loop whose chunks are one-pass units
+(``ol_MM_fuse_RS_C_AG``), and an all_reduce whose elementwise consumer kernel reads the result
+where it was reduced (``ReadInPlace``, AR_C). Over torch.distributed none of them changes the
+code. What they compute is checked on real ranks in tests/dist (test_dist_examples,
+test_dist_shm); here: that the paper schedules take these paths, that what must not take them
+does not, and that the generated code says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+from examples_loader import load_example
+
+import coconet as cc
+from coconet.codegen import lower
+from coconet.errors import CompileOptionError
+from coconet.schedule import Schedule
+
+SHM = "shared memory"
+
+
+def _plan(example: str, schedule: str):
+    mod = load_example(example)
+    return lower(mod.SCHEDULES[schedule](mod.program()).program, set())
+
+
+def _source(target, transport: str = SHM, world=2) -> str:
+    return cc.compile(target, world=world, transport=transport).source
+
+
+@pytest.mark.parametrize("example", ["sgd", "adam", "adamw"])
+def test_ar_c_reads_the_reduced_gradient_in_place(example):
+    plan = _plan(example, "AR_C")
+    (r,) = plan.reads_in_place
+    assert r.all_reduce.name == "g_sum"
+    mod = load_example(example)
+    shm = _source(mod.SCHEDULES["AR_C"](mod.program()))
+    assert "comm.all_reduce_parts_start(" in shm and "_by_parts(" in shm
+    assert ".release()" in shm and "comm.all_reduce_start(" not in shm
+    gloo = _source(mod.SCHEDULES["AR_C"](mod.program()), "torch.distributed")
+    assert "all_reduce_parts" not in gloo and "comm.all_reduce_start(" in gloo
+
+
+@pytest.mark.parametrize("example", ["sgd", "adam", "adamw"])
+def test_fuse_rs_c_ag_is_one_whole_pass(example):
+    (unit,) = _plan(example, "fuse_RS_C_AG").fused_collectives
+    op = unit.one_pass
+    assert op is not None and op.reduce_scatter is not None and op.all_gather is not None
+
+
+def test_lambs_unit_cut_by_its_norm_runs_as_two_halves():
+    units = _plan("lamb", "fuse_RS_C_AG").fused_collectives
+    forms = [(u.one_pass.reduce_scatter is not None, u.one_pass.all_gather is not None)
+             for u in units]
+    assert forms == [(True, False), (False, True)]
+    mod = load_example("lamb")
+    shm = _source(mod.SCHEDULES["fuse_RS_C_AG"](mod.program()))
+    rs, finish, norm, ag, gather = (
+        shm.index(s)
+        for s in (
+            "comm.fused_reduce_scatter_start(",
+            "comm.fused_reduce_scatter_finish(",
+            "label='dir_norm_sumsq'",
+            "comm.fused_all_gather_start(",
+            "comm.fused_all_gather_finish(",
+        )
+    )
+    assert rs < finish < norm < ag < gather  # the norm's all_reduce runs between the halves
+
+
+def test_the_overlapped_layer_runs_each_chunk_as_one_pass():
+    (loop,) = _plan("tensor_parallel", "ol_MM_fuse_RS_C_AG").loops
+    assert loop.one_pass is not None
+    mod = load_example("tensor_parallel")
+    target = mod.SCHEDULES["ol_MM_fuse_RS_C_AG"](mod.program())
+    shm = _source(target)
+    assert "comm.fused_reduce_scatter_start(" in shm and "comm.fused_all_gather_finish(" in shm
+    assert "for _c in range(4):" in shm  # the chunks one after the other
+    gloo = _source(target, "torch.distributed")
+    assert "fused_reduce_scatter" not in gloo and "stage s works on chunk" in gloo
+
+
+def _ar_then(consumer, also_output: bool = False):
+    """all_reduce of a [B, H] gradient, then ``consumer(g_sum, p, b)`` fused after it."""
+    B, H = cc.Dim("B"), cc.Dim("H")
+    g = cc.Tensor("g", cc.float32, [B, H], cc.Local)
+    p = cc.Tensor("p", cc.float32, [B, H], cc.Replicated)
+    b = cc.Tensor("b", cc.float32, [H], cc.Replicated)
+    lr = cc.Scalar("lr")
+    g_sum = cc.all_reduce(g, name="g_sum")
+    p_new = consumer(g_sum, p, b, lr).named("p_new")
+    outputs = [cc.update(p, p_new)] + ([g_sum] if also_output else [])
+    prog = cc.Program("ar_then", [g, p, b, lr], outputs)
+    s = Schedule(prog)
+    s.fuse(s.computations("g_sum"))
+    return s
+
+
+def test_an_elementwise_consumer_of_a_2d_all_reduce_reads_it_in_place():
+    s = _ar_then(lambda g, p, b, lr: p - lr * g * g)
+    assert len(lower(s.program, set()).reads_in_place) == 1
+    assert "comm.all_reduce_parts_start(" in _source(s)
+
+
+@pytest.mark.parametrize(
+    ("why", "consumer", "also_output"),
+    [
+        ("rounds differently on other slices", lambda g, p, b, lr: p - lr * cc.gelu(g), False),
+        ("broadcasts a [H] operand", lambda g, p, b, lr: p - lr * g + b, False),
+        ("reduces", lambda g, p, b, lr: p - lr * g / g.norm(), False),
+        ("the reduced value is also an output", lambda g, p, b, lr: p - lr * g, True),
+    ],
+)
+def test_what_cannot_run_slice_by_slice_keeps_its_copy(why, consumer, also_output):
+    s = _ar_then(consumer, also_output)
+    assert lower(s.program, set()).reads_in_place == (), why
+    assert "all_reduce_parts" not in _source(s), why
+
+
+def test_transport_names_are_checked():
+    mod = load_example("adam")
+    with pytest.raises(CompileOptionError, match="unknown transport 'shm'"):
+        cc.compile(mod.program(), world=2, transport="shm")
