@@ -83,6 +83,17 @@ def collectives_vs_meaning(comm: Communicator, sizes, dtypes) -> list[dict]:
                     )
                 got = comm.wait(w)
                 rows.append(_row(name, dtype_name, size, got, want, x, xs[me]))
+            # a donated all_reduce of a tensor in symmetric memory of its own (a gradient
+            # bucket) is reduced in place, without an output area
+            sym = comm.symmetric_tensor(shape, dtype)
+            for name, op in (("all_reduce_in_place", ReduceOp.SUM), ("in_place_max", ReduceOp.MAX)):
+                node = _node(Op.ALL_REDUCE, dtype, size, reduce_op=op)
+                want = semantics.COLLECTIVES[Op.ALL_REDUCE](node, xs)[me]
+                sym.copy_(xs[me])
+                got = comm.wait(comm.all_reduce_start(sym, op, axis=None, donate=True, label=name))
+                row = _row(name, dtype_name, size, got, want, None, None)
+                row["in_place"] = got.data_ptr() == sym.data_ptr()
+                rows.append(row)
             # all_gather of uneven parts
             parts = [hi - lo for lo, hi in (slice_bounds(size, n, r) for r in range(n))]
             pieces = [_value(seed + 500, r, (parts[r], 3), dtype) for r in range(n)]

@@ -53,13 +53,17 @@ def clean_host():
     """/dev/shm as it was, and no segment mapped, once the test's job is over."""
     before = set(os.listdir("/dev/shm"))
     yield
-    # Killed ranks take a moment to be reaped, and multiprocessing's own semaphores (sem.mp-*,
-    # of this job or of another process on the machine) are removed by its resource tracker
-    # shortly after: wait for those, then what is left is a leak.
+    # Killed ranks take a moment to be reaped: wait for them, then what is left is a leak.
+    # multiprocessing's own semaphores (sem.mp-*) are not coconet's and may belong to another
+    # process on the machine (a concurrent test run): they are left out here; .ci/run checks
+    # that the whole suite leaves /dev/shm exactly as it found it, those included.
+    def new_files() -> set[str]:
+        return {f for f in set(os.listdir("/dev/shm")) - before if not f.startswith("sem.mp-")}
+
     deadline = time.time() + 10
-    while time.time() < deadline and (_segments_mapped() or set(os.listdir("/dev/shm")) - before):
+    while time.time() < deadline and (_segments_mapped() or new_files()):
         time.sleep(0.1)
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert new_files() == set()
     assert _segments_mapped() == []
 
 
@@ -72,8 +76,10 @@ def test_collectives_equal_their_meaning(nproc, clean_host):
         shm_workers.collectives_vs_meaning, nproc, sizes, dtypes, options=OPTIONS, timeout=220
     )
     for rank, rows in enumerate(results):
-        assert len(rows) == len(sizes) * len(dtypes) * 7
-        bad = [r for r in rows if not (r["equal"] and r["input_untouched"])]
+        assert len(rows) == len(sizes) * len(dtypes) * 9
+        bad = [
+            r for r in rows if not (r["equal"] and r["input_untouched"] and r.get("in_place", 1))
+        ]
         assert bad == [], f"rank {rank}: {bad[:5]}"
 
 

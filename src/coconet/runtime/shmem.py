@@ -191,12 +191,50 @@ class SharedMemoryTransport:
 
     def all_reduce(self, x, group: Group, *, reduce_op: ReduceOp, donate: bool) -> Pending:
         flat = x.reshape(-1)
+        st: ShmGroup = group.handle
+        if donate and flat.data_ptr() == x.data_ptr() and st.peer_views(flat) is not None:
+            return ready(self._all_reduce_in_place(flat, st, reduce_op).view(x.shape))
         parts = self.all_reduce_parts(flat, group, reduce_op=reduce_op)
         # A donated input (a gradient reduced in place, as DDP does) receives the result: its
         # content is already in the segment.
         out = flat if donate and flat.data_ptr() == x.data_ptr() else torch.empty_like(flat)
         parts.copy_into(out)
         return ready(out.view(x.shape))
+
+    def _all_reduce_in_place(
+        self, flat: torch.Tensor, st: ShmGroup, reduce_op: ReduceOp
+    ) -> torch.Tensor:
+        """A donated input that lives in symmetric memory of its own (a gradient bucket) receives
+        the result in place, with no output area: each rank reduces its slice straight into its
+        own copy's slice (the peers never read that slice of it: they read only their own
+        slices), then copies each peer's reduced slice out of the peer's copy into the same
+        place of its own once that peer posted ``REDUCED`` (the peer has finished reading this
+        rank's copy of that slice then). One pass fewer than reducing into an output area."""
+        n, i = st.size, st.index
+        peer = st.peer_views(flat)
+        mem, e = st.begin(0)
+        mem.post(Phase.READY, e)
+        mem.wait(Phase.READY, e)
+        bounds = [slice_bounds(flat.numel(), n, r) for r in range(n)]
+        lo, hi = bounds[i]
+        mine = [peer(j)[lo:hi] for j in range(n)]
+        if i < 2:
+            # rank order, straight into this rank's own slice: ((x_0 . x_1) . x_2) ...; its
+            # first write reads x_i's slice in the same element (exact aliasing is safe) and no
+            # later term reads it; no peer reads this slice of it
+            _accumulate(mine, reduce_op, flat.dtype, out=flat[lo:hi])
+        else:  # x_i is a later term: the first write would overwrite it before it is added
+            flat[lo:hi].copy_(_accumulate(mine, reduce_op, flat.dtype))
+        mem.post(Phase.REDUCED, e)
+        for j, (a, b) in enumerate(bounds):
+            if j != i:
+                mem.wait(Phase.REDUCED, e, [j])
+                flat[a:b].copy_(peer(j)[a:b])
+        mem.post(Phase.CONSUMED, e)
+        # the caller may overwrite its buffer as soon as this returns: every peer must be done
+        # copying its slice out of it
+        mem.wait(Phase.CONSUMED, e)
+        return flat
 
     def all_reduce_parts(self, x, group: Group, *, reduce_op: ReduceOp) -> Published:
         """All-reduce flattened ``x``, leaving the result where the owners reduced it: a
