@@ -744,6 +744,7 @@ ALL = [
     f"coconet:AR_C{GLOO}",
     f"coconet:fuse_RS_C_AG{GLOO}",
     f"coconet:AR_C{SHM}",
+    f"coconet:AR_C{SHM}{SWAP}",
     f"coconet:RS_C_AG{SHM}",
     f"coconet:fuse_RS_C_AG{SHM}",
     f"coconet:fuse_RS_C_AG{SHM}{SWAP}",
