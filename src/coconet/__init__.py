@@ -15,7 +15,9 @@ ops, ``Program``, ``Schedule`` and ``simulate``. Left out of it, though still ``
 - ``CompileOptions`` (it goes with ``cc.compile``), the types ``DType``, ``Layout`` and
   ``SimResult`` (for annotations: programs use ``cc.float32``, ``Local``, ``simulate(...)``),
   the error classes (``except cc.DSLError``; all of them are in ``coconet.errors``) and
-  ``__version__`` (a star import would overwrite the importer's own).
+  ``__version__`` (a star import would overwrite the importer's own);
+- ``optim``: drop-in data-parallel optimizers (``cc.optim.AdamW(model.parameters(), comm=comm)``),
+  not words of the DSL but a package built on it.
 
 Every error coconet raises on purpose is a ``CoconetError`` carrying the op, the values involved,
 the user's file and line and a hint; see ``coconet.errors``.
@@ -24,6 +26,7 @@ the user's file and line and a hint; see ``coconet.errors``.
 # ``from x import y as y``: an attribute of coconet that ``__all__`` leaves out on purpose (see the
 # module docstring); the others are in ``__all__``.
 from coconet import ops as ops  # every DSL op, sum/max/abs/pow included: cc.ops.sum
+from coconet import optim as optim  # drop-in data-parallel optimizers: cc.optim.Adam, ...
 from coconet.compiler import CompileOptions as CompileOptions
 from coconet.compiler import compile as compile
 from coconet.dsl import (

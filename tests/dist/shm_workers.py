@@ -21,7 +21,7 @@ from coconet.ir import semantics
 from coconet.ir.node import make_node
 from coconet.ir.ops import Op, ReduceOp
 from coconet.ir.types import slice_bounds
-from coconet.runtime import CommOptions, Communicator
+from coconet.runtime import Communicator
 from coconet.testing import check_distributed, rank_inputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -38,7 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"ir", "codegen", "cache", "options"},
     "compiler": {"ir", "codegen", "schedule", "runtime", "cache", "options"},
     "testing": {"ir", "sim", "compiler", "runtime"},
-    "coconet": {"ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting"},
+    "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options"},
+    "coconet": {"ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting", "optim"},
     "cli": {"ir", "schedule", "compiler", "runtime", "cache", "coconet"},
 }
 

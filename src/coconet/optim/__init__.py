@@ -1,0 +1,21 @@
+"""Drop-in data-parallel optimizers: ``torch.optim``'s, whose step is a compiled coconet program.
+
+::
+
+    comm = coconet.runtime.init()
+    opt = coconet.optim.AdamW(model.parameters(), lr=1e-3, comm=comm)
+    for batch in data:                 # this rank's share of the batch
+        opt.zero_grad()
+        loss_fn(model(batch)).backward()   # local gradients: no DDP wrapper
+        opt.step()                     # reduce (the average), update, gather: one fused collective
+
+The parameters end up identical on every rank and equal to what ``torch.optim`` computes from
+the averaged gradient. See ``coconet.optim.base`` for the contract (buckets, ``.grad`` views,
+sliced state, all-or-nothing updates, checkpoints in torch's format) and
+``coconet.optim.optimizers`` for what each supports.
+"""
+
+from coconet.optim.base import DistributedOptimizer
+from coconet.optim.optimizers import SGD, Adam, AdamW
+
+__all__ = ["SGD", "Adam", "AdamW", "DistributedOptimizer"]

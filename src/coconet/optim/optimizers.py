@@ -1,0 +1,193 @@
+"""``coconet.optim.SGD``, ``Adam`` and ``AdamW``: torch's constructors and defaults, coconet's step.
+
+Each is a ``DistributedOptimizer`` (``coconet.optim.base``: buckets, sliced state, all-or-nothing
+updates, torch-format checkpoints) over a DSL program of ``coconet.optim.programs``. What torch
+offers that these do not: ``amsgrad``, ``capturable`` and ``differentiable`` (refused with an
+error); ``foreach`` and ``fused`` are accepted and ignored (they choose among torch's
+implementations; coconet's step is its own compiled program).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from coconet.errors import ConfigError
+from coconet.ir.program import Program
+from coconet.ir.types import DType
+from coconet.optim import programs
+from coconet.optim.base import DistributedOptimizer
+
+__all__ = ["SGD", "Adam", "AdamW"]
+
+
+def _check(name: str, what: str, value: Any, ok: bool) -> None:
+    if not ok:
+        raise ConfigError(
+            f"invalid {what}: {value!r}",
+            op=f"coconet.optim.{name}",
+            hint="the same ranges as torch.optim's",
+        )
+
+
+def _unsupported(name: str, **flags: Any) -> None:
+    for flag, value in flags.items():
+        if value:
+            raise ConfigError(
+                f"{flag}=True is not supported",
+                op=f"coconet.optim.{name}",
+                hint=f"use torch.optim.{name} for {flag}",
+            )
+
+
+def _f(x: Any) -> float:
+    return float(x)  # a tensor lr (schedulers may set one) is read as its value
+
+
+class _AdamFamily(DistributedOptimizer):
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        comm,
+        schedule=None,
+        options=None,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        name = type(self).__name__
+        _check(name, "learning rate", lr, _f(lr) >= 0.0)
+        _check(name, "epsilon value", eps, eps >= 0.0)
+        _check(name, "beta parameter at index 0", betas[0], 0.0 <= betas[0] < 1.0)
+        _check(name, "beta parameter at index 1", betas[1], 0.0 <= betas[1] < 1.0)
+        _check(name, "weight_decay value", weight_decay, weight_decay >= 0.0)
+        _unsupported(name, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, foreach=foreach, capturable=capturable,
+            differentiable=differentiable, fused=fused,
+        )
+        super().__init__(params, defaults, comm=comm, schedule=schedule, options=options)
+
+    def program(self, group: dict[str, Any], dtype: DType) -> Program:
+        return programs.adam(dtype)
+
+    def state_names(self, group: dict[str, Any]) -> dict[str, str]:
+        return {"m": "exp_avg", "v": "exp_avg_sq"}
+
+    def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
+        lr, wd, eps = _f(group["lr"]), _f(group["weight_decay"]), _f(group["eps"])
+        beta1, beta2 = (_f(b) for b in group["betas"])
+        return {
+            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self._comm.world,
+            "weight_decay": 0.0 if self._decoupled else wd,
+            "decay": 1.0 - lr * wd if self._decoupled else 1.0,
+            "beta1": beta1,
+            "one_minus_beta1": 1.0 - beta1,
+            "beta2": beta2,
+            "one_minus_beta2": 1.0 - beta2,
+            "eps": eps,
+            "step_size": lr / (1.0 - beta1**step),
+            "bc2_sqrt": math.sqrt(1.0 - beta2**step),
+        }
+
+    def step_state(self, steps: int) -> dict[str, Any]:
+        import torch
+
+        return {"step": torch.tensor(float(steps))}
+
+    def steps_of(self, entries) -> int:
+        steps = {int(float(e["step"])) for e in entries if e is not None and "step" in e}
+        if len(steps) > 1:
+            raise ConfigError(
+                f"the parameters of one bucket were saved at different steps {sorted(steps)}",
+                op=f"coconet.optim.{type(self).__name__}.load_state_dict",
+                hint="coconet.optim steps a param group's parameters together",
+            )
+        return steps.pop() if steps else 0
+
+
+class Adam(_AdamFamily):
+    """``torch.optim.Adam`` (L2 weight decay), data-parallel: see ``coconet.optim``."""
+
+
+class AdamW(_AdamFamily):
+    """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2), data-parallel."""
+
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, **kwargs) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class SGD(DistributedOptimizer):
+    """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay), data-parallel."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        comm,
+        schedule=None,
+        options=None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        _check("SGD", "learning rate", lr, _f(lr) >= 0.0)
+        _check("SGD", "momentum value", momentum, momentum >= 0.0)
+        _check("SGD", "weight_decay value", weight_decay, weight_decay >= 0.0)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ConfigError(
+                "Nesterov momentum requires a momentum and zero dampening",
+                op="coconet.optim.SGD",
+                hint="SGD(..., momentum=0.9, nesterov=True)",
+            )
+        _unsupported("SGD", differentiable=differentiable)
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+            nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
+            fused=fused,
+        )
+        super().__init__(params, defaults, comm=comm, schedule=schedule, options=options)
+
+    def program(self, group: dict[str, Any], dtype: DType) -> Program:
+        return programs.sgd_momentum(dtype) if group["momentum"] else programs.sgd(dtype)
+
+    def state_names(self, group: dict[str, Any]) -> dict[str, str]:
+        return {"buf": "momentum_buffer"} if group["momentum"] else {}
+
+    def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
+        out = {
+            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self._comm.world,
+            "weight_decay": _f(group["weight_decay"]),
+            "lr": _f(group["lr"]),
+        }
+        momentum = _f(group["momentum"])
+        if momentum:
+            first = step == 1
+            out["buf_momentum"] = 0.0 if first else momentum
+            out["buf_damp"] = 1.0 if first else 1.0 - _f(group["dampening"])
+            out["a"], out["b"] = (1.0, momentum) if group["nesterov"] else (0.0, 1.0)
+        return out
+
+    def steps_of(self, entries) -> int:
+        return 1  # torch keeps no step count for SGD: any saved buffer means "started"

@@ -1,0 +1,242 @@
+"""Rank bodies for test_dist_optim.py: coconet.optim against torch.optim, on real ranks.
+
+Every rank builds the same small model (a real ``nn.Module``: many parameters of different
+sizes, uneven over 3 or 4 ranks); a global batch of 12 samples is split evenly over the ranks
+(12 divides by 1, 2, 3 and 4, so the average of the ranks' mean losses is the global mean). The
+reference runs on every rank, in the same process: a copy of the model whose gradients are the
+average of every rank's gradients (summed in rank order, divided by the world size, as DDP
+does), stepped by the torch optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import coconet
+from coconet.options import CompileOptions
+from coconet.runtime import Communicator
+
+BATCH = 12
+EAGER = CompileOptions(fused_kernels=False)  # the same programs, without torch.compile's cost
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 7),
+        torch.nn.Tanh(),
+        torch.nn.LayerNorm(7),
+        torch.nn.Linear(7, 3),
+    )
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, 5, generator=gen), torch.randn(BATCH, 3, generator=gen)
+
+
+def _loss(net, x, y):
+    return torch.nn.functional.mse_loss(net(x), y)
+
+
+def groups(net: torch.nn.Module, **second) -> list[dict]:
+    """Weights in one group, biases and the norm in another (with ``second``'s settings)."""
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    others = [p for n, p in net.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+    return [{"params": weights}, {"params": others, **second}]
+
+
+def _reference_grads(ref: torch.nn.Module, world: int, step: int) -> None:
+    """ref's .grad = the average over ranks of each rank's gradient, summed in rank order."""
+    x, y = batch(step)
+    total = None
+    for xs, ys in zip(torch.tensor_split(x, world), torch.tensor_split(y, world), strict=True):
+        ref.zero_grad(set_to_none=True)
+        _loss(ref, xs, ys).backward()
+        grads = [p.grad.clone() for p in ref.parameters()]
+        total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+    for p, g in zip(ref.parameters(), total, strict=True):
+        p.grad = g / world
+
+
+def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict, steps: int,
+                  scheduler: bool, compiled: bool = False) -> dict:
+    """``steps`` steps of coconet.optim.<name> and torch.optim.<name>: the worst relative error
+    (max |p - ref| / max |ref| over the parameters) and whether every rank holds the same."""
+    net, ref = model(), model()
+    ours = getattr(coconet.optim, name)(
+        groups(net, **second), comm=comm, options=None if compiled else EAGER, **kwargs
+    )
+    theirs = getattr(torch.optim, name)(groups(ref, **second), **kwargs)
+    scheds = []
+    if scheduler:
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (ours,
+                                                                                        theirs)]
+    for k in range(steps):
+        x, y = batch(k)
+        ours.zero_grad()
+        xs = torch.tensor_split(x, comm.world)[comm.rank]
+        ys = torch.tensor_split(y, comm.world)[comm.rank]
+        _loss(net, xs, ys).backward()
+        ours.step()
+        _reference_grads(ref, comm.world, k)
+        theirs.step()
+        for s in scheds:
+            s.step()
+    rel = max(
+        ((a - b).abs().max() / b.abs().max()).item()
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True)
+    )
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    rank0 = flat.clone()
+    torch.distributed.broadcast(rank0, 0) if comm.world > 1 else None
+    return {
+        "rel": rel,
+        "same_on_every_rank": bool(torch.equal(flat, rank0)),
+        "grads_are_views": all(
+            p.grad is not None and p.grad._base is not None for p in net.parameters()
+        ),
+        "lr_now": [g["lr"] for g in ours.param_groups],
+    }
+
+
+def _train(net, opt, comm, first: int, steps: int) -> None:
+    for k in range(first, first + steps):
+        x, y = batch(k)
+        opt.zero_grad()
+        xs = torch.tensor_split(x, comm.world)[comm.rank]
+        ys = torch.tensor_split(y, comm.world)[comm.rank]
+        _loss(net, xs, ys).backward()
+        opt.step()
+
+
+def save_checkpoint(comm: Communicator, path: str) -> list[float]:
+    """5 steps of coconet.optim.Adam, a checkpoint (model + optimizer, rank 0 writes it), 5 more:
+    the final parameters."""
+    net = model()
+    opt = coconet.optim.Adam(net.parameters(), lr=1e-2, comm=comm, options=EAGER)
+    _train(net, opt, comm, 0, 5)
+    sd = opt.state_dict()  # collective
+    if comm.rank == 0:
+        torch.save({"model": net.state_dict(), "optim": sd}, path)
+    _train(net, opt, comm, 5, 5)
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
+
+
+def load_checkpoint(comm: Communicator, path: str, into: str) -> list[float]:
+    """The checkpoint loaded into coconet.optim.Adam (``into="coconet"``, at this world size) or
+    into torch.optim.Adam (``"torch"``: the average gradient of the same split), then the same 5
+    steps: the final parameters."""
+    saved = torch.load(path, weights_only=False)
+    net = model()
+    net.load_state_dict(saved["model"])
+    if into == "coconet":
+        opt = coconet.optim.Adam(net.parameters(), lr=1e-2, comm=comm, options=EAGER)
+        opt.load_state_dict(saved["optim"])
+        _train(net, opt, comm, 5, 5)
+    else:
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        opt.load_state_dict(saved["optim"])
+        for k in range(5, 10):
+            _reference_grads(net, 2, k)  # the split the checkpoint was trained with
+            opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
+
+
+def from_torch(comm: Communicator, steps: int) -> float:
+    """torch.optim.Adam trains 3 steps, its state dict goes into coconet.optim.Adam, which
+    continues; against torch continuing on its own: the worst relative error."""
+    net, ref = model(), model()
+    theirs = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for k in range(3):
+        _reference_grads(ref, comm.world, k)
+        theirs.step()
+    net.load_state_dict(ref.state_dict())
+    ours = coconet.optim.Adam(net.parameters(), lr=1e-2, comm=comm, options=EAGER)
+    ours.load_state_dict(theirs.state_dict())
+    _train(net, ours, comm, 3, steps)
+    for k in range(3, 3 + steps):
+        _reference_grads(ref, comm.world, k)
+        theirs.step()
+    return max(
+        ((a - b).abs().max() / b.abs().max()).item()
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True)
+    )
+
+
+def misuse(comm: Communicator) -> dict[str, str]:
+    """What bad use raises (each a CoconetError's message)."""
+    out = {}
+    frozen = model()
+    frozen[0].weight.requires_grad_(False)
+    cases = {
+        "no comm": lambda: coconet.optim.Adam(model().parameters(), comm=None),
+        "frozen": lambda: coconet.optim.Adam(frozen.parameters(), comm=comm),
+        "amsgrad": lambda: coconet.optim.Adam(model().parameters(), amsgrad=True, comm=comm),
+        "bad lr": lambda: coconet.optim.SGD(model().parameters(), lr=-1.0, comm=comm),
+        "schedule": lambda: coconet.optim.Adam(model().parameters(), comm=comm, schedule="x"),
+        "bfloat16": lambda: coconet.optim.Adam(model().bfloat16().parameters(), comm=comm),
+    }
+    for label, make in cases.items():
+        try:
+            make()
+            out[label] = "no error"
+        except coconet.CoconetError as e:
+            out[label] = f"{type(e).__name__}: {e}"
+    # different models on different ranks: every rank fails
+    net = model() if comm.rank == 0 else torch.nn.Linear(5, 3)
+    try:
+        coconet.optim.Adam(net.parameters(), comm=comm, options=EAGER)
+        out["mismatch"] = "no error"
+    except coconet.CoconetError as e:
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _grown_loss(net, extra, x, y, grown: bool):
+    """The loss, plus a term through the ``extra`` layer once it has been added."""
+    loss = _loss(net, x, y)
+    return loss + (extra(net(x)) ** 2).mean() if grown else loss
+
+
+def extras(comm: Communicator) -> dict:
+    """step(closure), step hooks and add_param_group, against torch doing the same."""
+    net, ref = model(), model()
+    extra, extra_ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    extra_ref.load_state_dict(extra.state_dict())
+    ours = coconet.optim.Adam(net.parameters(), lr=1e-2, comm=comm, options=EAGER)
+    theirs = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    calls = []
+    ours.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    ours.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    losses = []
+    for k in range(6):
+        if k == 2:  # a new group mid-training (collective: every rank adds it here)
+            ours.add_param_group({"params": extra.parameters(), "lr": 2e-2})
+            theirs.add_param_group({"params": extra_ref.parameters(), "lr": 2e-2})
+        x, y = batch(k)
+        xs = torch.tensor_split(x, comm.world)[comm.rank]
+        ys = torch.tensor_split(y, comm.world)[comm.rank]
+
+        def closure(xs=xs, ys=ys, grown=k >= 2):
+            ours.zero_grad()
+            loss = _grown_loss(net, extra, xs, ys, grown)
+            loss.backward()
+            return loss
+
+        losses.append(float(ours.step(closure)))
+        total = None
+        for xr, yr in zip(torch.tensor_split(x, comm.world), torch.tensor_split(y, comm.world),
+                          strict=True):
+            theirs.zero_grad(set_to_none=True)
+            _grown_loss(ref, extra_ref, xr, yr, k >= 2).backward()
+            params = [p for g in theirs.param_groups for p in g["params"]]
+            grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+        for p, g in zip(params, total, strict=True):
+            p.grad = g / comm.world
+        theirs.step()
+    pairs = list(zip(net.parameters(), ref.parameters(), strict=True))
+    pairs += list(zip(extra.parameters(), extra_ref.parameters(), strict=True))
+    rel = max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
+    return {"rel": rel, "calls": calls, "losses_are_floats": all(x == x for x in losses)}
