@@ -281,6 +281,34 @@ def remove_deepspeed_segments() -> list[str]:
     return removed
 
 
+class CoconetOptim(Contender):
+    """``coconet.optim.Adam`` as a user writes it: one parameter whose ``.grad`` backward would
+    fill (a view of the optimizer's bucket in symmetric memory), ``opt.step()``. It averages the
+    gradient (as DDP does) where this benchmark sums: ``prepare`` writes ``world * g`` into the
+    bucket, exact for a power-of-two world, so every contender computes the same step."""
+
+    kind = "coconet"
+    name = "coconet.optim.Adam"
+
+    def __init__(self, comm, p0: torch.Tensor, hp: dict) -> None:
+        import coconet.optim
+
+        self.world = comm.world
+        self.p = torch.nn.Parameter(p0.clone())
+        self.opt = coconet.optim.Adam([self.p], **hp, comm=comm)
+        self.schedule = "coconet.optim default (fuse_RS_C_AG, state sliced, commit swap)"
+        self.fn = self.opt._buckets[0].step_fn
+
+    def prepare(self, g):
+        torch.mul(g, self.world, out=self.p.grad)
+
+    def step(self, k, g):
+        self.opt.step()
+
+    def param(self):
+        return self.p.detach()
+
+
 class CopyProbe(Contender):
     """A copy loop: the memory bandwidth each rank sees while the other rank runs too."""
 
@@ -353,6 +381,8 @@ def worker(comm, cfg: dict) -> dict:
     on = {SHM: comm, GLOO: gloo}
     if "shm_all_reduce+adam_fused" in wanted:
         contenders.append(ShmAllReduce(comm, p0, hp))
+    if CoconetOptim.name in wanted:
+        contenders.append(CoconetOptim(comm, p0, hp))
     skipped: dict[str, str] = {}
     if DEEPSPEED in wanted:
         why = deepspeed_available(world)
@@ -750,6 +780,7 @@ ALL = [
     f"coconet:fuse_RS_C_AG{SHM}{SWAP}",
     f"coconet:AR_C{SHM}{LEAN}",
     f"coconet:fuse_RS_C_AG{SHM}{LEAN}",
+    CoconetOptim.name,
 ]
 
 
