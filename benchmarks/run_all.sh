@@ -24,3 +24,7 @@ mkdir -p "$R"
   | tee "$R/step_breakdown_4M.txt"
 "$PY" benchmarks/step_breakdown.py --params 16777216 --steps 10 --commit swap \
   | tee "$R/step_breakdown_16M.txt"
+
+# The end-to-end training step: coconet.optim.AdamW against DDP + fused AdamW (examples/).
+"$PY" examples/train_gpt.py --steps 40 --json "$R/train_gpt.json" --plot "$R/train_gpt.png" \
+  | tee "$R/train_gpt.txt"

@@ -1,0 +1,279 @@
+"""Train a small GPT data-parallel on 2 local ranks: ``coconet.optim.AdamW`` against DDP.
+
+Three runs of the same model from the same initial weights on the same batches:
+
+- **coconet**: 2 ranks, each its half of every batch, plain ``loss.backward()`` (no DDP wrapper)
+  and ``coconet.optim.AdamW`` (average the gradients, update each rank's slice of the state,
+  gather the parameters: one fused collective, over shared memory on one host);
+- **ddp**: 2 ranks, ``DistributedDataParallel`` (gloo) + ``torch.optim.AdamW(fused=True)``;
+- **single**: one process, the full batch, ``torch.optim.AdamW``: the reference both must follow.
+
+The two data-parallel runs train in alternation, step by step, in one process group (a barrier
+before each timed step), so they see the same machine. It prints the three loss curves side by
+side, the step times (and the share of DDP's step that is not forward + backward), and writes a
+PNG of the curves with ``--plot`` (needs matplotlib). The text it learns is coconet's own README
+(bytes, a 256-symbol vocabulary), so nothing is downloaded.
+
+    python examples/train_gpt.py                 # ~1 minute on 2 cores
+    python examples/train_gpt.py --steps 60 --plot losses.png --json run.json
+
+The exit status is non-zero when a data-parallel run's losses leave the reference's by more than
+``--tolerance`` (relative; float32 sums in a different order drift apart slowly over training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - torch's convention
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Config:
+    steps: int = 30
+    seq: int = 32  # tokens per sequence
+    batch: int = 4  # sequences per step, over all ranks (an even split over 2 ranks)
+    d_model: int = 256
+    layers: int = 3
+    heads: int = 4
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    world: int = 2
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer over bytes."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(256, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, 256, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def model(cfg: Config) -> GPT:
+    torch.manual_seed(cfg.seed)
+    return GPT(cfg)
+
+
+def corpus() -> torch.Tensor:
+    text = (ROOT / "README.md").read_bytes()
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def batch(data: torch.Tensor, cfg: Config, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ``cfg.batch`` random windows (inputs, next bytes)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    starts = torch.randint(0, data.numel() - cfg.seq - 1, (cfg.batch,), generator=gen)
+    x = torch.stack([data[s : s + cfg.seq] for s in starts.tolist()])
+    y = torch.stack([data[s + 1 : s + cfg.seq + 1] for s in starts.tolist()])
+    return x, y
+
+
+def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(net(x).reshape(-1, 256), y.reshape(-1))
+
+
+# -- the two data-parallel runs, on the ranks ------------------------------------------------------
+
+
+def ranks(comm, cfg: Config) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import coconet.optim
+
+    torch.set_num_threads(1)
+    data = corpus()
+    ours = model(cfg)
+    opt = coconet.optim.AdamW(
+        ours.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, comm=comm
+    )
+    ddp = DistributedDataParallel(model(cfg))
+    ddp_opt = torch.optim.AdamW(
+        ddp.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
+    )
+    out = {k: [] for k in ("coconet_loss", "ddp_loss", "coconet_ms", "ddp_ms", "compute_ms",
+                           "coconet_step_ms")}
+    for k in range(cfg.steps):
+        x, y = batch(data, cfg, k)
+        xs = torch.tensor_split(x, comm.world)[comm.rank]
+        ys = torch.tensor_split(y, comm.world)[comm.rank]
+        for run in ("ddp", "coconet"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if run == "ddp":
+                ddp_opt.zero_grad()
+                loss = loss_of(ddp, xs, ys)
+                loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
+                ddp_opt.step()
+            else:
+                opt.zero_grad()
+                loss = loss_of(ours, xs, ys)
+                loss.backward()
+                t1 = time.perf_counter()
+                opt.step()
+                out["compute_ms"].append((t1 - t0) * 1e3)
+                out["coconet_step_ms"].append((time.perf_counter() - t1) * 1e3)
+            out[f"{run}_ms"].append((time.perf_counter() - t0) * 1e3)
+            out[f"{run}_loss"].append(loss.item())
+    # the global batch's loss: the mean of the ranks' (equal shares)
+    for run in ("ddp", "coconet"):
+        t = torch.tensor(out[f"{run}_loss"], dtype=torch.float64)
+        dist.all_reduce(t)
+        out[f"{run}_loss"] = (t / comm.world).tolist()
+    for key in ("coconet_ms", "ddp_ms", "compute_ms", "coconet_step_ms"):
+        t = torch.tensor(out[key], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time, step by step
+        out[key] = t.tolist()
+    return out
+
+
+def single(cfg: Config) -> list[float]:
+    """One process, the full batch, torch.optim.AdamW: the losses both runs must follow."""
+    data = corpus()
+    net = model(cfg)
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    losses = []
+    for k in range(cfg.steps):
+        x, y = batch(data, cfg, k)
+        opt.zero_grad()
+        loss = loss_of(net, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=Config.steps)
+    ap.add_argument("--d-model", type=int, default=Config.d_model)
+    ap.add_argument("--layers", type=int, default=Config.layers)
+    ap.add_argument("--batch", type=int, default=Config.batch, help="sequences per step, all ranks")
+    ap.add_argument("--seq", type=int, default=Config.seq)
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="relative, on the losses")
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--plot", metavar="PATH", help="a PNG of the loss curves (needs matplotlib)")
+    args = ap.parse_args(argv)
+    cfg = Config(
+        steps=args.steps, d_model=args.d_model, layers=args.layers, batch=args.batch,
+        seq=args.seq,
+    )
+    if cfg.batch % cfg.world:
+        ap.error(f"--batch must split evenly over {cfg.world} ranks")
+    from coconet.runtime import CommOptions, spawn
+
+    params = sum(p.numel() for p in model(cfg).parameters())
+    print(f"GPT: {cfg.layers} layers, d_model {cfg.d_model}, {params:,} parameters; "
+          f"{cfg.batch} x {cfg.seq} tokens per step over {cfg.world} ranks; {cfg.steps} steps")
+    t0 = time.perf_counter()
+    res = spawn(ranks, cfg.world, cfg, options=CommOptions(timeout=300), timeout=1800)[0]
+    ref = single(cfg)
+    wall = time.perf_counter() - t0
+
+    def drift(run: str) -> float:
+        return max(abs(a - b) / abs(b) for a, b in zip(res[f"{run}_loss"], ref, strict=True))
+
+    print(f"\n{'step':>4} {'single':>10} {'coconet':>10} {'ddp':>10}   {'coconet ms':>10} "
+          f"{'ddp ms':>8}")
+    for k in range(cfg.steps):
+        print(f"{k + 1:>4} {ref[k]:>10.5f} {res['coconet_loss'][k]:>10.5f} "
+              f"{res['ddp_loss'][k]:>10.5f}   {res['coconet_ms'][k]:>10.1f} "
+              f"{res['ddp_ms'][k]:>8.1f}")
+    timed = slice(2, None)  # the first steps compile coconet's kernel and warm DDP's buckets
+    med = {k: statistics.median(res[k][timed]) for k in ("coconet_ms", "ddp_ms", "compute_ms",
+                                                         "coconet_step_ms")}
+    share = 1.0 - med["compute_ms"] / med["ddp_ms"]
+    summary = {
+        "config": asdict(cfg),
+        "parameters": params,
+        "median_step_ms": {"coconet": med["coconet_ms"], "ddp": med["ddp_ms"]},
+        "speedup_vs_ddp": med["ddp_ms"] / med["coconet_ms"],
+        "forward_backward_ms": med["compute_ms"],
+        "coconet_optimizer_step_ms": med["coconet_step_ms"],
+        "ddp_share_not_forward_backward": share,
+        "loss_drift": {"coconet": drift("coconet"), "ddp": drift("ddp")},
+        "losses": {"single": ref, "coconet": res["coconet_loss"], "ddp": res["ddp_loss"]},
+        "wall_s": wall,
+    }
+    print(
+        f"\nmedian step (steps 3-{cfg.steps}, slowest rank): coconet {med['coconet_ms']:.1f} ms "
+        f"(forward + backward {med['compute_ms']:.1f}, opt.step {med['coconet_step_ms']:.1f}), "
+        f"DDP + AdamW(fused) {med['ddp_ms']:.1f} ms: {summary['speedup_vs_ddp']:.2f}x; "
+        f"communication + optimizer are {share:.0%} of DDP's step"
+    )
+    print(f"losses vs one process on the full batch (max relative): coconet "
+          f"{summary['loss_drift']['coconet']:.1e}, ddp {summary['loss_drift']['ddp']:.1e} "
+          f"(tolerance {args.tolerance:g}); wall {wall:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    if args.plot:
+        plot(summary, args.plot)
+    ok = all(math.isfinite(x) for x in res["coconet_loss"])
+    ok = ok and max(summary["loss_drift"].values()) <= args.tolerance
+    return 0 if ok else 1
+
+
+def plot(summary: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, style in (("single", "-"), ("coconet", "--"), ("ddp", ":")):
+        losses = summary["losses"][name]
+        ax.plot(range(1, len(losses) + 1), losses, style, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (global batch)")
+    ms = summary["median_step_ms"]
+    ax.set_title(f"coconet {ms['coconet']:.0f} ms/step vs DDP {ms['ddp']:.0f} ms/step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
