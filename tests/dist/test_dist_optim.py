@@ -32,9 +32,13 @@ def _against_torch(comm, steps):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("nproc", [1, 2, 4])
-def test_each_optimizer_matches_torch_on_the_average_gradient(nproc):
-    for rank, out in enumerate(spawn(_against_torch, nproc, 20, options=OPTIONS, timeout=180)):
+@pytest.mark.parametrize(
+    ("nproc", "transport"),
+    [(1, "auto"), (2, "auto"), (4, "auto"), (2, "torch.distributed")],
+)
+def test_each_optimizer_matches_torch_on_the_average_gradient(nproc, transport):
+    options = CommOptions(timeout=60, transport=transport)
+    for rank, out in enumerate(spawn(_against_torch, nproc, 20, options=options, timeout=180)):
         for label, r in out.items():
             assert r["rel"] <= 1e-6, (rank, label, r)
             assert r["same_on_every_rank"], (rank, label)
