@@ -59,6 +59,14 @@ def _reference_grads(ref: torch.nn.Module, world: int, step: int) -> None:
         p.grad = g / world
 
 
+def _reference_class(name: str):
+    if name == "LAMB":  # no torch counterpart: the library users install for it
+        import pytorch_optimizer
+
+        return lambda params, **kw: pytorch_optimizer.Lamb(params, foreach=False, **kw)
+    return getattr(torch.optim, name)
+
+
 def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict, steps: int,
                   scheduler: bool, compiled: bool = False) -> dict:
     """``steps`` steps of coconet.optim.<name> and torch.optim.<name>: the worst relative error
@@ -67,7 +75,7 @@ def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict, ste
     ours = getattr(coconet.optim, name)(
         groups(net, **second), comm=comm, options=None if compiled else EAGER, **kwargs
     )
-    theirs = getattr(torch.optim, name)(groups(ref, **second), **kwargs)
+    theirs = _reference_class(name)(groups(ref, **second), **kwargs)
     scheds = []
     if scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (ours,

@@ -1,5 +1,5 @@
-"""coconet.optim on real ranks: SGD, Adam and AdamW against torch.optim after 20 steps on the
-averaged gradient (relative error <= 1e-6, float32), param groups, an lr scheduler, weight
+"""coconet.optim on real ranks: SGD, Adam and AdamW against torch.optim, LAMB against
+pytorch_optimizer.Lamb, after 20 steps on the averaged gradient (relative error <= 1e-6, float32), param groups, an lr scheduler, weight
 decay, uneven slices (3 and 4 ranks), checkpoints across world sizes and to/from torch, misuse.
 
 Over shared memory (the default on one host) the step is the one-pass fused collective; the
@@ -20,6 +20,9 @@ CASES = {
     "AdamW": ({"lr": 1e-2, "betas": (0.8, 0.99)}, {"weight_decay": 0.1}),
     "SGD": ({"lr": 5e-2, "momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-3}, {"lr": 0.1}),
     "SGD-nesterov": ({"lr": 5e-2, "momentum": 0.9, "nesterov": True}, {"momentum": 0.0}),
+    # against pytorch_optimizer.Lamb (layer-wise trust ratios; decoupled decay)
+    "LAMB": ({"lr": 1e-2, "weight_decay": 1e-2}, {"weight_decay": 0.0, "lr": 2e-2}),
+    "LAMB-adam": ({"lr": 1e-2, "adam": True, "fixed_decay": True, "weight_decay": 1e-3}, {}),
 }
 
 

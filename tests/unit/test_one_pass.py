@@ -125,3 +125,19 @@ def test_transport_names_are_checked():
     mod = load_example("adam")
     with pytest.raises(CompileOptionError, match="unknown transport 'shm'"):
         cc.compile(mod.program(), world=2, transport="shm")
+
+
+def test_a_wait_stays_after_its_start_when_the_group_is_gathered():
+    """Regression: in pytorch_optimizer's LAMB (coconet.optim.programs.lamb) under fuse_RS_C_AG,
+    the norm all_reduce that reads the first kernel's partial sums started after the fused unit
+    while its wait was moved before it (a NameError on the ranks). lower() now checks the order
+    of every plan it makes."""
+    from coconet.codegen.plan import Start, Wait
+    from coconet.optim import programs
+    from coconet.schedule import fuse_RS_C_AG
+
+    plan = lower(fuse_RS_C_AG(programs.lamb(), state=("m", "v")).program, set())
+    order = [(type(s), s.node.name) for s in plan.steps if isinstance(s, (Start, Wait))]
+    for kind, name in order:
+        if kind is Wait:
+            assert order.index((Start, name)) < order.index((Wait, name)), name

@@ -219,7 +219,31 @@ def lower(program: Program, donate: frozenset[str] = frozenset()) -> Plan:
     order = _topo(units)
     steps = _with_waits(program, order, donate=donate)
     consts = tuple(n for n in program.nodes if n.op is Op.CONST)
-    return Plan(program, tuple(_fused_collectives(program, steps)), consts)
+    plan = Plan(program, tuple(_fused_collectives(program, steps)), consts)
+    _check_order(plan)
+    return plan
+
+
+def _check_order(plan: Plan) -> None:
+    """Every step reads only values computed before it, and waits only for started collectives:
+    what the emitted code relies on. A violation is coconet's bug, caught here rather than as a
+    NameError on the ranks."""
+    known = {n.name for n in plan.program.nodes if n.op in LEAVES}
+    started: set[str] = set()
+    for s in plan.steps:
+        missing = sorted(_reads(s) - known)
+        if isinstance(s, Wait) and s.node.name not in started:
+            missing.append(f"the start of {s.node.name}")
+        if missing:
+            what = s.name if isinstance(s, (Kernel, ChunkLoop)) else s.node.name
+            raise CodegenError(
+                f"internal: step {what} would run before {', '.join(missing)}",
+                op="lower",
+                hint="a coconet bug: please report the program and schedule (print(schedule))",
+            )
+        if isinstance(s, Start):
+            started.add(s.node.name)
+        known |= _produces(s)
 
 
 def loop_name(program: Program, group: Group) -> str:
@@ -531,10 +555,15 @@ def _fused_collectives(program: Program, steps: list[Step]) -> list[Step]:
         others = [s for s in out[lo : hi + 1] if not _belongs(s, group, members)]
         tainted = {n for s in mine for n in _produces(s)}  # the group's values and their users'
         before, after = [], []
+        started_after: set[str] = set()  # collectives whose start moved after the group
         for s in others:
-            if _reads(s) & tainted:
+            # a wait goes where its start went (it reads the collective's buffer, not a value)
+            waits_for_later = isinstance(s, Wait) and s.node.name in started_after
+            if _reads(s) & tainted or waits_for_later:
                 after.append(s)
                 tainted |= _produces(s)
+                if isinstance(s, Start):
+                    started_after.add(s.node.name)
             else:
                 before.append(s)
         read = {n for s in mine for n in _reads(s)}

@@ -16,6 +16,6 @@ sliced state, all-or-nothing updates, checkpoints in torch's format) and
 """
 
 from coconet.optim.base import DistributedOptimizer
-from coconet.optim.optimizers import SGD, Adam, AdamW
+from coconet.optim.optimizers import LAMB, SGD, Adam, AdamW
 
-__all__ = ["SGD", "Adam", "AdamW", "DistributedOptimizer"]
+__all__ = ["LAMB", "SGD", "Adam", "AdamW", "DistributedOptimizer"]

@@ -79,6 +79,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``torch.optim`` names (``state_names``), and the host scalars of one step (``scalars``).
     """
 
+    # One bucket per parameter tensor instead of per (group, dtype): for updates whose norms are
+    # a tensor's own (LAMB's layer-wise trust ratio). One fused collective per parameter.
+    bucket_per_parameter = False
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -133,7 +137,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._check_param(p, index)
             by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, params in by_dtype.items():
-            self._buckets.append(self._bucket(index, group, dtype, params))
+            if self.bucket_per_parameter:
+                for param in params:
+                    self._buckets.append(self._bucket(index, group, dtype, [param]))
+            else:
+                self._buckets.append(self._bucket(index, group, dtype, params))
 
     def _check_param(self, p: torch.Tensor, index: int) -> None:
         name = f"coconet.optim.{type(self).__name__}"

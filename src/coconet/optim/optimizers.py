@@ -1,4 +1,5 @@
-"""``coconet.optim.SGD``, ``Adam`` and ``AdamW``: torch's constructors and defaults, coconet's step.
+"""``coconet.optim.SGD``, ``Adam``, ``AdamW`` (torch's constructors and defaults) and ``LAMB``
+(``pytorch_optimizer.Lamb``'s), coconet's step.
 
 Each is a ``DistributedOptimizer`` (``coconet.optim.base``: buckets, sliced state, all-or-nothing
 updates, torch-format checkpoints) over a DSL program of ``coconet.optim.programs``. What torch
@@ -19,7 +20,7 @@ from coconet.ir.types import DType
 from coconet.optim import programs
 from coconet.optim.base import DistributedOptimizer
 
-__all__ = ["SGD", "Adam", "AdamW"]
+__all__ = ["LAMB", "SGD", "Adam", "AdamW"]
 
 
 def _check(name: str, what: str, value: Any, ok: bool) -> None:
@@ -191,3 +192,77 @@ class SGD(DistributedOptimizer):
 
     def steps_of(self, entries) -> int:
         return 1  # torch keeps no step count for SGD: any saved buffer means "started"
+
+
+class LAMB(_AdamFamily):
+    """LAMB as ``pytorch_optimizer.Lamb`` (4.x) computes it, with its constructor and defaults
+    (``eps=1e-6``, decoupled weight decay, the weight norm clamped at 10, the trust ratio
+    ``|p| / (|u| + eps)`` per parameter tensor, no bias correction of the second moment), data
+    parallel. ``adam=True`` drops the trust ratio; ``fixed_decay`` decays by ``weight_decay``
+    alone; ``grad_averaging=False`` accumulates ``m`` with weight 1. Not supported (an error):
+    ``rectify``, ``pre_norm``, ``weight_decouple=False``. Each parameter tensor is its own step
+    (its norms are its own): a model of many small tensors pays one collective per tensor.
+    """
+
+    bucket_per_parameter = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        weight_decouple: bool = True,
+        fixed_decay: bool = False,
+        rectify: bool = False,
+        degenerated_to_sgd: bool = False,
+        n_sma_threshold: int = 5,
+        grad_averaging: bool = True,
+        max_grad_norm: float = 1.0,
+        adam: bool = False,
+        pre_norm: bool = False,
+        eps: float = 1e-6,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        *,
+        comm,
+        schedule=None,
+        options=None,
+    ) -> None:
+        _check("LAMB", "learning rate", lr, _f(lr) >= 0.0)
+        _check("LAMB", "betas", betas, all(0.0 <= b < 1.0 for b in betas))
+        _check("LAMB", "weight_decay value", weight_decay, weight_decay >= 0.0)
+        _check("LAMB", "epsilon value", eps, eps >= 0.0)
+        _unsupported("LAMB", rectify=rectify, pre_norm=pre_norm)
+        if not weight_decouple:
+            raise ConfigError(
+                "weight_decouple=False (L2 weight decay) is not supported",
+                op="coconet.optim.LAMB",
+                hint="use the decoupled decay (the default), or pytorch_optimizer.Lamb",
+            )
+        defaults = dict(
+            lr=lr, betas=betas, weight_decay=weight_decay, weight_decouple=weight_decouple,
+            fixed_decay=fixed_decay, rectify=rectify, grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm, adam=adam, eps=eps, foreach=foreach, maximize=maximize,
+        )
+        DistributedOptimizer.__init__(
+            self, params, defaults, comm=comm, schedule=schedule, options=options
+        )
+
+    def program(self, group: dict[str, Any], dtype: DType) -> Program:
+        return programs.lamb(dtype)
+
+    def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
+        lr, wd = _f(group["lr"]), _f(group["weight_decay"])
+        beta1, beta2 = (_f(b) for b in group["betas"])
+        return {
+            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self._comm.world,
+            "beta1": beta1,
+            "beta3": 1.0 - beta1 if group["grad_averaging"] else 1.0,
+            "beta2": beta2,
+            "one_minus_beta2": 1.0 - beta2,
+            "eps": _f(group["eps"]),
+            "decay": 1.0 - wd * (1.0 if group["fixed_decay"] else lr),
+            "step_size": lr / (1.0 - beta1**step),
+            "use_trust": 0.0 if group["adam"] else 1.0,
+        }

@@ -82,3 +82,47 @@ def sgd_momentum(dtype: DType = DType.float32) -> Program:
         [g, p, buf, *s.values()],
         [cc.update(p, p_new), cc.update(buf, buf_new)],
     )
+
+
+# pytorch_optimizer.Lamb clamps the weight norm at this value (its class attribute ``clamp``).
+LAMB_WEIGHT_NORM_CLAMP = 10.0
+
+
+def lamb(dtype: DType = DType.float32) -> Program:
+    """``pytorch_optimizer.Lamb`` (4.x; its defaults ``weight_decouple=True``, ``rectify=False``,
+    ``adam=False``, ``pre_norm=False``) over **one parameter tensor**: its trust ratio is that
+    tensor's (layer-wise), so ``coconet.optim.LAMB`` runs one program per parameter.
+
+    ``m = beta1 m + beta3 g`` (``beta3 = 1 - beta1``, or 1 without grad averaging),
+    ``v = beta2 v + (1 - beta2) g g``, ``p_d = decay p`` (``decay = 1 - lr weight_decay``: the
+    decoupled decay, applied before the norms), ``u = m / (sqrt(v) + eps)`` (no bias correction
+    of ``v``), ``w = min(decay |p|, 10)`` (``min(|p_d|, 10)`` up to one rounding), trust
+    ``= w / (|u| + eps)`` (1 where ``w`` or ``|u|`` is 0; ``use_trust = 0`` for ``adam=True``),
+    ``p = p_d - step_size trust u`` with ``step_size = lr / (1 - beta1 ** t)``.
+    """
+    g, p, (m, v) = _bucket(dtype, ("m", "v"))
+    names = (
+        "grad_scale", "beta1", "beta3", "beta2", "one_minus_beta2", "eps", "decay",
+        "step_size", "use_trust",
+    )
+    s = {name: cc.Scalar(name) for name in names}
+    g_sum = cc.all_reduce(g, name="g_sum")
+    grad = (g_sum * s["grad_scale"]).named("grad")
+    m_new = (s["beta1"] * m + s["beta3"] * grad).named("m_new")
+    v_new = (s["beta2"] * v + s["one_minus_beta2"] * (grad * grad)).named("v_new")
+    p_d = (s["decay"] * p).named("p_decayed")
+    update = (m_new / (cc.sqrt(v_new) + s["eps"])).named("update")
+    # |decay p| as decay |p| (decay > 0): the norm then reads only p, so a schedule computes it
+    # before the gradient arrives (the same value up to one rounding)
+    p_norm = (s["decay"] * cc.norm(p).named("p_norm_raw")).named("p_norm")
+    weight_norm = cc.where(p_norm > LAMB_WEIGHT_NORM_CLAMP, LAMB_WEIGHT_NORM_CLAMP, p_norm)
+    u_norm = cc.norm(update).named("u_norm")
+    ratio = cc.where(u_norm > 0, weight_norm / (u_norm + s["eps"]), 1.0)
+    trust = cc.where(weight_norm > 0, ratio, 1.0)
+    trust = (s["use_trust"] * trust + (1 - s["use_trust"])).named("trust_ratio")
+    p_new = (p_d - s["step_size"] * (trust * update)).named("p_new")
+    return Program(
+        "lamb",
+        [g, p, m, v, *s.values()],
+        [cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)],
+    )
