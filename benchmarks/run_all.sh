@@ -28,3 +28,10 @@ mkdir -p "$R"
 # The end-to-end training step: coconet.optim.AdamW against DDP + fused AdamW (examples/).
 "$PY" examples/train_gpt.py --steps 40 --json "$R/train_gpt.json" --plot "$R/train_gpt.png" \
   | tee "$R/train_gpt.txt"
+
+# coconet.optim's optimizers against ddp / zero / pytorch_optimizer.Lamb at 16M parameters.
+for opt in adam lamb; do
+  "$PY" benchmarks/data_parallel.py --optimizer $opt --params 16M --nproc 2 \
+    --json "$R/data_parallel_${opt}_16M.json" --plot "$R/data_parallel_${opt}_16M.png" \
+    | tee "$R/data_parallel_${opt}_16M.txt"
+done
