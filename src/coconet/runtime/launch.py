@@ -139,9 +139,23 @@ def shutdown(comm: Communicator | None = None, *, exit_code: int | None = None) 
         if comm is _current:
             _current = None
         if exit_code is not None:
+            _release_multiprocessing_objects()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exit_code)
+
+
+def _release_multiprocessing_objects() -> None:
+    """Run the finalizers a normal interpreter exit would run (``os._exit`` skips them): they
+    unlink the multiprocessing semaphores this process created (tqdm's lock, which Inductor's
+    progress bar makes when tqdm is installed). Skipped, the launcher's resource tracker warns of
+    leaked semaphores at its exit (and removes them then)."""
+    try:
+        from multiprocessing import util
+
+        util._run_finalizers(0)  # exitpriority >= 0: semaphores, not the queues' joins
+    except Exception:  # noqa: BLE001 - leaving anyway; the tracker cleans up after us
+        pass
 
 
 # -- launching local ranks ----------------------------------------------------------------------
