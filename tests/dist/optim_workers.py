@@ -248,3 +248,38 @@ def extras(comm: Communicator) -> dict:
     pairs += list(zip(extra.parameters(), extra_ref.parameters(), strict=True))
     rel = max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
     return {"rel": rel, "calls": calls, "losses_are_floats": all(x == x for x in losses)}
+
+
+def ddp_hook(comm: Communicator, name: str, kwargs: dict, steps: int, bucket_cap_mb: float):
+    """DDP with coconet.optim.<name> as its communication hook against DDP + torch.optim.<name>
+    (small buckets: several per step, and DDP rebuilds them after the first iteration)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net, ref = DDP(model(), bucket_cap_mb=bucket_cap_mb), DDP(model(), bucket_cap_mb=bucket_cap_mb)
+    ours = getattr(coconet.optim, name)(
+        net.parameters(), comm=comm, ddp=net, options=EAGER, **kwargs
+    )
+    theirs = getattr(torch.optim, name)(ref.parameters(), **kwargs)
+    losses = {"coconet": [], "torch": []}
+    for k in range(steps):
+        x, y = batch(k)
+        xs = torch.tensor_split(x, comm.world)[comm.rank]
+        ys = torch.tensor_split(y, comm.world)[comm.rank]
+        for label, m, opt in (("coconet", net, ours), ("torch", ref, theirs)):
+            opt.zero_grad()
+            loss = _loss(m, xs, ys)
+            loss.backward()
+            opt.step()
+            losses[label].append(loss.item())
+    rel = max(
+        ((a - b).abs().max() / b.abs().max()).item()
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True)
+    )
+    sd = ours.state_dict()  # collective: gathered from the slices of the final layouts
+    return {
+        "rel": rel,
+        "loss_diff": max(abs(a - b) for a, b in zip(losses["coconet"], losses["torch"],
+                                                    strict=True)),
+        "layouts": len(ours._hook_layouts),
+        "state_entries": len(sd["state"]),
+    }

@@ -1,6 +1,7 @@
 """coconet.optim on real ranks: SGD, Adam and AdamW against torch.optim, LAMB against
-pytorch_optimizer.Lamb, after 20 steps on the averaged gradient (relative error <= 1e-6, float32), param groups, an lr scheduler, weight
-decay, uneven slices (3 and 4 ranks), checkpoints across world sizes and to/from torch, misuse.
+pytorch_optimizer.Lamb, after 20 steps on the averaged gradient (relative error <= 1e-6,
+float32), param groups, an lr scheduler, weight decay, uneven slices (3 and 4 ranks), checkpoints
+across world sizes and to/from torch, misuse, and the optimizers as DDP's communication hook.
 
 Over shared memory (the default on one host) the step is the one-pass fused collective; the
 programs run eagerly here (``fused_kernels=False``: the same code without torch.compile's cost)
@@ -97,3 +98,23 @@ def test_closure_hooks_and_a_group_added_mid_training():
         assert out["rel"] <= 1e-6, out
         assert out["calls"] == ["pre", "post"] * 6
         assert out["losses_are_floats"]
+
+
+def _ddp(comm):
+    return {
+        "Adam": optim_workers.ddp_hook(comm, "Adam", {"lr": 1e-2, "weight_decay": 1e-2}, 8,
+                                       0.0001),
+        "SGD": optim_workers.ddp_hook(comm, "SGD", {"lr": 5e-2, "momentum": 0.9}, 8, 25.0),
+    }
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["auto", "torch.distributed"])
+def test_as_ddps_communication_hook_it_matches_ddp_with_torchs_optimizer(transport):
+    options = CommOptions(timeout=60, transport=transport)
+    for out in spawn(_ddp, 2, options=options, timeout=160):
+        for name, r in out.items():
+            assert r["rel"] <= 1e-6, (name, r)
+            assert r["loss_diff"] <= 1e-6, (name, r)
+            assert r["state_entries"] == 6, r  # every parameter's state, whatever its bucket
+        assert out["Adam"]["layouts"] > 1  # tiny buckets: several of them

@@ -54,22 +54,25 @@ _DTYPES = {torch.float32: DType.float32}
 
 @dataclass
 class _Bucket:
-    """One param group's parameters of one dtype, packed flat."""
+    """One param group's parameters of one dtype, as one flat vector the program steps."""
 
     group: int  # index into param_groups
     params: list[torch.nn.Parameter]
     offsets: list[int]
-    flat: torch.Tensor  # the parameters, flat; each param's .data is a view of it
-    grad: torch.Tensor  # the gradients, flat (symmetric memory where the transport has it)
+    size: int  # elements
     step_fn: Any  # the CompiledStep
     bounds: tuple[int, int]  # this rank's slice of the bucket (the state it keeps)
     names: dict[str, str]  # state: program input -> torch's state key
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # program name -> this slice
     steps: int = 0
+    # packed (not with ddp=): the parameters, flat (each param's .data a view of it), and the
+    # gradients, flat (symmetric memory where the transport has it; each .grad a view of it)
+    flat: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
-        return self.flat.numel()
+        return self.size
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -91,6 +94,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm: Communicator,
         schedule: str | Callable[[Program], Schedule] | None = None,
         options: CompileOptions | None = None,
+        ddp: torch.nn.parallel.DistributedDataParallel | None = None,
     ) -> None:
         if not isinstance(comm, Communicator):
             raise ConfigError(
@@ -105,6 +109,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # place (they are views of a bucket, see step()).
         self._options = dataclasses.replace(options or CompileOptions(), commit=CommitMode.SWAP)
         self._buckets: list[_Bucket] = []
+        self._ddp = ddp
+        if ddp is not None:
+            from coconet.optim.ddp import check_and_register
+
+            check_and_register(self, ddp)
         super().__init__(params, defaults)  # calls add_param_group for each group
 
     # -- what a subclass provides ---------------------------------------------------------------
@@ -121,9 +130,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         float64 on the host."""
         raise NotImplementedError
 
-    def first_state(self, bucket: _Bucket) -> None:
-        """Called before a bucket's first step (state starts at zero by default)."""
-
     # -- buckets --------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -136,6 +142,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             self._check_param(p, index)
             by_dtype.setdefault(p.dtype, []).append(p)
+        if self._ddp is not None:
+            from coconet.optim.ddp import check_group
+
+            check_group(self, index)
+            return  # DDP's buckets are the buckets: made on the hook's first call
         for dtype, params in by_dtype.items():
             if self.bucket_per_parameter:
                 for param in params:
@@ -171,6 +182,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _bucket(
         self, index: int, group: dict[str, Any], dtype: torch.dtype, params: list
     ) -> _Bucket:
+        """A packed bucket: the parameters become views of one flat tensor, their gradients
+        views of one flat buffer the program reads in place."""
+        bucket = self._compiled_bucket(index, group, dtype, params)
+        total = bucket.size
+        flat = torch.empty(total, dtype=dtype, device=self._comm.device)
+        grad = bucket.step_fn.input_buffer("g", (total,))
+        grad.zero_()
+        with torch.no_grad():
+            for p, off in zip(params, bucket.offsets, strict=True):
+                view = flat[off : off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+                if p.grad is not None:
+                    grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = grad[off : off + p.numel()].view_as(p)
+        bucket.flat, bucket.grad = flat, grad
+        return bucket
+
+    def _compiled_bucket(
+        self, index: int, group: dict[str, Any], dtype: torch.dtype, params: list
+    ) -> _Bucket:
+        """The step of ``params`` as one flat vector, its state zero (collective: the ranks
+        agree on the shapes, then compile)."""
         comm = self._comm
         self._agree_on_shapes(index, dtype, params)
         offsets, total = [], 0
@@ -181,19 +215,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         names = self.state_names(group)
         target = self._scheduled(program, tuple(names))
         step_fn = coconet_compile(target, comm=comm, options=self._options)
-        flat = torch.empty(total, dtype=dtype, device=comm.device)
-        grad = step_fn.input_buffer("g", (total,))
-        grad.zero_()
-        with torch.no_grad():
-            for p, off in zip(params, offsets, strict=True):
-                view = flat[off : off + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
-                if p.grad is not None:
-                    grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = grad[off : off + p.numel()].view_as(p)
         bounds = slice_bounds(total, comm.world, comm.rank)
-        bucket = _Bucket(index, params, offsets, flat, grad, step_fn, bounds, names)
+        bucket = _Bucket(index, params, offsets, total, step_fn, bounds, names)
         n = bounds[1] - bounds[0]
         for name in names:
             size = n if _is_sliced(step_fn.program, name) else total
@@ -239,15 +262,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step over every bucket. With ``ddp=``, the update already happened during
+        ``backward()`` (DDP's communication hook ran it, bucket by bucket): only ``closure``
+        runs (a closure that calls ``backward()`` triggers the update itself)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._ddp is not None:
+            return loss
         for b in self._buckets:
             self._gather_grads(b)
             group = self.param_groups[b.group]
-            if b.steps == 0:
-                self.first_state(b)
             # `flat` is passed as a view: the commit writes a view's values in place rather than
             # handing it new storage, so the parameters (views of it) see the update.
             b.step_fn(g=b.grad, p=b.flat[:], **b.state, **self.scalars(group, b.steps + 1))
@@ -267,7 +293,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets; every ``.grad`` stays a view of its bucket (see the
-        module docstring: ``set_to_none`` is not honoured, by design)."""
+        module docstring: ``set_to_none`` is not honoured, by design). With ``ddp=``, torch's
+        ``zero_grad`` (DDP owns the gradient buffers)."""
+        if self._ddp is not None:
+            return super().zero_grad(set_to_none)
         for b in self._buckets:
             b.grad.zero_()
             self._gather_grads(b)
@@ -351,7 +380,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             b.steps = self.steps_of(saved)
             lo, hi = b.bounds
             for name, key in b.names.items():
-                whole = torch.zeros(b.numel, dtype=b.flat.dtype, device=b.flat.device)
+                like = next(iter(b.state.values()))
+                whole = torch.zeros(b.numel, dtype=like.dtype, device=like.device)
                 for p, off, e in zip(b.params, b.offsets, saved, strict=True):
                     if e is not None and key in e:
                         whole[off : off + p.numel()].copy_(e[key].reshape(-1))

@@ -61,6 +61,7 @@ class _AdamFamily(DistributedOptimizer):
         comm,
         schedule=None,
         options=None,
+        ddp=None,
         foreach: bool | None = None,
         maximize: bool = False,
         capturable: bool = False,
@@ -79,7 +80,9 @@ class _AdamFamily(DistributedOptimizer):
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
         )
-        super().__init__(params, defaults, comm=comm, schedule=schedule, options=options)
+        super().__init__(
+            params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
+        )
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
         return programs.adam(dtype)
@@ -148,6 +151,7 @@ class SGD(DistributedOptimizer):
         comm,
         schedule=None,
         options=None,
+        ddp=None,
         maximize: bool = False,
         foreach: bool | None = None,
         differentiable: bool = False,
@@ -168,7 +172,9 @@ class SGD(DistributedOptimizer):
             nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
             fused=fused,
         )
-        super().__init__(params, defaults, comm=comm, schedule=schedule, options=options)
+        super().__init__(
+            params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
+        )
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
         return programs.sgd_momentum(dtype) if group["momentum"] else programs.sgd(dtype)
@@ -228,6 +234,7 @@ class LAMB(_AdamFamily):
         comm,
         schedule=None,
         options=None,
+        ddp=None,
     ) -> None:
         _check("LAMB", "learning rate", lr, _f(lr) >= 0.0)
         _check("LAMB", "betas", betas, all(0.0 <= b < 1.0 for b in betas))
@@ -246,7 +253,7 @@ class LAMB(_AdamFamily):
             max_grad_norm=max_grad_norm, adam=adam, eps=eps, foreach=foreach, maximize=maximize,
         )
         DistributedOptimizer.__init__(
-            self, params, defaults, comm=comm, schedule=schedule, options=options
+            self, params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
         )
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
