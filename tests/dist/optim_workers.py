@@ -127,6 +127,18 @@ def save_checkpoint(comm: Communicator, path: str) -> list[float]:
     sd = opt.state_dict()  # collective
     if comm.rank == 0:
         torch.save({"model": net.state_dict(), "optim": sd}, path)
+    torch.save(opt.sharded_state_dict(), f"{path}.shard{comm.rank}")  # no communication
+    _train(net, opt, comm, 5, 5)
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
+
+
+def load_shard(comm: Communicator, path: str) -> list[float]:
+    """This rank's shard back into a like job (same world size), then the same 5 steps."""
+    saved = torch.load(path, weights_only=False)
+    net = model()
+    net.load_state_dict(saved["model"])
+    opt = coconet.optim.Adam(net.parameters(), lr=1e-2, comm=comm, options=EAGER)
+    opt.load_state_dict(torch.load(f"{path}.shard{comm.rank}", weights_only=False))
     _train(net, opt, comm, 5, 5)
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import optim_workers
 import pytest
+import torch
 
+import coconet.optim
 from coconet.runtime import CommOptions, spawn
 
 OPTIONS = CommOptions(timeout=60)
@@ -78,6 +80,18 @@ def test_checkpoints_move_across_world_sizes_and_to_and_from_torch(tmp_path):
     assert worst <= 1e-6  # torch.optim.Adam continues the coconet checkpoint
     for rel in spawn(optim_workers.from_torch, 2, 5, options=OPTIONS, timeout=100):
         assert rel <= 1e-6  # and coconet continues torch's
+    # the sharded form: each rank's own slices, back into the same ranks: the very same run
+    got = spawn(optim_workers.load_shard, 2, path, options=OPTIONS, timeout=100)[0]
+    assert got == final
+    # and a complete set of shards is the gathered state dict
+    shards = [torch.load(f"{path}.shard{r}", weights_only=False) for r in (1, 0)]
+    merged = coconet.optim.merge_shards(shards)
+    full = torch.load(path, weights_only=False)["optim"]
+    assert merged["param_groups"] == full["param_groups"]
+    assert sorted(merged["state"]) == sorted(full["state"])
+    for i, entry in full["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(merged["state"][i][key], value), (i, key)
 
 
 @pytest.mark.timeout(120)

@@ -16,6 +16,7 @@ sliced state, all-or-nothing updates, checkpoints in torch's format) and
 """
 
 from coconet.optim.base import DistributedOptimizer
+from coconet.optim.checkpoint import merge_shards
 from coconet.optim.optimizers import LAMB, SGD, Adam, AdamW
 
-__all__ = ["LAMB", "SGD", "Adam", "AdamW", "DistributedOptimizer"]
+__all__ = ["LAMB", "SGD", "Adam", "AdamW", "DistributedOptimizer", "merge_shards"]

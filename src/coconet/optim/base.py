@@ -43,6 +43,7 @@ from coconet.compiler import compile as coconet_compile
 from coconet.errors import ConfigError
 from coconet.ir.program import Program
 from coconet.ir.types import DType, slice_bounds
+from coconet.optim import checkpoint
 from coconet.options import CommitMode, CompileOptions
 from coconet.runtime.comm import Communicator
 from coconet.schedule import Schedule
@@ -303,10 +304,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format (``{'state': {index: {...}}, 'param_groups': [...]}``), whole tensors
-        gathered from every rank's slice: collective, the same on every rank, and loadable into
-        the torch optimizer or into this one at any world size."""
+    def _packed_groups(self) -> tuple[list[dict[str, Any]], dict[int, int]]:
+        """param_groups as torch saves them (parameters as indices), and the index of each."""
         index: dict[int, int] = {}
         groups = []
         for g in self.param_groups:
@@ -317,6 +316,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 ids.append(index[id(p)])
             packed["params"] = ids
             groups.append(packed)
+        return groups, index
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's slices of the state with their offsets, no communication (see
+        ``coconet.optim.checkpoint``: when to use it rather than ``state_dict``)."""
+        groups, index = self._packed_groups()
+        return checkpoint.sharded_state_dict(self, groups, index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format (``{'state': {index: {...}}, 'param_groups': [...]}``), whole tensors
+        gathered from every rank's slice: collective, the same on every rank, and loadable into
+        the torch optimizer or into this one at any world size."""
+        groups, index = self._packed_groups()
         state: dict[int, dict[str, Any]] = {}
         for b in self._buckets:
             if b.steps == 0:
@@ -345,7 +357,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format (from this optimizer at any world size, or from the torch one):
-        hyper-parameters of each group, and each parameter's state (this rank keeps its slice)."""
+        hyper-parameters of each group, and each parameter's state (this rank keeps its slice).
+        A ``sharded_state_dict()`` is loaded back into the same rank of a like job."""
+        if state_dict.get("format") == checkpoint.FORMAT:
+            checkpoint.load_shard(self, state_dict)
+            return
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise ConfigError(

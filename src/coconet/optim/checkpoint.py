@@ -1,0 +1,137 @@
+"""Sharded checkpoints of ``coconet.optim``: each rank its own slice of the state, no gather.
+
+Two forms, and when to use which:
+
+- ``opt.state_dict()``: torch's format, whole tensors gathered from every rank (collective). Use
+  it to move between world sizes, into ``torch.optim`` or out of it, and whenever the state fits
+  in one process's memory: it is what ``torch.save`` of an optimizer usually holds.
+- ``opt.sharded_state_dict()``: this rank's slices only (no communication, 1/world of the memory),
+  each with its explicit offsets in its bucket. Use it for large models: each rank saves its own
+  file; ``opt.load_state_dict(shard)`` on the same rank of a job of the same world size and
+  parameters loads it back without any whole tensor; ``merge_shards([shard_0, ..., shard_n-1])``
+  turns a complete set into torch's format (then any world size, or torch, can load it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coconet.errors import ConfigError
+
+if TYPE_CHECKING:
+    from coconet.optim.base import DistributedOptimizer
+
+__all__ = ["FORMAT", "load_shard", "merge_shards", "sharded_state_dict"]
+
+FORMAT = "coconet.optim.sharded/1"
+
+
+def sharded_state_dict(opt: DistributedOptimizer, groups: list[dict], index: dict[int, int]):
+    comm = opt._comm
+    buckets = []
+    for b in opt._buckets:
+        lo, hi = b.bounds
+        state = {}
+        for name, key in b.names.items():
+            x = b.state[name]
+            whole = x.numel() == b.numel  # a schedule that keeps the state whole (AR_C)
+            state[key] = (x[lo:hi] if whole else x).clone()
+        buckets.append({
+            "params": [index[id(p)] for p in b.params],
+            "offsets": list(b.offsets),
+            "shapes": [tuple(p.shape) for p in b.params],
+            "size": b.numel,
+            "start": lo,
+            "stop": hi,
+            "steps": b.steps,
+            "extra": opt.step_state(b.steps) if b.steps else {},
+            "state": state,
+        })
+    return {
+        "format": FORMAT,
+        "world": comm.world,
+        "rank": comm.rank,
+        "param_groups": groups,
+        "buckets": buckets,
+    }
+
+
+def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """A complete set of ``sharded_state_dict()``s (one per rank, any order) as one state dict
+    in torch's format."""
+    if not shards or any(s.get("format") != FORMAT for s in shards):
+        raise ConfigError(
+            "merge_shards takes the sharded_state_dict() of every rank",
+            op="coconet.optim.merge_shards",
+            hint="save opt.sharded_state_dict() on each rank, then merge the list of them",
+        )
+    world = shards[0]["world"]
+    ranks = sorted(s["rank"] for s in shards)
+    if ranks != list(range(world)) or any(s["world"] != world for s in shards):
+        raise ConfigError(
+            f"merge_shards got ranks {ranks} of a {world}-rank job",
+            op="coconet.optim.merge_shards",
+            hint=f"pass the shards of all {world} ranks",
+        )
+    by_rank = sorted(shards, key=lambda s: s["rank"])
+    state: dict[int, dict[str, Any]] = {}
+    for j, first in enumerate(by_rank[0]["buckets"]):
+        if first["steps"] == 0:
+            continue
+        pieces = [s["buckets"][j] for s in by_rank]
+        whole = {}
+        for key in first["state"]:
+            flat = torch.empty(first["size"], dtype=first["state"][key].dtype)
+            for piece in pieces:
+                flat[piece["start"] : piece["stop"]].copy_(piece["state"][key])
+            whole[key] = flat
+        for i, off, shape in zip(first["params"], first["offsets"], first["shapes"], strict=True):
+            numel = 1
+            for d in shape:
+                numel *= d
+            entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                     for k, v in first["extra"].items()}
+            for key, flat in whole.items():
+                entry[key] = flat[off : off + numel].view(shape).clone()
+            state[i] = entry
+    return {"state": state, "param_groups": by_rank[0]["param_groups"]}
+
+
+def load_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
+    """This rank's shard back into the same rank of a job like the one that saved it."""
+    comm = opt._comm
+    name = f"coconet.optim.{type(opt).__name__}.load_state_dict"
+    if shard["world"] != comm.world or shard["rank"] != comm.rank:
+        raise ConfigError(
+            f"this is rank {shard['rank']}'s shard of a {shard['world']}-rank job; this is rank "
+            f"{comm.rank} of {comm.world}",
+            op=name,
+            hint="load each rank's own shard, or merge_shards() the set and load the result "
+            "(any world size)",
+        )
+    if len(shard["buckets"]) != len(opt._buckets) or any(
+        saved["size"] != b.numel or saved["offsets"] != b.offsets
+        for saved, b in zip(shard["buckets"], opt._buckets, strict=False)
+    ):
+        raise ConfigError(
+            "the shard's buckets do not match this optimizer's parameters",
+            op=name,
+            hint="build the optimizer over the same parameters and param groups as when saving",
+        )
+    for mine, theirs in zip(opt.param_groups, shard["param_groups"], strict=True):
+        for k, v in theirs.items():
+            if k != "params":
+                mine[k] = v
+    for saved, b in zip(shard["buckets"], opt._buckets, strict=True):
+        b.steps = saved["steps"]
+        for prog_name, key in b.names.items():
+            x, piece = b.state[prog_name], saved["state"][key]
+            if x.numel() == b.numel:  # kept whole: the shard has only this rank's slice of it
+                raise ConfigError(
+                    "this schedule keeps the state whole on every rank: a shard cannot restore it",
+                    op=name,
+                    hint="use state_dict() / load_state_dict() for this schedule",
+                )
+            x.copy_(piece)
