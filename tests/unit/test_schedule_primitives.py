@@ -339,6 +339,40 @@ def test_overlap_of_a_reduction_that_keeps_the_rows():
             torch.testing.assert_close(got[r_], want[r_], rtol=1e-5, atol=1e-6)
 
 
+def _bias_gelu() -> cc.Program:
+    B, H = cc.Dim("B"), cc.Dim("H")
+    part = cc.Tensor("part", cc.float32, [B, H], cc.Local)
+    b = cc.Tensor("b", cc.float32, [H], cc.Replicated)
+    y = (cc.all_reduce(part, name="y_sum") + b).named("y")
+    return cc.Program("p", [part, b], {"out": cc.gelu(y).named("out")})
+
+
+@pytest.mark.parametrize("fuse_first", [False, True])
+def test_a_fuse_group_partly_inside_an_overlapped_chain_is_refused_when_written(
+    fuse_first, tmp_path
+):
+    """What the checks accept, the compiler compiles (issue 12, bug 1): the group that only
+    ``coconet.compile`` used to refuse is refused by the schedule primitive, in either order,
+    and the legal neighbours (the group wholly inside or wholly outside the chain) compile."""
+    s = Schedule(_bias_gelu())
+    steps = [lambda: s.overlap(["y_sum", "y"], chunks=2), lambda: s.fuse(["y", "out"])]
+    if fuse_first:
+        steps.reverse()
+    steps[0]()
+    with pytest.raises(cc.ScheduleError, match="lies partly inside the overlapped chain"):
+        steps[1]()
+    assert len(s.steps) == 1
+    inside = Schedule(_bias_gelu())
+    inside.overlap(["y_sum", "y", "out"], chunks=2)
+    inside.fuse(["y", "out"])
+    outside = Schedule(_bias_gelu())
+    outside.overlap(["y_sum", "y"], chunks=2)
+    outside.fuse(["out"])
+    for legal in (inside, outside):
+        step = cc.compile(legal, world=2, cache_dir=tmp_path, fused_kernels=False)
+        assert "def step(" in step.source
+
+
 # ---------------------------------------------------------------------------------------------
 # illegal applications: a ScheduleError saying why, and the schedule left as it was
 
@@ -414,6 +448,11 @@ def _overlapped(s: Schedule) -> Schedule:
     return s
 
 
+def _fused_m_new_mul_2(s: Schedule) -> Schedule:
+    s.fuse(["m_new", "mul_2"])
+    return s
+
+
 def _overlapped_split_chain(s: Schedule) -> Schedule:
     s.split("g_sum")
     s.overlap(["g_sum_rs", "g_sum", "m_new", "mul_2", "p_new"], chunks=2)
@@ -476,7 +515,7 @@ ILLEGAL = [
      ["m_new is outside the group, reads the group's results and feeds m_norm",
       "the group would depend on itself"]),
     ("fuse-already-fused", opt, _fused_m_new, lambda s: s.fuse(["m_new", "mul_2"]),
-     ["m_new already belong to fuse(m_new)"]),
+     ["m_new already belongs to fuse(m_new)"]),
     ("fuse-an-input", opt, None, lambda s: s.fuse(["m", "mul_1"]),
      ["m is a input: only computations and communication can be grouped"]),
     ("fuse-two-gathers", reordered, None, lambda s: s.fuse(["p_new", "m_new"]),
@@ -507,6 +546,13 @@ ILLEGAL = [
      ["t has a single row", "nothing to cut into chunks"]),
     ("overlap-an-update", opt, None, lambda s: s.overlap(["g_sum", "update_1"]),
      ["update_1 is a update: only computations and communication can be grouped"]),
+    # a fused kernel cannot run both chunk by chunk and once (issue 12, bug 1), in either order
+    ("fuse-partly-overlapped", opt, _overlapped, lambda s: s.fuse(["m_new", "mul_2"]),
+     ["fuse: fuse(m_new, mul_2) lies partly inside the overlapped chain overlap(g_sum, m_new): "
+      "m_new inside, mul_2 outside"]),
+    ("overlap-partly-fused", opt, _fused_m_new_mul_2,
+     lambda s: s.overlap(["g_sum", "m_new"], chunks=2),
+     ["overlap: fuse(m_new, mul_2) lies partly inside the overlapped chain overlap(g_sum, m_new)"]),
 ]  # fmt: skip
 
 

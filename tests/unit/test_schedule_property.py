@@ -14,6 +14,11 @@ Random schedules: usually ``split(g_sum)`` and one or more ``reorder``s of rando
 ``overlap`` (chunks 2..4) / more ``split`` / ``reorder`` attempts, in any order. A primitive whose
 check refuses (``ScheduleError``) is skipped, and must leave the schedule unchanged.
 
+Every schedule that the primitives accept must also compile: ``coconet.compile`` lowers it, writes
+its per-rank module and loads it, for each world size (what the checks accept, the compiler
+compiles; the fused kernels themselves are compiled by ``torch.compile`` at the first step, which
+the distributed tests run).
+
 Both programs run in the simulator on 1..4 ranks with ``N`` in 1..9 (often not divisible by the
 world size), from the same global tensors (an input that ``as_slice`` made Sliced gets the global
 tensor and the simulator cuts it). Every rank's outputs and every updated input must agree:
@@ -36,6 +41,7 @@ tensor and the simulator cuts it). Every rank's outputs and every updated input 
 from __future__ import annotations
 
 import random
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -50,6 +56,9 @@ from coconet.schedule import Schedule
 from coconet.sim.exactness import reassociations
 
 RTOL, ATOL = 1e-5, 1e-6
+# Generated modules of the compiled schedules (one directory for the session: a function-scoped
+# tmp_path does not mix with hypothesis' repeated examples).
+_CACHE = tempfile.TemporaryDirectory(prefix="coconet-property-")
 N, K = cc.Dim("N"), cc.Dim("K")
 INEXACT_OPS = {Op.SUM, Op.NORM}
 
@@ -462,6 +471,9 @@ def check_one(d, log=note, tally=event) -> Applied:
     k = d.int(1, 3)
     seed = d.int(0, 2**16)
     for world in (1, 2, 3, 4):
+        # What the checks accepted, the compiler compiles (a CodegenError here is a bug).
+        compiled = cc.compile(s, world=world, cache_dir=_CACHE.name)
+        assert compiled.program is s.program
         compare(built.program, s.program, world, n, k, seed, exact)
     return out
 
