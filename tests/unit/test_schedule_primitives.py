@@ -217,6 +217,54 @@ def test_reorder_of_a_subset_gathers_what_is_still_read_whole():
     assert_same_results(opt(), prog)
 
 
+def clipped_two_grads() -> cc.Program:
+    """Momentum-free SGD of two tensors clipped by their global norm (as clip_grad_norm_)."""
+    g1 = cc.Tensor("g1", cc.float32, [N], cc.Local)
+    g2 = cc.Tensor("g2", cc.float32, [K], cc.Local)
+    p1 = cc.Tensor("p1", cc.float32, [N], cc.Replicated)
+    p2 = cc.Tensor("p2", cc.float32, [K], cc.Replicated)
+    lr, max_norm = cc.Scalar("lr"), cc.Scalar("max_norm")
+    s1, s2 = cc.all_reduce(g1, name="s1"), cc.all_reduce(g2, name="s2")
+    total = cc.sqrt(cc.sum(s1 * s1) + cc.sum(s2 * s2)).named("total")
+    coef = cc.minimum(max_norm / (total + 1e-6), 1.0).named("coef")
+    p1n = (p1 - lr * coef * s1).named("p1n")
+    p2n = (p2 - lr * coef * s2).named("p2n")
+    return cc.Program(
+        "clip", [g1, g2, p1, p2, lr, max_norm], [cc.update(p1, p1n), cc.update(p2, p2n)]
+    )
+
+
+def test_reorder_each_all_gather_of_two_gradients_joined_by_a_global_norm(tmp_path):
+    """The README's recipe for each all_reduce in turn (issue 12, bug 2): once the first reorder
+    has moved p1n onto slices, the second all_gather's computations() lists only what is still
+    whole, and check_reorder refuses the values already on slices, saying so."""
+    s = Schedule(clipped_two_grads())
+    rs1, ag1 = s.split("s1")
+    rs2, ag2 = s.split("s2")
+    s.reorder(s.computations(ag1), ag1)
+    assert s.program.node("p1n_slice").type.layout.is_sliced
+    comps = s.computations(ag2)
+    assert "p1n_slice" not in comps and "mul_4_slice" not in comps
+    assert {"p2n", "coef", "total"} <= set(comps)
+    with pytest.raises(cc.ScheduleError) as info:
+        s.reorder([*comps, "mul_4_slice", "p1n_slice"], ag2)
+    assert (
+        "reorder: mul_4_slice (Sliced(dim=0)), p1n_slice (Sliced(dim=0)) are not whole "
+        "(Replicated) and already run on slices or per rank" in str(info.value)
+    )
+    assert "s.computations('s2') lists only the values that can move" in info.value.hint
+    s.reorder(comps, ag2)
+    prog = s.program
+    # Both updates run on slices; the global norm adds partial sums of squares (no gather).
+    for p in ("p1n", "p2n"):
+        assert prog.node(p).op is Op.ALL_GATHER and prog.node(p).inputs[0].type.layout.is_sliced
+    assert [n.name for n in prog.nodes if n.op is Op.ALL_GATHER] == ["p1n", "p2n"]
+    assert_same_results(clipped_two_grads(), prog, sizes=(1, 5, 8))
+    s.as_slice(["p1", "p2"])  # ZeRO: each rank keeps only its slice of both parameters
+    assert not [n for n in s.program.nodes if n.op is Op.ALL_GATHER]
+    assert "def step(" in cc.compile(s, world=2, cache_dir=tmp_path).source
+
+
 def test_as_slice():
     s = reordered()
     s.as_slice("m")

@@ -1,7 +1,8 @@
 """Property: any sequence of legal schedule primitives preserves what a program computes.
 
 Random programs are chains of pointwise ops, reductions and ``where`` over a reduced gradient
-(``g_sum = all_reduce(g)`` of a Local ``g[N]``), with Replicated state ``s_i[N]``, Replicated
+(``g_sum = all_reduce(g)`` of a Local ``g[N]``; sometimes a second one, ``h_sum``, that values
+can join, as a global norm of two gradients does), with Replicated state ``s_i[N]``, Replicated
 scalars and optionally a Replicated matrix ``x[K, N]`` (a second shape family: ``[K, N]``,
 ``[K, 1]``, ``[1, N]``, ``[K]`` values, reductions over either dim). Some states (and ``x``) are
 updated, some values are returned. Every op is numerically tame: products squash one factor
@@ -9,10 +10,13 @@ updated, some values are returned. Every op is numerically tame: products squash
 ``exp`` reads ``-|a|``, ``gelu`` reads ``|a|`` (its negative tail is ill-conditioned), so nothing
 overflows.
 
-Random schedules: usually ``split(g_sum)`` and one or more ``reorder``s of random subsets of
-``s.computations(all_gather)`` first, then a random sequence of ``as_slice`` / ``fuse`` /
-``overlap`` (chunks 2..4) / more ``split`` / ``reorder`` attempts, in any order. A primitive whose
-check refuses (``ScheduleError``) is skipped, and must leave the schedule unchanged.
+Random schedules: usually ``split(g_sum)`` (and ``split(h_sum)``) and one or more ``reorder``s
+of random subsets of ``s.computations(all_gather)`` (sometimes of anything downstream of the
+all_gather, which ``check_reorder`` must refuse in the user's terms when it cannot move) first,
+then a random sequence of ``as_slice`` / ``fuse`` / ``overlap`` (chunks 2..4) / more ``split`` /
+``reorder`` attempts, in any order. A primitive whose
+check refuses (``ScheduleError``) is skipped, and must leave the schedule unchanged; a refusal
+must never be the rewrite's own re-typing failing (the check should have caught it).
 
 Every schedule that the primitives accept must also compile: ``coconet.compile`` lowers it, writes
 its per-rank module and loads it, for each world size (what the checks accept, the compiler
@@ -153,6 +157,11 @@ def build_program(d) -> Built:
     x = cc.Tensor("x", cc.float32, [K, N], cc.Replicated) if use_mat else None
     g_sum = cc.all_reduce(g, name="g_sum")
     pool = [Val(g_sum, True)] + [Val(s, True) for s in states] + [Val(a, True) for a in scalars]
+    # Sometimes a second gradient, so that values can join two all_reduces (a global norm of
+    # both, as clip_grad_norm_) and each can be split and reordered in turn.
+    h = cc.Tensor("h", cc.float32, [N], cc.Local) if d.chance(0.3) else None
+    if h is not None:
+        pool.append(Val(cc.all_reduce(h, name="h_sum"), True))
     if x is not None:
         pool.append(Val(x, True))
     computed: list[Val] = []
@@ -254,7 +263,8 @@ def build_program(d) -> Built:
     for v in computed:
         if d.chance(0.3) or (v is computed[-1] and not results and not outs):
             outs[f"out_{v.t.name}"] = v.t
-    inputs = [g, *states, *scalars] + ([x] if x is not None else [])
+    grads = [g] if h is None else [g, h]
+    inputs = [*grads, *states, *scalars] + ([x] if x is not None else [])
     program = cc.Program("rand", inputs, {**{f"u{k}": u for k, u in enumerate(results)}, **outs})
     names = [s.name for s in states] + (["x"] if x is not None else [])
     return Built(program, names, transcendental, use_mat, ops)
@@ -273,14 +283,20 @@ class Applied:
     exact: bool = True  # compared bit for bit
 
 
+# How a rewrite that a primitive's check let through fails: the check should have refused it,
+# in the user's terms (issue 12, bug 2).
+INTERNAL = ("no longer type-checks", "would build an ill-typed value", "program is invalid")
+
+
 def _try(out: Applied, kind: str, fn) -> bool:
     s = out.schedule
     program, steps = s.program, list(s.steps)
     try:
         fn()
-    except cc.ScheduleError:
-        # A refused primitive leaves the schedule as it was.
+    except cc.ScheduleError as e:
+        # A refused primitive leaves the schedule as it was, and says why in the user's terms.
         assert s.program is program and s.steps == steps
+        assert not any(words in e.message for words in INTERNAL), e
         out.refused[kind] += 1
         return False
     assert len(s.steps) == len(steps) + 1
@@ -307,6 +323,11 @@ def step_reorder(d, out: Applied) -> None:
     ag = d.pick(ags)
     comps = s.computations(ag)
     chosen = comps if d.chance(0.5) else d.subset(comps) or comps
+    if d.chance(0.2):
+        # Any values that depend on the all_gather, not only what computations() lists (values
+        # an earlier reorder sliced among them): check_reorder refuses what cannot move.
+        after = [n for n in s.downstream(ag) if s.program.node(n).op not in COMMUNICATION]
+        chosen = d.subset(after) or after
     moved = {s.program.node(c).op for c in chosen}
     if _try(out, "reorder", lambda: s.reorder(chosen, ag)) and moved & INEXACT_OPS:
         out.reassociates = True
@@ -378,6 +399,8 @@ def random_schedule(d, built: Built) -> Applied:
     out = Applied(Schedule(built.program))
     if d.chance(0.85):
         step_split(d, out)
+        if d.chance(0.5):
+            step_split(d, out)  # the second gradient's all_reduce, when there is one
         for _ in range(d.int(1, 2)):
             step_reorder(d, out)
         if d.chance(0.5):
@@ -406,8 +429,8 @@ def make_inputs(program: cc.Program, world: int, n: int, k: int, seed: int) -> d
     gen = torch.Generator().manual_seed(seed)
     out: dict = {}
     for node in program.inputs:
-        if node.name == "g":
-            out["g"] = [torch.randn(n, generator=gen) for _ in range(world)]
+        if node.name in ("g", "h"):
+            out[node.name] = [torch.randn(n, generator=gen) for _ in range(world)]
         elif node.type.rank == 0:
             out[node.name] = float(torch.randn((), generator=gen))
         else:
