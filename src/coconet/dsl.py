@@ -179,6 +179,10 @@ class Tensor:
             hint="use where(cond, a, b) for a data-dependent choice",
         )
 
+    # ``==`` and ``!=`` build comparisons like ``<`` (``where(x == 0, a, b)``), so a Tensor is
+    # hashed by identity: the IR keys dicts and sets by Tensors, and a dict lookup compares
+    # with ``is`` before ``==``, so it never builds a node (``x in [y]`` would: it raises, as
+    # any use of a Tensor's truth value does).
     __hash__ = object.__hash__
 
     # -- operators ------------------------------------------------------------------------------
@@ -227,6 +231,15 @@ class Tensor:
 
     def __ge__(self, o):
         return _binary(Op.GE, self, o)
+
+    def __eq__(self, o):  # type: ignore[override] - a comparison node, as in torch
+        return _binary(Op.EQ, self, o)
+
+    def __ne__(self, o):  # type: ignore[override]
+        return _binary(Op.NE, self, o)
+
+    def __abs__(self):
+        return _unary(Op.ABS, self)
 
     def __matmul__(self, o):
         return matmul(self, o)
