@@ -502,10 +502,13 @@ def _fused_collectives(program: Program, steps: list[Step]) -> list[Step]:
         others = [s for s in out[lo : hi + 1] if not _belongs(s, group, members)]
         tainted = {n for s in mine for n in _produces(s)}  # the group's values and their users'
         before, after = [], []
+        late: set[str] = set()  # collectives started after the unit: their waits follow them
         for s in others:
-            if _reads(s) & tainted:
+            if _reads(s) & tainted or (isinstance(s, Wait) and s.node.name in late):
                 after.append(s)
                 tainted |= _produces(s)
+                if isinstance(s, Start):
+                    late.add(s.node.name)
             else:
                 before.append(s)
         read = {n for s in mine for n in _reads(s)}
@@ -561,6 +564,8 @@ def _produces(step: Step) -> set[str]:
         return {step.node.name}
     if isinstance(step, ChunkLoop):
         return set(step.group.members)
+    if isinstance(step, FusedCollective):  # an earlier group's unit inside this group's span
+        return {n for s in step.steps for n in _produces(s)}
     return set()
 
 
@@ -573,6 +578,8 @@ def _reads(step: Step) -> set[str]:
         members = set(step.group.members)
         nodes = [n for n in step.stages for n in n]
         return {i.name for s in nodes for i in _step_inputs(s)} - members
+    if isinstance(step, FusedCollective):
+        return {n for s in step.steps for n in _reads(s)} - _produces(step)
     return set()  # a wait reads its own collective's buffer
 
 
