@@ -24,7 +24,7 @@ N, K = cc.Dim("N"), cc.Dim("K")
 def _run_both(schedule: Schedule, tmp_path, n: int = 5) -> None:
     compiled = cc.compile(schedule, world=1, cache_dir=tmp_path, fused_kernels=False)
     inputs = make_inputs(schedule.original, 1, n, 1, seed=3)
-    outputs, updates = run_generated(compiled, inputs, n, 1)
+    outputs, updates = run_generated(compiled, inputs)
     want = cc.simulate(schedule.program, inputs, 1)
     for name, value in outputs.items():
         assert torch.equal(value, want.outputs[name][0]), name

@@ -6,9 +6,11 @@ can join, as a global norm of two gradients does), with Replicated state ``s_i[N
 scalars and optionally a Replicated matrix ``x[K, N]`` (a second shape family: ``[K, N]``,
 ``[K, 1]``, ``[1, N]``, ``[K]`` values, reductions over either dim). Some states (and ``x``) are
 updated, some values are returned. Every op is numerically tame: products squash one factor
-(``a * (b / (|b| + 1))``), divisions divide by ``|b| + 1``, ``sqrt``/``log`` read ``|a| + 1``,
-``exp`` reads ``-|a|``, ``gelu`` reads ``|a|`` (its negative tail is ill-conditioned), so nothing
-overflows.
+(``a * (b / (|b| + 1))``), divisions divide by ``|b| + 1`` (or by a size: ``a / N``,
+``a / world_size()``), ``sqrt``/``log`` read ``|a| + 1``, ``exp`` reads ``-|a|``, ``gelu``,
+``silu``, ``tanh``, ``sigmoid`` and ``erf`` read ``|a|`` (gelu's and silu's negative tails are
+ill-conditioned), ``mean`` is of ``|a|`` like ``sum``, ``sign`` and ``clamp`` are exact, so
+nothing overflows.
 
 Random schedules: usually ``split(g_sum)`` (and ``split(h_sum)``) and one or more ``reorder``s
 of random subsets of ``s.computations(all_gather)`` (sometimes of anything downstream of the
@@ -55,7 +57,7 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 
 import coconet as cc
-from coconet.codegen import KernelSet, geometry
+from coconet.codegen import KernelSet, bind_sizes, geometry
 from coconet.ir.ops import COMMUNICATION, LEAVES, Op
 from coconet.schedule import Schedule
 from coconet.sim.exactness import reassociations
@@ -65,7 +67,7 @@ RTOL, ATOL = 1e-5, 1e-6
 # tmp_path does not mix with hypothesis' repeated examples).
 _CACHE = tempfile.TemporaryDirectory(prefix="coconet-property-")
 N, K = cc.Dim("N"), cc.Dim("K")
-INEXACT_OPS = {Op.SUM, Op.NORM}
+INEXACT_OPS = {Op.SUM, Op.NORM}  # mean is a sum divided by a size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +149,8 @@ class Built:
 
 FIRST_OPS = ["add", "sub", "mul", "div", "maximum", "minimum", "sqrt", "neg", "abs", "relu"]
 OPS = [*FIRST_OPS, "where", "where", "dropout", "sum", "norm", "max", "sum", "norm", "max"]
-OPS += ["exp", "log", "gelu"]
+OPS += ["exp", "log", "gelu", "tanh", "sigmoid", "erf", "silu"]
+OPS += ["sign", "clamp", "mean", "per_n", "world_mean"]  # exact but mean (a sum)
 
 
 def build_program(d) -> Built:
@@ -206,6 +209,14 @@ def build_program(d) -> Built:
             t = -a.t
         elif kind == "abs":
             t = cc.abs(a.t)
+        elif kind == "sign":
+            t = cc.sign(a.t)
+        elif kind == "clamp":
+            t = cc.clamp(a.t, -0.5, 0.75)
+        elif kind == "per_n":
+            t = a.t / N  # a size bound when the step runs
+        elif kind == "world_mean":
+            t = a.t / cc.world_size()
         elif kind == "relu":
             t = cc.relu(a.t)
         elif kind == "where":
@@ -225,15 +236,15 @@ def build_program(d) -> Built:
             if not a.shape:
                 a = pool[0]
             t = cc.dropout(a.t, 0.25, d.int(0, 3), d.int(0, 3))
-        elif kind in ("sum", "norm", "max"):
+        elif kind in ("sum", "norm", "max", "mean"):
             if not a.shape:
                 a = pool[0]
             dim = d.pick([None, *range(len(a.shape))])
             keepdim = d.chance(0.3)
-            if kind == "sum":
+            if kind in ("sum", "mean"):
                 # A sum of |x|: re-associating it changes it by a relative error of about
                 # (terms x float32 eps), which a sum of mixed signs could not promise.
-                t = cc.sum(cc.abs(a.t), dim, keepdim)
+                t = (cc.sum if kind == "sum" else cc.mean)(cc.abs(a.t), dim, keepdim)
             else:
                 t = (cc.norm if kind == "norm" else cc.max)(a.t, dim, keepdim)
             exact = a.exact and kind == "max"
@@ -244,8 +255,13 @@ def build_program(d) -> Built:
                 t = cc.exp(-cc.abs(a.t))
             elif kind == "log":
                 t = cc.log(cc.abs(a.t) + 1.0)
-            else:
+            elif kind == "gelu":
                 t = cc.gelu(cc.abs(a.t))  # its negative tail is ill-conditioned
+            elif kind == "silu":
+                t = cc.silu(cc.abs(a.t))  # likewise
+            else:
+                # bounded and well-conditioned on |a| (their outputs are in (0, 1])
+                t = {"tanh": cc.tanh, "sigmoid": cc.sigmoid, "erf": cc.erf}[kind](cc.abs(a.t))
         ops.append(kind)
         v = Val(t.named(f"v{i}"), exact)
         pool.append(v)
@@ -499,15 +515,19 @@ class OneRank:
         return work
 
 
-def run_generated(compiled, inputs: dict, n: int, k: int) -> tuple[dict, dict]:
+def run_generated(compiled, inputs: dict) -> tuple[dict, dict]:
     """The compiled module's step() on a world of one, eager kernels: what real ranks run."""
     program = compiled.program
-    env = geometry(program, cc.Mesh.world(1), 0, {"N": n, "K": k})
     args = []
     for node in program.inputs:
         v = inputs[node.name]
         v = v[0] if isinstance(v, list) else v
         args.append(torch.tensor(v, dtype=node.type.dtype.torch) if isinstance(v, float) else v)
+    mesh = cc.Mesh.world(1)
+    shapes = {n.name: tuple(a.shape) for n, a in zip(program.inputs, args, strict=True)}
+    sizes, problems = bind_sizes(program, mesh, [shapes])
+    assert not problems, problems
+    env = geometry(program, mesh, 0, sizes)
     comm = OneRank()
     kernels = KernelSet(compiled.module.KERNELS, fused=False)
     outputs, updates = compiled.module.step(comm, env, kernels, *args)
@@ -546,7 +566,7 @@ def check_one(d, log=note, tally=event) -> Applied:
             # what the simulator computes for the scheduled program, bit for bit (the same
             # op meanings, in the same order, chunk loops included).
             inputs = make_inputs(built.program, 1, n, k, seed)
-            outputs, updates = run_generated(compiled, inputs, n, k)
+            outputs, updates = run_generated(compiled, inputs)
             want = cc.simulate(s.program, inputs, 1)
             assert set(outputs) == set(want.outputs) and set(updates) == set(want.updates)
             for name, value in outputs.items():

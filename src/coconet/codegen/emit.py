@@ -161,6 +161,11 @@ class _Emitter:
             f'{_INDENT}"""One step on this rank: (outputs, updates); the caller commits."""',
         ]
         body: list[str] = []
+        # sizes known once the step's input shapes are bound (x / N, world_size): 0-d tensors
+        for n in self.program.nodes:
+            if spec(n.op).lowering is Lowering.SIZE:
+                value = f"env.values[{n.name!r}], dtype={_dtype(n.type.dtype)}"
+                body += [self.comment(n), f"{self.var[n.name]} = torch.tensor({value})"]
         for s in self.plan.body:
             if isinstance(s, ChunkLoop):
                 body += self.loop_lines(s)
