@@ -98,9 +98,13 @@ def test_new_unary_ops_match_torch(op, ref, layout):
     xv_all = xv if layout.is_local else [xv] * 3
     xv_all[0][0, 0] = 0.0  # sign(0) = 0
     res = simulate(prog, {"x": xv}, 3)
+    # On slices, which elements torch computes in its vector loop and which in the scalar tail
+    # differs from the whole tensor: the transcendental ops may differ by an ulp there
+    # (coconet.sim.exactness); sign is exact.
+    rtol = 0.0 if op is cc.sign else 1e-6
     for r in range(3):
         if layout.is_sliced:
-            torch.testing.assert_close(res.output("y"), ref(xv), rtol=0, atol=0)
+            torch.testing.assert_close(res.output("y"), ref(xv), rtol=rtol, atol=1e-7 * (rtol > 0))
         else:
             torch.testing.assert_close(res.outputs["y"][r], ref(xv_all[r]), rtol=0, atol=0)
 
