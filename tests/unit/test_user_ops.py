@@ -212,3 +212,24 @@ def test_mean_collectives_match_the_average(rop):
     torch.testing.assert_close(res.output("rs"), avg, rtol=0, atol=0)
     torch.testing.assert_close(res.outputs["rd"][1], avg, rtol=0, atol=0)
     assert torch.equal(res.outputs["rd"][0], torch.zeros(7))
+
+
+def test_a_mean_all_reduce_is_split_through_its_sum():
+    """name= names the mean; split names its all_reduce in the hint, and the paper's schedules
+    find it by themselves (the only all_reduce of a tensor)."""
+    from coconet.schedule import RS_C_AG, Schedule
+
+    g = Tensor("g", float32, [N], Local)
+    p = Tensor("p", float32, [N], Replicated)
+    grad = cc.all_reduce(g, cc.ReduceOp.MEAN, name="grad")
+    prog = Program("sgd", [g, p], [cc.update(p, p - 0.1 * grad)])
+    with pytest.raises(cc.ScheduleError) as info:
+        Schedule(prog).split("grad")
+    assert "grad is a div, not an all_reduce" in info.value.message
+    assert info.value.hint == "split its all_reduce: split('grad_sum')"
+    s = RS_C_AG(prog)
+    assert str(s).splitlines()[1].strip() == "split(grad_sum)"
+    xs = [gen(5, seed=r) for r in range(2)]
+    ins = {"g": xs, "p": gen(5, seed=9)}
+    want = simulate(prog, ins, 2).updated("p")
+    assert torch.equal(simulate(s.program, ins, 2).updated("p"), want)
