@@ -186,6 +186,37 @@ def user_ops_inputs(world, size, dtype=torch.float32, seed=0):
     }
 
 
+def lion():
+    """Lion with the averaged gradient (ReduceOp.MEAN) as one fused collective, its momentum
+    sliced: over shared memory the one-pass kernel reads world_size as an input."""
+    from coconet.schedule import fuse_RS_C_AG
+
+    N = cc.Dim("N")
+    g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    p = cc.Tensor("p", cc.float32, [N], cc.Replicated)
+    m = cc.Tensor("m", cc.float32, [N], cc.Replicated)
+    lr, beta1, beta2 = cc.Scalar("lr"), cc.Scalar("beta1"), cc.Scalar("beta2")
+    grad = cc.all_reduce(g, cc.ReduceOp.MEAN, name="grad")
+    p_new = (p - lr * cc.sign(beta1 * m + (1 - beta1) * grad)).named("p_new")
+    m_new = (beta2 * m + (1 - beta2) * grad).named("m_new")
+    program = cc.Program(
+        "lion", [g, p, m, lr, beta1, beta2], [cc.update(p, p_new), cc.update(m, m_new)]
+    )
+    return fuse_RS_C_AG(program, state=("m",))
+
+
+def lion_inputs(world, size, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "g": _per_rank(world, lambda r: torch.randn(size, generator=gen)),
+        "p": torch.randn(size, generator=gen),
+        "m": torch.randn(size, generator=gen),
+        "lr": 0.01,
+        "beta1": 0.9,
+        "beta2": 0.99,
+    }
+
+
 def mesh_program():
     """Collectives along the axes of a 2x2 mesh, send along pp, matmuls on tp slices."""
     B, H = cc.Dim("B"), cc.Dim("H")
@@ -227,4 +258,5 @@ PROGRAMS = {
     "update_state": (update_state, update_state_inputs),
     "fused_mix": (fused_mix, fused_mix_inputs),
     "user_ops": (user_ops, user_ops_inputs),
+    "lion": (lion, lion_inputs),
 }
