@@ -3,9 +3,9 @@
 What is exact and what re-associates is decided by ``coconet.sim.exactness`` (its docstring is
 the rule book): data movement, correctly rounded pointwise ops and rank-ordered reductions are
 bitwise equal on every CPU; ``sum``/``norm``/``matmul`` on other shapes or in chunks, and
-``exp``/``log``/``gelu``/``pow`` on other slices, are not. A comparison is exact (``0.0``) unless
-``reassociations(original, scheduled)`` names a reason, and then it gets the tolerance below for
-its dtype.
+``exp``/``log``/``gelu``/``pow``/``silu``/``tanh``/``sigmoid``/``erf`` on other slices, are
+not. A comparison is exact (``0.0``) unless ``reassociations(original, scheduled)`` names a
+reason, and then it gets the tolerance below for its dtype.
 
 - a schedule vs its program, nothing re-associated: 0 (bitwise), in every dtype;
 - a schedule vs its program with re-associated sums (LAMB's partial norms, an overlapped matmul):

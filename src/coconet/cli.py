@@ -1,8 +1,8 @@
 """The ``coconet`` command.
 
 - ``coconet print FILE.py:NAME``: print a program;
-- ``coconet show FILE.py:NAME [--schedule S] [--world N | --mesh pp=2,tp=2]``: print the code
-  generated for it, and the collective algorithms measured on this machine;
+- ``coconet show FILE.py:NAME [--schedule S [--state m,v]] [--world N | --mesh pp=2,tp=2]``:
+  print the code generated for it, and the collective algorithms measured on this machine;
 - ``coconet run --nproc N SCRIPT [args]``: run a script as N local ranks (gloo on CPU); with
   ``--nnodes`` it hands over to torchrun's rendezvous;
 - ``coconet calibrate --nproc N``: measure the collective algorithms once, for every size class.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import subprocess
 import sys
@@ -52,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule",
         help="a schedule by name: from the module's SCHEDULES dict, a function of the module, "
         "or coconet.schedule (e.g. RS_C_AG), applied to the program",
+    )
+    sh.add_argument(
+        "--state",
+        help="for coconet.schedule's RS_C_AG and fuse_RS_C_AG: the optimizer state to store "
+        "sliced, comma separated (e.g. m,v), as state= in Python",
     )
     world = sh.add_mutually_exclusive_group()
     world.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
@@ -130,19 +136,36 @@ def _load(target: str):
     return obj, namespace
 
 
-def _schedule(program, name: str, namespace: dict[str, Any]):
+def _schedule(program, name: str, namespace: dict[str, Any], state: str | None = None):
 
     table = namespace.get("SCHEDULES", {})
     found = table.get(name) if isinstance(table, dict) else None
     if found is None and callable(namespace.get(name)):
         found = namespace[name]
+    library = False
     if found is None and name in getattr(schedules, "__all__", ()):
-        found = getattr(schedules, name)
+        found, library = getattr(schedules, name), True
     if found is None:
         known = sorted(table) if isinstance(table, dict) else []
         raise SystemExit(
             f"coconet: no schedule named {name!r} (module SCHEDULES: {known}; or one of "
             f"coconet.schedule's: {', '.join(getattr(schedules, '__all__', ()))})"
+        )
+    takes_state = library and "state" in inspect.signature(found).parameters
+    if state is not None:
+        if not takes_state:
+            raise SystemExit(
+                f"coconet: --state is for coconet.schedule's RS_C_AG and fuse_RS_C_AG; "
+                f"{name!r} {'takes no state' if library else 'comes from the module'}"
+            )
+        return found(program, state=tuple(s.strip() for s in state.split(",") if s.strip()))
+    if takes_state:
+        # The module's own schedules say which state they slice; the library's cannot know.
+        print(
+            f"coconet: note: {name} from coconet.schedule, applied with no optimizer state "
+            "stored sliced (state=()); if your step uses state=(...), pass --state to see its "
+            "code",
+            file=sys.stderr,
         )
     return found(program) if callable(found) else found
 
@@ -172,7 +195,9 @@ def _show(args) -> int:
     obj, namespace = _load(args.target)
     if args.schedule:
         program = getattr(obj, "original", None) or getattr(obj, "program", obj)
-        obj = _schedule(program, args.schedule, namespace)
+        obj = _schedule(program, args.schedule, namespace, args.state)
+    elif args.state:
+        raise SystemExit("coconet: --state needs --schedule RS_C_AG or fuse_RS_C_AG")
     world = _mesh(args)
     step = compile(obj, world=world, cache_dir=args.cache_dir, transport=args.transport)
     print(step.source, end="")

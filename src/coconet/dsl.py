@@ -31,8 +31,11 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "cast",
+    "clamp",
+    "clip",
     "dropout",
     "eq",
+    "erf",
     "exp",
     "ge",
     "gelu",
@@ -43,6 +46,7 @@ __all__ = [
     "matmul",
     "max",
     "maximum",
+    "mean",
     "minimum",
     "ne",
     "neg",
@@ -54,10 +58,15 @@ __all__ = [
     "rsqrt",
     "scatter",
     "send",
+    "sigmoid",
+    "sign",
+    "silu",
     "sqrt",
     "sum",
+    "tanh",
     "update",
     "where",
+    "world_size",
 ]
 
 Number = int | float
@@ -179,6 +188,10 @@ class Tensor:
             hint="use where(cond, a, b) for a data-dependent choice",
         )
 
+    # ``==`` and ``!=`` build comparisons like ``<`` (``where(x == 0, a, b)``), so a Tensor is
+    # hashed by identity: the IR keys dicts and sets by Tensors, and a dict lookup compares
+    # with ``is`` before ``==``, so it never builds a node (``x in [y]`` would: it raises, as
+    # any use of a Tensor's truth value does).
     __hash__ = object.__hash__
 
     # -- operators ------------------------------------------------------------------------------
@@ -228,6 +241,15 @@ class Tensor:
     def __ge__(self, o):
         return _binary(Op.GE, self, o)
 
+    def __eq__(self, o):  # type: ignore[override] - a comparison node, as in torch
+        return _binary(Op.EQ, self, o)
+
+    def __ne__(self, o):  # type: ignore[override]
+        return _binary(Op.NE, self, o)
+
+    def __abs__(self):
+        return _unary(Op.ABS, self)
+
     def __matmul__(self, o):
         return matmul(self, o)
 
@@ -257,6 +279,9 @@ def Scalar(name: str, dtype: DType = DType.float32) -> Tensor:  # noqa: N802 - a
 def _node(x: Any, like: Node | None, op: Op) -> Node:
     if isinstance(x, Tensor):
         return x.node
+    if isinstance(x, Dim):
+        # ``x / N``: the size N as a 0-d value of the other operand's dtype, bound at run time
+        return _size_node((x,), _like_dtype(like))
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise DSLError(
             f"operands must be coconet Tensors or Python numbers, got {type(x).__name__} {x!r}",
@@ -279,6 +304,23 @@ def _node(x: Any, like: Node | None, op: Op) -> Node:
             hint="cast(...) the tensor to a float dtype",
         )
     return make_node(Op.CONST, (), {"value": x, "dtype": dtype}, loc=capture_loc())
+
+
+def _like_dtype(like: Node | None) -> DType:
+    """The dtype a number (or a size) takes next to ``like``: its dtype, int64 next to bools."""
+    if like is None:
+        return DType.float32
+    return DType.int64 if like.type.dtype is DType.bool else like.type.dtype
+
+
+def _size_node(dims: tuple[Size, ...], dtype: DType) -> Node:
+    """The product of ``dims`` as a 0-d value: a constant when every size is an int."""
+    if all(isinstance(d, int) for d in dims):
+        value = 1
+        for d in dims:
+            value *= d
+        return make_node(Op.CONST, (), {"value": value, "dtype": dtype}, loc=capture_loc())
+    return make_node(Op.SIZE, (), {"dims": tuple(dims), "dtype": dtype}, loc=capture_loc())
 
 
 def _check_name(op: str, name: Any) -> None:
@@ -371,6 +413,53 @@ def relu(x: Tensor) -> Tensor:
 def gelu(x: Tensor) -> Tensor:
     """GELU with the exact erf form (``torch.nn.functional.gelu``'s default)."""
     return _unary(Op.GELU, x)
+
+
+def sign(x: Tensor) -> Tensor:
+    """-1, 0 or 1 by the sign of each element (``torch.sign``; 0 for 0 and -0)."""
+    return _unary(Op.SIGN, x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    return _unary(Op.TANH, x)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """``1 / (1 + exp(-x))`` (``torch.sigmoid``)."""
+    return _unary(Op.SIGMOID, x)
+
+
+def erf(x: Tensor) -> Tensor:
+    return _unary(Op.ERF, x)
+
+
+def silu(x: Tensor) -> Tensor:
+    """``x * sigmoid(x)`` as one op (``torch.nn.functional.silu``)."""
+    return _unary(Op.SILU, x)
+
+
+def clamp(x: Tensor, min: Any = None, max: Any = None) -> Tensor:  # noqa: A002 - torch's names
+    """``x`` limited to ``[min, max]`` (either may be omitted; each a Tensor or a number).
+
+    It is ``minimum(maximum(x, min), max)``, which is how ``torch.clamp`` defines it (``max``
+    wins when ``min > max``; NaN stays NaN), so its rules, meaning and code are those two ops'.
+    """
+    if min is None and max is None:
+        raise DSLError(
+            "clamp needs a min, a max or both",
+            op="clamp",
+            loc=capture_loc(),
+            hint="clamp(x, min=0.0), clamp(x, max=1.0) or clamp(x, -1.0, 1.0)",
+        )
+    out = x
+    if min is not None:
+        out = _binary(Op.MAXIMUM, out, min)
+    if max is not None:
+        out = _binary(Op.MINIMUM, out, max)
+    return out
+
+
+clip = clamp
 
 
 def cast(x: Tensor, dtype: DType) -> Tensor:
@@ -471,6 +560,29 @@ def _max(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
     return _reduction(Op.MAX, x, dim, keepdim)
 
 
+def mean(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """The mean over all elements, or over ``dim``: the sum divided by the number of elements
+    summed (a size: ``sum(x, dim) / N`` for a dim of size ``N``, bound when the step runs).
+
+    Over a sliced dim the sum is this rank's partial sum, so the mean is a Local partial mean
+    (``all_reduce`` adds them up to the mean); ``reorder`` moves it onto slices the same way.
+    """
+    total = _reduction(Op.SUM, x, dim, keepdim)
+    if not x.dtype.is_float:
+        raise DTypeError(
+            f"mean needs a floating-point tensor, got {x.dtype.value}",
+            op="mean",
+            loc=capture_loc(),
+            hint="cast(x, float32) first",
+        )
+    if dim is None or not x.type.rank:
+        counted = tuple(x.shape)
+    else:
+        counted = (x.shape[dim % x.type.rank],)
+    count = _size_node(counted, x.dtype)
+    return _wrap(Op.DIV, (total.node, count))
+
+
 def norm(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
     """The L2 norm over all elements, or over ``dim``."""
     return _reduction(Op.NORM, x, dim, keepdim)
@@ -488,28 +600,66 @@ max = _max  # noqa: A001
 # communication
 
 
+def world_size(axis: str | None = None, dtype: DType = DType.float32) -> Tensor:
+    """The number of ranks along mesh ``axis`` (the whole world for None) as a 0-d Replicated
+    value, known when the program is compiled or simulated: ``g_sum / world_size()`` is the
+    mean gradient whatever the world size, with no runtime scalar to pass."""
+    _check_axis("world_size", axis)
+    if not isinstance(dtype, DType):
+        raise DSLError(
+            f"world_size's dtype must be a coconet DType, got {dtype!r}",
+            op="world_size",
+            loc=capture_loc(),
+            hint="coconet.float32 (the default) or coconet.int64",
+        )
+    return _wrap(Op.WORLD_SIZE, (), axis=axis, dtype=dtype)
+
+
 def _reduce_op(op: Any, who: str) -> ReduceOp:
     if not isinstance(op, ReduceOp):
         raise DSLError(
             f"op= must be a ReduceOp, got {op!r}",
             op=who,
             loc=capture_loc(),
-            hint="ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN or ReduceOp.PROD",
+            hint="ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD or ReduceOp.MEAN",
         )
     return op
+
+
+def _collective(op: Op, x: Any, reduce_op: ReduceOp, who: str, **attrs: Any) -> Tensor:
+    """A reducing collective; ``ReduceOp.MEAN`` is the SUM collective (named ``<name>_sum``)
+    divided by ``world_size(axis)`` (named ``name``: the value the caller holds)."""
+    if reduce_op is not ReduceOp.MEAN:
+        return _wrap(op, (_node(x, None, op),), reduce_op=reduce_op, **attrs)
+    if isinstance(x, Tensor) and not x.dtype.is_float:
+        raise DTypeError(
+            f"ReduceOp.MEAN needs a floating-point tensor, got {x.dtype.value}",
+            op=who,
+            loc=capture_loc(),
+            hint="cast(x, float32) first, or reduce with ReduceOp.SUM",
+        )
+    name = attrs.pop("name", None)
+    if name is not None:
+        _check_name(who, name)
+    total = _wrap(op, (_node(x, None, op),), reduce_op=ReduceOp.SUM, **attrs,
+                  name=f"{name}_sum" if name else None)  # fmt: skip
+    count = make_node(
+        Op.WORLD_SIZE, (), {"axis": attrs.get("axis"), "dtype": total.dtype}, loc=capture_loc()
+    )
+    return _wrap(Op.DIV, (total.node, count), name=name)
 
 
 def all_reduce(
     x: Tensor, op: ReduceOp = ReduceOp.SUM, axis: str | None = None, name: str | None = None
 ) -> Tensor:
-    """Reduce the Local values of every rank of ``axis``; each rank gets the result (Replicated)."""
+    """Reduce the Local values of every rank of ``axis``; each rank gets the result (Replicated).
+
+    ``op=ReduceOp.MEAN`` (the averaged gradient of DDP) is the sum divided by
+    ``world_size(axis)``: the division is named ``name``, the all_reduce, a SUM that schedules
+    split like any other, ``<name>_sum``."""
     _check_axis("all_reduce", axis)
-    return _wrap(
-        Op.ALL_REDUCE,
-        (_node(x, None, Op.ALL_REDUCE),),
-        reduce_op=_reduce_op(op, "all_reduce"),
-        axis=axis,
-        name=name,
+    return _collective(
+        Op.ALL_REDUCE, x, _reduce_op(op, "all_reduce"), "all_reduce", axis=axis, name=name
     )
 
 
@@ -522,10 +672,11 @@ def reduce_scatter(
 ) -> Tensor:
     """Reduce the Local values of ``axis``; rank i keeps the i-th part along ``dim`` (Sliced)."""
     _check_axis("reduce_scatter", axis)
-    return _wrap(
+    return _collective(
         Op.REDUCE_SCATTER,
-        (_node(x, None, Op.REDUCE_SCATTER),),
-        reduce_op=_reduce_op(op, "reduce_scatter"),
+        x,
+        _reduce_op(op, "reduce_scatter"),
+        "reduce_scatter",
         axis=axis,
         dim=dim,
         name=name,
@@ -555,13 +706,8 @@ def reduce(
 ) -> Tensor:
     """The ``root``-th rank of ``axis`` gets the reduction; the other ranks hold zeros (Local)."""
     _check_axis("reduce", axis)
-    return _wrap(
-        Op.REDUCE,
-        (_node(x, None, Op.REDUCE),),
-        root=root,
-        reduce_op=_reduce_op(op, "reduce"),
-        axis=axis,
-        name=name,
+    return _collective(
+        Op.REDUCE, x, _reduce_op(op, "reduce"), "reduce", root=root, axis=axis, name=name
     )
 
 

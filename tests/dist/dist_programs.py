@@ -158,6 +158,65 @@ def fused_mix_inputs(world, size, dtype=torch.float32, seed=0):
     }
 
 
+def user_ops():
+    """The ops of issue 12 in generated code: sign/tanh/sigmoid/erf/silu/clamp, means over one
+    dim and over all (sizes bound when the step runs), world_size and a ReduceOp.MEAN all_reduce
+    split and reordered (the division and a partial mean on slices), with one fused group."""
+    from coconet.schedule import fuse_RS_C_AG
+
+    N, M = cc.Dim("N"), cc.Dim("M")
+    g = cc.Tensor("g", cc.float32, [N, M], cc.Local)
+    w = cc.Tensor("w", cc.float32, [N, M], cc.Replicated)
+    g_avg = cc.all_reduce(g, cc.ReduceOp.MEAN, name="g_avg")
+    act = (cc.silu(g_avg) + cc.tanh(w) * cc.sigmoid(g_avg) + cc.erf(w)).named("act")
+    clipped = cc.clamp(act * cc.sign(w), -0.5, max=1.0).named("clipped")
+    centered = (clipped - cc.mean(clipped, 1, keepdim=True)).named("centered")
+    total = (cc.mean(centered * centered) * cc.world_size()).named("total")
+    program = cc.Program(
+        "user_ops", [g, w], {"total": total, "u": cc.update(w, w - centered / N)}
+    )
+    return fuse_RS_C_AG(program)
+
+
+def user_ops_inputs(world, size, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "g": _per_rank(world, lambda r: torch.randn(size, 3, generator=gen)),
+        "w": torch.randn(size, 3, generator=gen),
+    }
+
+
+def lion():
+    """Lion with the averaged gradient (ReduceOp.MEAN) as one fused collective, its momentum
+    sliced: over shared memory the one-pass kernel reads world_size as an input."""
+    from coconet.schedule import fuse_RS_C_AG
+
+    N = cc.Dim("N")
+    g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    p = cc.Tensor("p", cc.float32, [N], cc.Replicated)
+    m = cc.Tensor("m", cc.float32, [N], cc.Replicated)
+    lr, beta1, beta2 = cc.Scalar("lr"), cc.Scalar("beta1"), cc.Scalar("beta2")
+    grad = cc.all_reduce(g, cc.ReduceOp.MEAN, name="grad")
+    p_new = (p - lr * cc.sign(beta1 * m + (1 - beta1) * grad)).named("p_new")
+    m_new = (beta2 * m + (1 - beta2) * grad).named("m_new")
+    program = cc.Program(
+        "lion", [g, p, m, lr, beta1, beta2], [cc.update(p, p_new), cc.update(m, m_new)]
+    )
+    return fuse_RS_C_AG(program, state=("m",))
+
+
+def lion_inputs(world, size, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "g": _per_rank(world, lambda r: torch.randn(size, generator=gen)),
+        "p": torch.randn(size, generator=gen),
+        "m": torch.randn(size, generator=gen),
+        "lr": 0.01,
+        "beta1": 0.9,
+        "beta2": 0.99,
+    }
+
+
 def mesh_program():
     """Collectives along the axes of a 2x2 mesh, send along pp, matmuls on tp slices."""
     B, H = cc.Dim("B"), cc.Dim("H")
@@ -198,4 +257,6 @@ PROGRAMS = {
     "prod_and_ints": (prod_and_ints, prod_and_ints_inputs),
     "update_state": (update_state, update_state_inputs),
     "fused_mix": (fused_mix, fused_mix_inputs),
+    "user_ops": (user_ops, user_ops_inputs),
+    "lion": (lion, lion_inputs),
 }

@@ -295,3 +295,62 @@ def ddp_hook(comm: Communicator, name: str, kwargs: dict, steps: int, bucket_cap
         "layouts": len(ours._hook_layouts),
         "state_entries": len(sd["state"]),
     }
+
+
+class Lion(coconet.optim.DistributedOptimizer):
+    """A user's own optimizer, not in torch: Lion (Chen et al. 2023), written as the README's
+    coconet.optim section shows: a DSL program over a flat bucket, its state and its scalars."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, comm, **kw):
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        super().__init__(params, defaults, comm=comm, **kw)
+
+    def program(self, group, dtype):
+        import coconet as cc
+
+        n = cc.Dim("N")
+        g = cc.Tensor("g", dtype, [n], cc.Local)
+        p, m = (cc.Tensor(name, dtype, [n], cc.Replicated) for name in ("p", "m"))
+        lr, b1, c1, b2, c2, decay = (
+            cc.Scalar(s) for s in ("lr", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2",
+                                   "decay")
+        )
+        grad = cc.all_reduce(g, cc.ReduceOp.MEAN, name="grad")  # the average, as DDP's
+        update = cc.sign(b1 * m + c1 * grad)
+        p_new = decay * p - lr * update
+        m_new = b2 * m + c2 * grad
+        return cc.Program("lion", [g, p, m, lr, b1, c1, b2, c2, decay],
+                          [cc.update(p, p_new), cc.update(m, m_new)])
+
+    def state_names(self, group):
+        return {"m": "exp_avg"}
+
+    def scalars(self, group, step):
+        lr, (b1, b2) = float(group["lr"]), group["betas"]
+        return {"lr": lr, "beta1": b1, "one_minus_beta1": 1 - b1, "beta2": b2,
+                "one_minus_beta2": 1 - b2, "decay": 1 - lr * group["weight_decay"]}
+
+
+def lion(comm: Communicator, steps: int) -> float:
+    """The user's Lion against Lion in plain torch on the averaged gradient."""
+    net, ref = model(), model()
+    hp = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
+    ours = Lion(net.parameters(), comm=comm, options=EAGER, **hp)
+    ms = [torch.zeros_like(p) for p in ref.parameters()]
+    for k in range(steps):
+        x, y = batch(k)
+        ours.zero_grad()
+        xs = torch.tensor_split(x, comm.world)[comm.rank]
+        ys = torch.tensor_split(y, comm.world)[comm.rank]
+        _loss(net, xs, ys).backward()
+        ours.step()
+        _reference_grads(ref, comm.world, k)
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), ms, strict=True):
+                update = torch.sign(0.9 * m + 0.1 * p.grad)
+                p.mul_(1 - hp["lr"] * hp["weight_decay"]).add_(update, alpha=-hp["lr"])
+                m.mul_(0.99).add_(p.grad, alpha=0.01)
+    return max(
+        ((a - b).abs().max() / b.abs().max()).item()
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True)
+    )

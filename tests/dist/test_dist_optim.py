@@ -132,3 +132,9 @@ def test_as_ddps_communication_hook_it_matches_ddp_with_torchs_optimizer(transpo
             assert r["loss_diff"] <= 1e-6, (name, r)
             assert r["state_entries"] == 6, r  # every parameter's state, whatever its bucket
         assert out["Adam"]["layouts"] > 1  # tiny buckets: several of them
+
+
+@pytest.mark.timeout(120)
+def test_a_users_own_dsl_optimizer_is_wrapped_the_same_way():
+    for rel in spawn(optim_workers.lion, 2, 10, options=OPTIONS, timeout=100):
+        assert rel <= 1e-6

@@ -31,15 +31,22 @@ from coconet.runtime import CommOptions, RankFailure, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = CommOptions(timeout=30)
+# Every process this test run starts inherits the tag (killed and orphaned ranks too), so a
+# leak is told apart from another job's live segments on the same machine.
+TAG = f"COCONET_TEST_RUN={os.getpid()}"
+os.environ["COCONET_TEST_RUN"] = str(os.getpid())
 
 
 def _segments_mapped() -> list[str]:
-    """Processes that map a coconet segment (a memfd named coconet-symmem)."""
+    """Processes of this test run that map a coconet segment (a memfd named coconet-symmem)."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if TAG.encode() not in f.read().split(b"\0"):
+                    continue
             with open(f"/proc/{pid}/maps") as f:
                 if "coconet-symmem" in f.read():
                     found.append(pid)

@@ -439,7 +439,7 @@ def test_reduce_op_given_as_a_string():
         line=line,
         op="all_reduce",
         has=("op= must be a ReduceOp, got 'sum'",),
-        hint="ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN or ReduceOp.PROD",
+        hint="ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD or ReduceOp.MEAN",
     )
 
 
@@ -695,6 +695,23 @@ def test_simulator_input_errors(inputs, world, has, hint):
         line = _next_line()
         simulate(prog, inputs, world)
     check(info, cc.SimulationError, line=line, op=None, has=has, hint=hint)
+
+
+def test_a_scalar_input_says_it_takes_a_number(tmp_path):
+    """A scalar passed as None: the message says a Python number would do (issue 12)."""
+    from types import SimpleNamespace
+
+    x = Tensor("x", float32, [N], Replicated)
+    lr = cc.Scalar("lr")
+    prog = Program("p", [x, lr], {"y": x * lr})
+    with pytest.raises(cc.SimulationError) as info:
+        simulate(prog, {"x": torch.ones(3), "lr": None}, 1)
+    assert "input 'lr': expected a torch.Tensor or a Python number, got NoneType" in str(info.value)
+    step = cc.compile(prog, world=1, fused_kernels=False, cache_dir=tmp_path)
+    _, problem = step._tensor(prog.input("lr"), None, SimpleNamespace(device=torch.device("cpu")))
+    assert problem == "input 'lr': expected a torch.Tensor or a Python number, got NoneType"
+    _, problem = step._tensor(prog.input("x"), None, SimpleNamespace(device=torch.device("cpu")))
+    assert problem == "input 'x': expected a torch.Tensor, got NoneType"
 
 
 def test_simulator_mesh_axis_missing():

@@ -141,3 +141,20 @@ def test_a_wait_stays_after_its_start_when_the_group_is_gathered():
     for kind, name in order:
         if kind is Wait:
             assert order.index((Start, name)) < order.index((Wait, name)), name
+
+
+def test_a_gather_is_published_only_when_no_collective_follows_it():
+    """Regression: a published gather holds the group's epoch open until the commit, so a
+    collective after it in the same step waited for peers that waited for it (a deadlock found by
+    a program whose unit is followed by the all_reduce of a partial sum)."""
+    from coconet.schedule import fuse_RS_C_AG
+
+    N = cc.Dim("N")
+    g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    w = cc.Tensor("w", cc.float32, [N], cc.Replicated)
+    w_new = (w - cc.all_reduce(g, name="g_sum")).named("w_new")
+    followed = cc.Program("followed", [g, w], {"total": (w_new * w_new).sum(),
+                                                "u": cc.update(w, w_new)})
+    alone = cc.Program("alone", [g, w], [cc.update(w, w_new)])
+    assert "published=True" not in _source(fuse_RS_C_AG(followed))
+    assert "published=True" in _source(fuse_RS_C_AG(alone))

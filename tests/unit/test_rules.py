@@ -99,6 +99,25 @@ LEGAL: list[tuple[str, Callable[[], Tensor], TensorType]] = [
         lambda: T("v", [H], Sliced(0)) * T("col", [B, 1]),
         ty(float32, [B, H], Sliced(1)),
     ),
+    # -- the ops of issue 12: keep the layout; sign also takes ints; sizes are Replicated --------
+    ("sign of int64", lambda: cc.sign(T("i", [N], Local, cc.int64)), ty(cc.int64, [N], Local)),
+    ("tanh of sliced", lambda: cc.tanh(T("a", [N], Sliced(0))), ty(float32, [N], Sliced(0))),
+    ("sigmoid of local", lambda: cc.sigmoid(T("a", [N], Local)), ty(float32, [N], Local)),
+    ("erf", lambda: cc.erf(T("a", [N, M])), ty(float32, [N, M], Replicated)),
+    ("silu of bf16", lambda: cc.silu(T("a", [N], dtype=cc.bfloat16)),
+     ty(cc.bfloat16, [N], Replicated)),
+    ("sliced / its Dim", lambda: T("a", [N], Sliced(0)) / N, ty(float32, [N], Sliced(0))),
+    ("mean over the sliced dim: a partial", lambda: cc.mean(T("a", [N, M], Sliced(0)), 0),
+     ty(float32, [M], Local)),
+    ("mean over another dim stays sliced", lambda: cc.mean(T("a", [N, M], Sliced(0)), 1, True),
+     ty(float32, [N, 1], Sliced(0))),
+    ("world_size", lambda: cc.world_size("tp"), ty(float32, [], Replicated)),
+    ("all_reduce MEAN", lambda: cc.all_reduce(T("g", [N], Local), cc.ReduceOp.MEAN),
+     ty(float32, [N], Replicated)),
+    ("reduce_scatter MEAN over tp",
+     lambda: cc.reduce_scatter(T("g", [N], Local), cc.ReduceOp.MEAN, axis="tp"),
+     ty(float32, [N], Sliced(0, "tp"))),
+    ("clamp both", lambda: cc.clamp(T("a", [N], Local), -1.0, 1.0), ty(float32, [N], Local)),
     # -- pointwise: broadcasting with Dims ------------------------------------------------------
     (
         "broadcast [N,1]+[1,M]",
@@ -415,6 +434,20 @@ def test_legal_table_covers_every_op():
 
 # (id, builder, error class, a fragment of the message)
 ILLEGAL: list[tuple[str, Callable[[], object], type, str]] = [
+    ("tanh of an int", lambda: cc.tanh(T("i", [N], dtype=cc.int32)), cc.DTypeError,
+     "tanh needs a floating-point operand, got int32"),
+    ("sign of a bool", lambda: cc.sign(T("a", [N]) > 0.0), cc.DTypeError,
+     "sign does not take bool operands"),
+    ("mean of an int", lambda: cc.mean(T("i", [N], dtype=cc.int64)), cc.DTypeError,
+     "mean needs a floating-point tensor, got int64"),
+    ("mean over a dim out of range", lambda: cc.mean(T("a", [N]), 2), cc.ShapeError,
+     "reduction dim 2 is out of range"),
+    ("all_reduce MEAN of ints", lambda: cc.all_reduce(T("i", [N], Local, cc.int64),
+     cc.ReduceOp.MEAN), cc.DTypeError, "ReduceOp.MEAN needs a floating-point tensor"),
+    ("clamp without bounds", lambda: cc.clamp(T("a", [N])), cc.DSLError,
+     "clamp needs a min, a max or both"),
+    ("world_size of a bad axis", lambda: cc.world_size(3), cc.DSLError,
+     "axis must be a mesh axis name or None, got 3"),
     (
         "local+sliced",
         lambda: T("a", [N], Local) + T("b", [N], Sliced(0)),

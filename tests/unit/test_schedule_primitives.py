@@ -217,6 +217,54 @@ def test_reorder_of_a_subset_gathers_what_is_still_read_whole():
     assert_same_results(opt(), prog)
 
 
+def clipped_two_grads() -> cc.Program:
+    """Momentum-free SGD of two tensors clipped by their global norm (as clip_grad_norm_)."""
+    g1 = cc.Tensor("g1", cc.float32, [N], cc.Local)
+    g2 = cc.Tensor("g2", cc.float32, [K], cc.Local)
+    p1 = cc.Tensor("p1", cc.float32, [N], cc.Replicated)
+    p2 = cc.Tensor("p2", cc.float32, [K], cc.Replicated)
+    lr, max_norm = cc.Scalar("lr"), cc.Scalar("max_norm")
+    s1, s2 = cc.all_reduce(g1, name="s1"), cc.all_reduce(g2, name="s2")
+    total = cc.sqrt(cc.sum(s1 * s1) + cc.sum(s2 * s2)).named("total")
+    coef = cc.minimum(max_norm / (total + 1e-6), 1.0).named("coef")
+    p1n = (p1 - lr * coef * s1).named("p1n")
+    p2n = (p2 - lr * coef * s2).named("p2n")
+    return cc.Program(
+        "clip", [g1, g2, p1, p2, lr, max_norm], [cc.update(p1, p1n), cc.update(p2, p2n)]
+    )
+
+
+def test_reorder_each_all_gather_of_two_gradients_joined_by_a_global_norm(tmp_path):
+    """The README's recipe for each all_reduce in turn (issue 12, bug 2): once the first reorder
+    has moved p1n onto slices, the second all_gather's computations() lists only what is still
+    whole, and check_reorder refuses the values already on slices, saying so."""
+    s = Schedule(clipped_two_grads())
+    rs1, ag1 = s.split("s1")
+    rs2, ag2 = s.split("s2")
+    s.reorder(s.computations(ag1), ag1)
+    assert s.program.node("p1n_slice").type.layout.is_sliced
+    comps = s.computations(ag2)
+    assert "p1n_slice" not in comps and "mul_4_slice" not in comps
+    assert {"p2n", "coef", "total"} <= set(comps)
+    with pytest.raises(cc.ScheduleError) as info:
+        s.reorder([*comps, "mul_4_slice", "p1n_slice"], ag2)
+    assert (
+        "reorder: mul_4_slice (Sliced(dim=0)), p1n_slice (Sliced(dim=0)) are not whole "
+        "(Replicated) and already run on slices or per rank" in str(info.value)
+    )
+    assert "s.computations('s2') lists only the values that can move" in info.value.hint
+    s.reorder(comps, ag2)
+    prog = s.program
+    # Both updates run on slices; the global norm adds partial sums of squares (no gather).
+    for p in ("p1n", "p2n"):
+        assert prog.node(p).op is Op.ALL_GATHER and prog.node(p).inputs[0].type.layout.is_sliced
+    assert [n.name for n in prog.nodes if n.op is Op.ALL_GATHER] == ["p1n", "p2n"]
+    assert_same_results(clipped_two_grads(), prog, sizes=(1, 5, 8))
+    s.as_slice(["p1", "p2"])  # ZeRO: each rank keeps only its slice of both parameters
+    assert not [n for n in s.program.nodes if n.op is Op.ALL_GATHER]
+    assert "def step(" in cc.compile(s, world=2, cache_dir=tmp_path).source
+
+
 def test_as_slice():
     s = reordered()
     s.as_slice("m")
@@ -339,6 +387,40 @@ def test_overlap_of_a_reduction_that_keeps_the_rows():
             torch.testing.assert_close(got[r_], want[r_], rtol=1e-5, atol=1e-6)
 
 
+def _bias_gelu() -> cc.Program:
+    B, H = cc.Dim("B"), cc.Dim("H")
+    part = cc.Tensor("part", cc.float32, [B, H], cc.Local)
+    b = cc.Tensor("b", cc.float32, [H], cc.Replicated)
+    y = (cc.all_reduce(part, name="y_sum") + b).named("y")
+    return cc.Program("p", [part, b], {"out": cc.gelu(y).named("out")})
+
+
+@pytest.mark.parametrize("fuse_first", [False, True])
+def test_a_fuse_group_partly_inside_an_overlapped_chain_is_refused_when_written(
+    fuse_first, tmp_path
+):
+    """What the checks accept, the compiler compiles (issue 12, bug 1): the group that only
+    ``coconet.compile`` used to refuse is refused by the schedule primitive, in either order,
+    and the legal neighbours (the group wholly inside or wholly outside the chain) compile."""
+    s = Schedule(_bias_gelu())
+    steps = [lambda: s.overlap(["y_sum", "y"], chunks=2), lambda: s.fuse(["y", "out"])]
+    if fuse_first:
+        steps.reverse()
+    steps[0]()
+    with pytest.raises(cc.ScheduleError, match="lies partly inside the overlapped chain"):
+        steps[1]()
+    assert len(s.steps) == 1
+    inside = Schedule(_bias_gelu())
+    inside.overlap(["y_sum", "y", "out"], chunks=2)
+    inside.fuse(["y", "out"])
+    outside = Schedule(_bias_gelu())
+    outside.overlap(["y_sum", "y"], chunks=2)
+    outside.fuse(["out"])
+    for legal in (inside, outside):
+        step = cc.compile(legal, world=2, cache_dir=tmp_path, fused_kernels=False)
+        assert "def step(" in step.source
+
+
 # ---------------------------------------------------------------------------------------------
 # illegal applications: a ScheduleError saying why, and the schedule left as it was
 
@@ -414,6 +496,11 @@ def _overlapped(s: Schedule) -> Schedule:
     return s
 
 
+def _fused_m_new_mul_2(s: Schedule) -> Schedule:
+    s.fuse(["m_new", "mul_2"])
+    return s
+
+
 def _overlapped_split_chain(s: Schedule) -> Schedule:
     s.split("g_sum")
     s.overlap(["g_sum_rs", "g_sum", "m_new", "mul_2", "p_new"], chunks=2)
@@ -476,7 +563,7 @@ ILLEGAL = [
      ["m_new is outside the group, reads the group's results and feeds m_norm",
       "the group would depend on itself"]),
     ("fuse-already-fused", opt, _fused_m_new, lambda s: s.fuse(["m_new", "mul_2"]),
-     ["m_new already belong to fuse(m_new)"]),
+     ["m_new already belongs to fuse(m_new)"]),
     ("fuse-an-input", opt, None, lambda s: s.fuse(["m", "mul_1"]),
      ["m is a input: only computations and communication can be grouped"]),
     ("fuse-two-gathers", reordered, None, lambda s: s.fuse(["p_new", "m_new"]),
@@ -507,6 +594,13 @@ ILLEGAL = [
      ["t has a single row", "nothing to cut into chunks"]),
     ("overlap-an-update", opt, None, lambda s: s.overlap(["g_sum", "update_1"]),
      ["update_1 is a update: only computations and communication can be grouped"]),
+    # a fused kernel cannot run both chunk by chunk and once (issue 12, bug 1), in either order
+    ("fuse-partly-overlapped", opt, _overlapped, lambda s: s.fuse(["m_new", "mul_2"]),
+     ["fuse: fuse(m_new, mul_2) lies partly inside the overlapped chain overlap(g_sum, m_new): "
+      "m_new inside, mul_2 outside"]),
+    ("overlap-partly-fused", opt, _fused_m_new_mul_2,
+     lambda s: s.overlap(["g_sum", "m_new"], chunks=2),
+     ["overlap: fuse(m_new, mul_2) lies partly inside the overlapped chain overlap(g_sum, m_new)"]),
 ]  # fmt: skip
 
 

@@ -1,18 +1,29 @@
 """Property: any sequence of legal schedule primitives preserves what a program computes.
 
 Random programs are chains of pointwise ops, reductions and ``where`` over a reduced gradient
-(``g_sum = all_reduce(g)`` of a Local ``g[N]``), with Replicated state ``s_i[N]``, Replicated
+(``g_sum = all_reduce(g)`` of a Local ``g[N]``; sometimes a second one, ``h_sum``, that values
+can join, as a global norm of two gradients does), with Replicated state ``s_i[N]``, Replicated
 scalars and optionally a Replicated matrix ``x[K, N]`` (a second shape family: ``[K, N]``,
 ``[K, 1]``, ``[1, N]``, ``[K]`` values, reductions over either dim). Some states (and ``x``) are
 updated, some values are returned. Every op is numerically tame: products squash one factor
-(``a * (b / (|b| + 1))``), divisions divide by ``|b| + 1``, ``sqrt``/``log`` read ``|a| + 1``,
-``exp`` reads ``-|a|``, ``gelu`` reads ``|a|`` (its negative tail is ill-conditioned), so nothing
-overflows.
+(``a * (b / (|b| + 1))``), divisions divide by ``|b| + 1`` (or by a size: ``a / N``,
+``a / world_size()``), ``sqrt``/``log`` read ``|a| + 1``, ``exp`` reads ``-|a|``, ``gelu``,
+``silu``, ``tanh``, ``sigmoid`` and ``erf`` read ``|a|`` (gelu's and silu's negative tails are
+ill-conditioned), ``mean`` is of ``|a|`` like ``sum``, ``sign`` and ``clamp`` are exact, so
+nothing overflows.
 
-Random schedules: usually ``split(g_sum)`` and one or more ``reorder``s of random subsets of
-``s.computations(all_gather)`` first, then a random sequence of ``as_slice`` / ``fuse`` /
-``overlap`` (chunks 2..4) / more ``split`` / ``reorder`` attempts, in any order. A primitive whose
-check refuses (``ScheduleError``) is skipped, and must leave the schedule unchanged.
+Random schedules: usually ``split(g_sum)`` (and ``split(h_sum)``) and one or more ``reorder``s
+of random subsets of ``s.computations(all_gather)`` (sometimes of anything downstream of the
+all_gather, which ``check_reorder`` must refuse in the user's terms when it cannot move) first,
+then a random sequence of ``as_slice`` / ``fuse`` / ``overlap`` (chunks 2..4) / more ``split`` /
+``reorder`` attempts, in any order. A primitive whose
+check refuses (``ScheduleError``) is skipped, and must leave the schedule unchanged; a refusal
+must never be the rewrite's own re-typing failing (the check should have caught it).
+
+Every schedule that the primitives accept must also compile: ``coconet.compile`` lowers it, writes
+its per-rank module and loads it, for each world size (what the checks accept, the compiler
+compiles; the fused kernels themselves are compiled by ``torch.compile`` at the first step, which
+the distributed tests run).
 
 Both programs run in the simulator on 1..4 ranks with ``N`` in 1..9 (often not divisible by the
 world size), from the same global tensors (an input that ``as_slice`` made Sliced gets the global
@@ -36,6 +47,7 @@ tensor and the simulator cuts it). Every rank's outputs and every updated input 
 from __future__ import annotations
 
 import random
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -45,13 +57,17 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 
 import coconet as cc
+from coconet.codegen import KernelSet, bind_sizes, geometry
 from coconet.ir.ops import COMMUNICATION, LEAVES, Op
 from coconet.schedule import Schedule
 from coconet.sim.exactness import reassociations
 
 RTOL, ATOL = 1e-5, 1e-6
+# Generated modules of the compiled schedules (one directory for the session: a function-scoped
+# tmp_path does not mix with hypothesis' repeated examples).
+_CACHE = tempfile.TemporaryDirectory(prefix="coconet-property-")
 N, K = cc.Dim("N"), cc.Dim("K")
-INEXACT_OPS = {Op.SUM, Op.NORM}
+INEXACT_OPS = {Op.SUM, Op.NORM}  # mean is a sum divided by a size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +149,8 @@ class Built:
 
 FIRST_OPS = ["add", "sub", "mul", "div", "maximum", "minimum", "sqrt", "neg", "abs", "relu"]
 OPS = [*FIRST_OPS, "where", "where", "dropout", "sum", "norm", "max", "sum", "norm", "max"]
-OPS += ["exp", "log", "gelu"]
+OPS += ["exp", "log", "gelu", "tanh", "sigmoid", "erf", "silu"]
+OPS += ["sign", "clamp", "mean", "per_n", "world_mean"]  # exact but mean (a sum)
 
 
 def build_program(d) -> Built:
@@ -144,6 +161,11 @@ def build_program(d) -> Built:
     x = cc.Tensor("x", cc.float32, [K, N], cc.Replicated) if use_mat else None
     g_sum = cc.all_reduce(g, name="g_sum")
     pool = [Val(g_sum, True)] + [Val(s, True) for s in states] + [Val(a, True) for a in scalars]
+    # Sometimes a second gradient, so that values can join two all_reduces (a global norm of
+    # both, as clip_grad_norm_) and each can be split and reordered in turn.
+    h = cc.Tensor("h", cc.float32, [N], cc.Local) if d.chance(0.3) else None
+    if h is not None:
+        pool.append(Val(cc.all_reduce(h, name="h_sum"), True))
     if x is not None:
         pool.append(Val(x, True))
     computed: list[Val] = []
@@ -187,6 +209,14 @@ def build_program(d) -> Built:
             t = -a.t
         elif kind == "abs":
             t = cc.abs(a.t)
+        elif kind == "sign":
+            t = cc.sign(a.t)
+        elif kind == "clamp":
+            t = cc.clamp(a.t, -0.5, 0.75)
+        elif kind == "per_n":
+            t = a.t / N  # a size bound when the step runs
+        elif kind == "world_mean":
+            t = a.t / cc.world_size()
         elif kind == "relu":
             t = cc.relu(a.t)
         elif kind == "where":
@@ -206,15 +236,15 @@ def build_program(d) -> Built:
             if not a.shape:
                 a = pool[0]
             t = cc.dropout(a.t, 0.25, d.int(0, 3), d.int(0, 3))
-        elif kind in ("sum", "norm", "max"):
+        elif kind in ("sum", "norm", "max", "mean"):
             if not a.shape:
                 a = pool[0]
             dim = d.pick([None, *range(len(a.shape))])
             keepdim = d.chance(0.3)
-            if kind == "sum":
+            if kind in ("sum", "mean"):
                 # A sum of |x|: re-associating it changes it by a relative error of about
                 # (terms x float32 eps), which a sum of mixed signs could not promise.
-                t = cc.sum(cc.abs(a.t), dim, keepdim)
+                t = (cc.sum if kind == "sum" else cc.mean)(cc.abs(a.t), dim, keepdim)
             else:
                 t = (cc.norm if kind == "norm" else cc.max)(a.t, dim, keepdim)
             exact = a.exact and kind == "max"
@@ -225,8 +255,13 @@ def build_program(d) -> Built:
                 t = cc.exp(-cc.abs(a.t))
             elif kind == "log":
                 t = cc.log(cc.abs(a.t) + 1.0)
-            else:
+            elif kind == "gelu":
                 t = cc.gelu(cc.abs(a.t))  # its negative tail is ill-conditioned
+            elif kind == "silu":
+                t = cc.silu(cc.abs(a.t))  # likewise
+            else:
+                # bounded and well-conditioned on |a| (their outputs are in (0, 1])
+                t = {"tanh": cc.tanh, "sigmoid": cc.sigmoid, "erf": cc.erf}[kind](cc.abs(a.t))
         ops.append(kind)
         v = Val(t.named(f"v{i}"), exact)
         pool.append(v)
@@ -245,7 +280,8 @@ def build_program(d) -> Built:
     for v in computed:
         if d.chance(0.3) or (v is computed[-1] and not results and not outs):
             outs[f"out_{v.t.name}"] = v.t
-    inputs = [g, *states, *scalars] + ([x] if x is not None else [])
+    grads = [g] if h is None else [g, h]
+    inputs = [*grads, *states, *scalars] + ([x] if x is not None else [])
     program = cc.Program("rand", inputs, {**{f"u{k}": u for k, u in enumerate(results)}, **outs})
     names = [s.name for s in states] + (["x"] if x is not None else [])
     return Built(program, names, transcendental, use_mat, ops)
@@ -264,14 +300,20 @@ class Applied:
     exact: bool = True  # compared bit for bit
 
 
+# How a rewrite that a primitive's check let through fails: the check should have refused it,
+# in the user's terms (issue 12, bug 2).
+INTERNAL = ("no longer type-checks", "would build an ill-typed value", "program is invalid")
+
+
 def _try(out: Applied, kind: str, fn) -> bool:
     s = out.schedule
     program, steps = s.program, list(s.steps)
     try:
         fn()
-    except cc.ScheduleError:
-        # A refused primitive leaves the schedule as it was.
+    except cc.ScheduleError as e:
+        # A refused primitive leaves the schedule as it was, and says why in the user's terms.
         assert s.program is program and s.steps == steps
+        assert not any(words in e.message for words in INTERNAL), e
         out.refused[kind] += 1
         return False
     assert len(s.steps) == len(steps) + 1
@@ -298,6 +340,11 @@ def step_reorder(d, out: Applied) -> None:
     ag = d.pick(ags)
     comps = s.computations(ag)
     chosen = comps if d.chance(0.5) else d.subset(comps) or comps
+    if d.chance(0.2):
+        # Any values that depend on the all_gather, not only what computations() lists (values
+        # an earlier reorder sliced among them): check_reorder refuses what cannot move.
+        after = [n for n in s.downstream(ag) if s.program.node(n).op not in COMMUNICATION]
+        chosen = d.subset(after) or after
     moved = {s.program.node(c).op for c in chosen}
     if _try(out, "reorder", lambda: s.reorder(chosen, ag)) and moved & INEXACT_OPS:
         out.reassociates = True
@@ -369,6 +416,8 @@ def random_schedule(d, built: Built) -> Applied:
     out = Applied(Schedule(built.program))
     if d.chance(0.85):
         step_split(d, out)
+        if d.chance(0.5):
+            step_split(d, out)  # the second gradient's all_reduce, when there is one
         for _ in range(d.int(1, 2)):
             step_reorder(d, out)
         if d.chance(0.5):
@@ -397,8 +446,8 @@ def make_inputs(program: cc.Program, world: int, n: int, k: int, seed: int) -> d
     gen = torch.Generator().manual_seed(seed)
     out: dict = {}
     for node in program.inputs:
-        if node.name == "g":
-            out["g"] = [torch.randn(n, generator=gen) for _ in range(world)]
+        if node.name in ("g", "h"):
+            out[node.name] = [torch.randn(n, generator=gen) for _ in range(world)]
         elif node.type.rank == 0:
             out[node.name] = float(torch.randn((), generator=gen))
         else:
@@ -440,6 +489,52 @@ def compare(
             assert _same(a, values[r], exact), f"update {name} on rank {r}, {where}:\n{a}"
 
 
+class OneRank:
+    """The communicator of a world of one, in this process: each collective's group meaning on
+    a group of one (a copy; a send's first stage receives zeros), started and waited for as the
+    generated code does on real ranks. A wait for a collective that was never started, or a
+    collective left unwaited, fails the test."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def __getattr__(self, name: str):
+        if not name.endswith("_start"):
+            raise AttributeError(name)
+        op = Op(name.removesuffix("_start"))
+
+        def start(x, *args, label, **kwargs):
+            result = torch.zeros_like(x) if op is Op.SEND else x.clone()
+            self.pending[id(result)] = result
+            return result
+
+        return start
+
+    def wait(self, work):
+        assert self.pending.pop(id(work), None) is work, "a wait for a collective not started"
+        return work
+
+
+def run_generated(compiled, inputs: dict) -> tuple[dict, dict]:
+    """The compiled module's step() on a world of one, eager kernels: what real ranks run."""
+    program = compiled.program
+    args = []
+    for node in program.inputs:
+        v = inputs[node.name]
+        v = v[0] if isinstance(v, list) else v
+        args.append(torch.tensor(v, dtype=node.type.dtype.torch) if isinstance(v, float) else v)
+    mesh = cc.Mesh.world(1)
+    shapes = {n.name: tuple(a.shape) for n, a in zip(program.inputs, args, strict=True)}
+    sizes, problems = bind_sizes(program, mesh, [shapes])
+    assert not problems, problems
+    env = geometry(program, mesh, 0, sizes)
+    comm = OneRank()
+    kernels = KernelSet(compiled.module.KERNELS, fused=False)
+    outputs, updates = compiled.module.step(comm, env, kernels, *args)
+    assert not comm.pending, "collectives started and never waited for"
+    return outputs, updates
+
+
 def check_one(d, log=note, tally=event) -> Applied:
     """One random program, one random schedule, both simulated on 1..4 ranks."""
     built = build_program(d)
@@ -462,7 +557,25 @@ def check_one(d, log=note, tally=event) -> Applied:
     k = d.int(1, 3)
     seed = d.int(0, 2**16)
     for world in (1, 2, 3, 4):
+        # What the checks accepted, the compiler compiles (a CodegenError here is a bug).
+        compiled = cc.compile(s, world=world, cache_dir=_CACHE.name, fused_kernels=False)
+        assert compiled.program is s.program
         compare(built.program, s.program, world, n, k, seed, exact)
+        if world == 1:
+            # ... and the generated code runs: on a world of one, in this process, it computes
+            # what the simulator computes for the scheduled program, bit for bit (the same
+            # op meanings, in the same order, chunk loops included).
+            inputs = make_inputs(built.program, 1, n, k, seed)
+            outputs, updates = run_generated(compiled, inputs)
+            want = cc.simulate(s.program, inputs, 1)
+            assert set(outputs) == set(want.outputs) and set(updates) == set(want.updates)
+            for name, value in outputs.items():
+                assert torch.equal(value, want.outputs[name][0]), f"generated output {name}"
+            for name, value in updates.items():
+                # the runtime commits a new value that broadcasts (update(s, 0.0)) into s
+                target = want.updates[name][0]
+                got = torch.broadcast_to(value, target.shape)
+                assert torch.equal(got, target), f"generated update {name}"
     return out
 
 

@@ -253,6 +253,7 @@ REDUCERS = {
     ReduceOp.MAX: lambda vs: torch.stack(vs).amax(0),
     ReduceOp.MIN: lambda vs: torch.stack(vs).amin(0),
     ReduceOp.PROD: lambda vs: torch.stack(vs).prod(0),
+    ReduceOp.MEAN: lambda vs: sum(vs[1:], vs[0]) / len(vs),  # the sum over the group's size
 }
 
 

@@ -183,6 +183,11 @@ class _Emitter:
             f'{_INDENT}"""One step on this rank: (outputs, updates); the caller commits."""',
         ]
         body: list[str] = []
+        # sizes known once the step's input shapes are bound (x / N, world_size): 0-d tensors
+        for n in self.program.nodes:
+            if spec(n.op).lowering is Lowering.SIZE:
+                value = f"env.values[{n.name!r}], dtype={_dtype(n.type.dtype)}"
+                body += [self.comment(n), f"{self.var[n.name]} = torch.tensor({value})"]
         for s in self.plan.body:
             if isinstance(s, ChunkLoop):
                 body += self.loop_lines(s)
@@ -310,6 +315,16 @@ class _Emitter:
             if self.transports.get(axis) == _SHARED_MEMORY and unit.one_pass is not None:
                 out.append(unit)
         return out
+
+    def _communicates_after(self, unit: FusedCollective) -> bool:
+        """Whether any collective runs after ``unit`` in the step."""
+        later = self.plan.body[self.plan.body.index(unit) + 1 :]
+        return any(
+            isinstance(s, (Start, FusedCollective))
+            or (isinstance(s, ChunkLoop) and any(isinstance(t, Start) for st in s.stages
+                                                 for t in st))
+            for s in later
+        )
 
     def _loop_one_pass(self, loop: ChunkLoop) -> OnePass | None:
         """The loop's chunks as one-pass units: shared memory along its axis, and the form."""
@@ -499,9 +514,13 @@ class _Emitter:
             )
             return lines + [f"# end of {unit.name}"]
         # Read only by updates: the gather stays in the peers' slots and the commit copies it
-        # straight into the caller's tensor (the gather is the commit).
-        published = ag.name not in {n.name for n in self.program.outputs} and all(
-            u.op is Op.UPDATE for u in self.program.users()[ag.name]
+        # straight into the caller's tensor (the gather is the commit). Only when no collective
+        # follows in the step: the published slots hold the group's epoch open, and the next
+        # collective would wait for peers that wait for it.
+        published = (
+            ag.name not in {n.name for n in self.program.outputs}
+            and all(u.op is Op.UPDATE for u in self.program.users()[ag.name])
+            and not self._communicates_after(unit)
         )
         lines += [self.comment(ag) + ("  (published: the commit copies it)" if published else "")]
         lines += _call(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from coconet.ir import semantics
 from coconet.ir.chunks import ChunkPlan, chunk_rows, local_rows
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.mesh import Mesh
@@ -32,6 +33,7 @@ class Geometry:
     """What the generated ``step`` reads about sizes on this rank (keyed by program value name).
 
     - ``sizes``: each Dim's global size;
+    - ``values[v]``: the integer of a ``size`` or ``world_size`` value (``semantics.size_value``);
     - ``bounds[v]``: ``(start, length)`` of this rank's slice, for ``scatter`` values;
     - ``parts[v]``: the part size of every rank of the group, for ``all_gather`` values;
     - ``shapes[v]`` / ``offsets[v]``: global shape and this rank's block start, for ``dropout``;
@@ -43,6 +45,7 @@ class Geometry:
     """
 
     sizes: dict[str, int] = field(default_factory=dict)
+    values: dict[str, int] = field(default_factory=dict)
     bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -130,7 +133,9 @@ def geometry(program: Program, mesh: Mesh, rank: int, sizes: Mapping[str, int]) 
     geo = Geometry(sizes=dict(sizes))
     for node in program.nodes:
         form = spec(node.op)
-        if form.lowering is Lowering.SCATTER:  # its bounds
+        if form.lowering is Lowering.SIZE:
+            geo.values[node.name] = semantics.size_value(node, sizes, mesh)
+        elif form.lowering is Lowering.SCATTER:  # its bounds
             lay = node.type.layout
             total = resolve_shape(node.type.shape, sizes)[lay.dim]
             lo, hi = _bounds(mesh, rank, lay.axis, total)

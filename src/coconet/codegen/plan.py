@@ -349,7 +349,15 @@ def _units(program: Program, only: set[str] | None = None) -> list[_Unit]:
 
 def _runs(program: Program) -> dict[str, tuple[Group, int]]:
     """For each kernel-able member of a fuse group: (group, run), run r lying between the group's
-    r-th and (r+1)-th collective, as late as the member's dependents allow."""
+    r-th and (r+1)-th collective, as late as the member's dependents allow.
+
+    A member that no collective of the group reads (Lion's momentum, whose new value the
+    all_gather does not need) joins the last run that feeds a collective, or the first run
+    after the collectives it reads when that is later: the group stays one kernel where its
+    data allows (one pass over shared memory), rather than a second kernel after the gather.
+    When no member feeds a collective (LAMB's first group, closed by its reduce_scatter), such
+    members go after the last collective, with the rest of the computation.
+    """
     out: dict[str, tuple[Group, int]] = {}
     users = program.users()
     for g in program.groups:
@@ -357,13 +365,37 @@ def _runs(program: Program) -> dict[str, tuple[Group, int]]:
             continue
         members = [program.node(m) for m in g.members]
         comms = [m.name for m in sorted(members, key=_position(program)) if m.op in COMMUNICATION]
+        loose: list[Node] = []
+        feeding = -1  # the last run that feeds a collective (-1: none does)
         for m in members:
             if m.op not in KERNEL_OPS or _scalar_only(m):
                 continue
             reached = _downstream(m.name, users)
             later = [j for j, c in enumerate(comms) if c in reached]
-            out[m.name] = (g, min(later) if later else len(comms))
+            if later:
+                out[m.name] = (g, min(later))
+                feeding = max(feeding, min(later))
+            else:
+                loose.append(m)
+        for m in loose:
+            if feeding < 0:
+                out[m.name] = (g, len(comms))
+                continue
+            read = _upstream(m)
+            after_read = 1 + max((j for j, c in enumerate(comms) if c in read), default=-1)
+            out[m.name] = (g, max(feeding, after_read))
     return out
+
+
+def _upstream(node: Node) -> set[str]:
+    seen: set[str] = set()
+    stack = [node]
+    while stack:
+        for i in stack.pop().inputs:
+            if i.name not in seen:
+                seen.add(i.name)
+                stack.append(i)
+    return seen
 
 
 def _scalar_only(n: Node) -> bool:
@@ -693,6 +725,8 @@ def _produces(step: Step) -> set[str]:
         return {step.node.name}
     if isinstance(step, ChunkLoop):
         return set(step.group.members)
+    if isinstance(step, FusedCollective):  # an earlier group's unit inside this group's span
+        return {n for s in step.steps for n in _produces(s)}
     return set()
 
 
@@ -705,6 +739,8 @@ def _reads(step: Step) -> set[str]:
         members = set(step.group.members)
         nodes = [n for n in step.stages for n in n]
         return {i.name for s in nodes for i in _step_inputs(s)} - members
+    if isinstance(step, FusedCollective):
+        return {n for s in step.steps for n in _reads(s)} - _produces(step)
     return set()  # a wait reads its own collective's buffer
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "LEAVES",
     "POINTWISE",
     "REDUCTIONS",
+    "SIZES",
     "UNARY",
     "Op",
     "ReduceOp",
@@ -23,6 +24,9 @@ class Op(enum.Enum):
     # leaves
     INPUT = "input"
     CONST = "const"
+    # sizes known when the step runs, as 0-d values: a product of Dims, a mesh axis's rank count
+    SIZE = "size"
+    WORLD_SIZE = "world_size"
     # pointwise, one operand
     NEG = "neg"
     SQRT = "sqrt"
@@ -32,6 +36,11 @@ class Op(enum.Enum):
     ABS = "abs"
     RELU = "relu"
     GELU = "gelu"
+    SIGN = "sign"
+    TANH = "tanh"
+    SIGMOID = "sigmoid"
+    ERF = "erf"
+    SILU = "silu"
     CAST = "cast"
     DROPOUT = "dropout"  # operands: x, seed, step (the mask is keyed by seed, step, element index)
     # pointwise, two operands
@@ -76,14 +85,19 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
+    # The DSL's collectives take MEAN and build the SUM collective divided by the group's size
+    # (``world_size(axis)``); IR nodes carry only the four above, which every transport has.
+    MEAN = "mean"
 
     def __str__(self) -> str:
         return self.value
 
 
-LEAVES = frozenset({Op.INPUT, Op.CONST})
+SIZES = frozenset({Op.SIZE, Op.WORLD_SIZE})
+LEAVES = frozenset({Op.INPUT, Op.CONST}) | SIZES
 UNARY = frozenset(
     {Op.NEG, Op.SQRT, Op.RSQRT, Op.EXP, Op.LOG, Op.ABS, Op.RELU, Op.GELU, Op.CAST, Op.DROPOUT}
+    | {Op.SIGN, Op.TANH, Op.SIGMOID, Op.ERF, Op.SILU}
 )
 COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAXIMUM, Op.MINIMUM}) | COMPARISONS

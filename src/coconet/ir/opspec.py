@@ -56,6 +56,7 @@ class Lowering(enum.Enum):
     """The form of an op in generated code (and in the simulator's dispatch)."""
 
     LEAF = "leaf"  # an input or a constant: nothing to compute
+    SIZE = "size"  # a size known when the step runs (semantics.size_value), as a 0-d tensor
     POINTWISE = "pointwise"  # local(*operands), elementwise with broadcasting
     CAST = "cast"  # a dtype conversion
     DROPOUT = "dropout"  # the counter-based mask needs the block's place in the whole tensor
@@ -204,7 +205,7 @@ def _send_sent(node: Node, sizes: Sizes, rank: int) -> int:
 # -- the table ------------------------------------------------------------------------------------
 
 _COMPUTE = Prop.KERNEL | Prop.FRESH | Prop.ROWWISE | Prop.REORDERABLE
-_ROUNDS = frozenset({Op.EXP, Op.LOG, Op.GELU, Op.POW})
+_ROUNDS = frozenset({Op.EXP, Op.LOG, Op.GELU, Op.POW, Op.TANH, Op.SIGMOID, Op.ERF, Op.SILU})
 
 
 def _pointwise(op: Op) -> OpSpec:
@@ -237,6 +238,9 @@ def _collective(
 SPECS: dict[Op, OpSpec] = {
     Op.INPUT: OpSpec(Op.INPUT, Lowering.LEAF),
     Op.CONST: OpSpec(Op.CONST, Lowering.LEAF),
+    # computed once at the start of the step, from the bound sizes and the mesh, like an input
+    Op.SIZE: OpSpec(Op.SIZE, Lowering.SIZE, work=_no_work),
+    Op.WORLD_SIZE: OpSpec(Op.WORLD_SIZE, Lowering.SIZE, work=_no_work),
     **{op: _pointwise(op) for op in UNARY | BINARY | {Op.WHERE}},
     **{
         op: OpSpec(

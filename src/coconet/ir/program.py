@@ -18,6 +18,7 @@ from coconet.ir.group import Group, GroupKind
 from coconet.ir.node import Node
 from coconet.ir.ops import LEAVES, Op
 from coconet.ir.rules import infer_type
+from coconet.ir.types import Dim
 
 __all__ = ["Program", "format_attr"]
 
@@ -210,6 +211,21 @@ class Program:
                 grouped.update(g.members)
         if not self.outputs and not self.updates:
             raise DSLError(f"program {self.name} has no outputs and no updates: it does nothing")
+        # A size (x / N) is bound from the inputs' shapes when the step runs: N must be one.
+        bound = {d.name for n in self.inputs for d in n.type.shape if isinstance(d, Dim)}
+        for n in self.nodes:
+            if n.op is Op.SIZE:
+                free = [d.name for d in n.attr("dims") if isinstance(d, Dim)]
+                unbound = [d for d in free if d not in bound]
+                if unbound:
+                    raise DSLError(
+                        f"program {self.name}: the size {', '.join(unbound)} is not a size of any "
+                        "input, so nothing binds it when the step runs",
+                        op="size",
+                        loc=n.loc,
+                        hint=f"the inputs' sizes are {sorted(bound) or 'fixed ints'}; divide by "
+                        "one of them",
+                    )
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -273,7 +289,14 @@ class Program:
     # -- printing, equality, hashing ------------------------------------------------------------
 
     def _arg(self, n: Node) -> str:
-        return format_attr(n.attr("value")) if n.op is Op.CONST else n.name
+        if n.op is Op.CONST:
+            return format_attr(n.attr("value"))
+        if n.op is Op.SIZE:  # x / N prints as div(x, N)
+            return "*".join(str(d) for d in n.attr("dims")) or "1"
+        if n.op is Op.WORLD_SIZE:
+            axis = n.attr("axis")
+            return f"world_size({axis})" if axis is not None else "world_size()"
+        return n.name
 
     def format_node(self, n: Node) -> str:
         args = [self._arg(i) for i in n.inputs]

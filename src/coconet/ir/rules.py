@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from coconet.errors import DSLError, DTypeError, LayoutError, ShapeError, SourceLoc
 from coconet.ir.ops import BINARY, COMPARISONS, UNARY, Op, ReduceOp
 from coconet.ir.types import (
+    Dim,
     DType,
     Layout,
     Local,
@@ -225,6 +226,41 @@ def _const(inputs, attrs) -> TensorType:
     return TensorType(attrs["dtype"], (), Replicated)
 
 
+def _size(op: Op) -> Callable:
+    """``size`` (a product of Dims and ints) and ``world_size`` (the ranks of a mesh axis): 0-d
+    values that every rank knows alike, so Replicated."""
+
+    def rule(inputs, attrs) -> TensorType:
+        dtype = attrs.get("dtype")
+        if not isinstance(dtype, DType) or dtype is DType.bool:
+            raise _Violation(
+                DTypeError,
+                f"a size is a number, got dtype {dtype!r}",
+                "float32 (to divide by it) or int64",
+            )
+        if op is Op.SIZE:
+            dims = attrs.get("dims")
+            ok = isinstance(dims, tuple) and all(
+                isinstance(d, Dim) or (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
+                for d in dims
+            )
+            if not ok:
+                raise _Violation(
+                    DSLError,
+                    f"a size is a product of Dims and ints >= 0, got {dims!r}",
+                    "write x / N with N = Dim('N') a size of the program's tensors",
+                )
+        elif attrs.get("axis") is not None and not isinstance(attrs["axis"], str):
+            raise _Violation(
+                DSLError,
+                f"axis must be a mesh axis name or None, got {attrs['axis']!r}",
+                "world_size('dp') is the number of ranks along dp; world_size() the whole world",
+            )
+        return TensorType(dtype, (), Replicated)
+
+    return rule
+
+
 def _pointwise(op: Op) -> Callable:
     def rule(inputs, attrs) -> TensorType:
         operands = inputs[:1] if op is Op.DROPOUT else inputs
@@ -236,6 +272,7 @@ def _pointwise(op: Op) -> Callable:
         if op is Op.CAST:
             return TensorType(attrs["dtype"], shape, layout)
         float_only = {Op.SQRT, Op.RSQRT, Op.EXP, Op.LOG, Op.GELU, Op.DIV, Op.DROPOUT, Op.POW}
+        float_only |= {Op.TANH, Op.SIGMOID, Op.ERF, Op.SILU}
         if op in float_only and not dtype.is_float:
             raise _Violation(
                 DTypeError,
@@ -407,7 +444,16 @@ def _check_reduce_op(attrs, dtype: DType) -> None:
         raise _Violation(
             DSLError,
             f"op= must be a ReduceOp, got {attrs.get('reduce_op')!r}",
-            "use ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN or ReduceOp.PROD",
+            "use ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD or ReduceOp.MEAN",
+        )
+    if attrs["reduce_op"] is ReduceOp.MEAN:
+        # The DSL builds a mean as the sum divided by world_size(axis): no node carries MEAN.
+        raise _Violation(
+            DSLError,
+            "a collective node reduces with SUM, MAX, MIN or PROD; MEAN is a sum divided by the "
+            "group's size",
+            "call coconet.all_reduce(x, ReduceOp.MEAN) (or reduce_scatter / reduce), which "
+            "builds that division",
         )
     if dtype is DType.bool:
         raise _Violation(DTypeError, "cannot reduce bool tensors", "cast(x, int32) first")
@@ -578,6 +624,8 @@ def _update_layout_fits(target: Node, value: Node) -> bool:
 RULES: dict[Op, Callable[[tuple, dict], TensorType]] = {
     Op.INPUT: _input,
     Op.CONST: _const,
+    Op.SIZE: _size(Op.SIZE),
+    Op.WORLD_SIZE: _size(Op.WORLD_SIZE),
     **{op: _pointwise(op) for op in UNARY | BINARY},
     Op.WHERE: _where,
     **{op: _reduction(op) for op in (Op.SUM, Op.MAX, Op.NORM)},

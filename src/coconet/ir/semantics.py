@@ -7,13 +7,15 @@ Reductions across ranks run in rank order (``reduce_values``): the order the sim
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from coconet.ir.ops import Op, ReduceOp
-from coconet.ir.types import slice_bounds
+from coconet.ir.types import Dim, slice_bounds
 from coconet.random import dropout_mask
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "combine",
     "reduce_values",
     "reduction",
+    "size_value",
 ]
 
 POINTWISE: dict[Op, Callable[..., torch.Tensor]] = {
@@ -34,6 +37,11 @@ POINTWISE: dict[Op, Callable[..., torch.Tensor]] = {
     Op.ABS: torch.abs,
     Op.RELU: torch.relu,
     Op.GELU: F.gelu,
+    Op.SIGN: torch.sign,
+    Op.TANH: torch.tanh,
+    Op.SIGMOID: torch.sigmoid,
+    Op.ERF: torch.erf,
+    Op.SILU: F.silu,
     Op.ADD: torch.add,
     Op.SUB: torch.sub,
     Op.MUL: torch.mul,
@@ -49,6 +57,15 @@ POINTWISE: dict[Op, Callable[..., torch.Tensor]] = {
     Op.NE: torch.ne,
     Op.WHERE: torch.where,
 }
+
+
+def size_value(node: Any, sizes: Mapping[str, int], mesh: Any) -> int:
+    """The integer a ``size`` or ``world_size`` node stands for: the product of its sizes (each
+    Dim at its bound global size, whatever slice a rank holds), or the number of ranks along its
+    mesh axis (the whole world for ``axis=None``)."""
+    if node.op is Op.WORLD_SIZE:
+        return mesh.axis_size(node.attr("axis"))
+    return math.prod(sizes[d.name] if isinstance(d, Dim) else d for d in node.attr("dims"))
 
 
 def apply_dropout(

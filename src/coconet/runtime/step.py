@@ -228,7 +228,9 @@ class CompiledStep:
                 )
             return torch.tensor(value, dtype=dtype, device=device), None
         if not isinstance(value, torch.Tensor):
-            return None, f"input {node.name!r}: expected a torch.Tensor, got {type(value).__name__}"
+            # a scalar input also takes a Python number (the learning rate as a float)
+            wanted = "a torch.Tensor or a Python number" if ty.rank == 0 else "a torch.Tensor"
+            return None, f"input {node.name!r}: expected {wanted}, got {type(value).__name__}"
         if value.dtype != dtype:
             return None, (
                 f"input {node.name!r} is {value.dtype}, the program declares "

@@ -30,7 +30,30 @@ from coconet.ir.ops import COMMUNICATION, COMPUTATION, Op
 from coconet.ir.program import Program
 from coconet.schedule.graph import group_members, rewrite
 
-__all__ = ["apply_fuse", "check_fuse", "check_no_cycle"]
+__all__ = ["apply_fuse", "check_fuse", "check_nesting", "check_no_cycle"]
+
+
+def check_nesting(fused: Iterable[str], chain: Iterable[str], primitive: str) -> None:
+    """Refuse a fuse group that lies partly inside an overlapped chain.
+
+    A fused group is one kernel; an overlapped chain runs chunk by chunk. A group wholly inside
+    the chain is one kernel per chunk and a group wholly outside it one kernel for the whole
+    value, but a group with members on both sides would have to be one kernel that runs both
+    per chunk and once: no code can do that, so the schedule is refused here, where it is
+    written, and not by the compiler later.
+    """
+    fused, chain = tuple(fused), tuple(chain)
+    inside = [m for m in fused if m in chain]
+    if inside and len(inside) < len(fused):
+        outside = [m for m in fused if m not in chain]
+        raise ScheduleError(
+            f"fuse({', '.join(fused)}) lies partly inside the overlapped chain "
+            f"overlap({', '.join(chain)}): {', '.join(inside)} inside, {', '.join(outside)} "
+            "outside; a fused kernel cannot run both chunk by chunk and once",
+            op=primitive,
+            hint="fuse a group wholly inside the overlapped chain (one kernel per chunk), or "
+            "wholly outside it",
+        )
 
 
 def check_no_cycle(program: Program, members: list[Node], primitive: str) -> None:
@@ -70,10 +93,13 @@ def check_fuse(program: Program, nodes: Iterable[Any]) -> list[Node]:
             clash = sorted(set(g.members) & {n.name for n in members})
             if clash:
                 raise ScheduleError(
-                    f"{', '.join(clash)} already belong to {g}",
+                    f"{', '.join(clash)} already {'belongs' if len(clash) == 1 else 'belong'} "
+                    f"to {g}",
                     op="fuse",
                     hint="a value is fused into one kernel only",
                 )
+        else:
+            check_nesting([n.name for n in members], g.members, "fuse")
     check_no_cycle(program, members, "fuse")
     comms = [n for n in members if n.op in COMMUNICATION]
     leaders = [n for n in comms if n.op is not Op.ALL_GATHER]

@@ -32,7 +32,7 @@ from coconet.ir.node import Node
 from coconet.ir.ops import COMMUNICATION, REDUCTIONS, Op
 from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
-from coconet.schedule.fuse import check_no_cycle
+from coconet.schedule.fuse import check_nesting, check_no_cycle
 from coconet.schedule.graph import group_members, rewrite
 
 __all__ = ["apply_overlap", "check_overlap"]
@@ -68,6 +68,8 @@ def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[N
                 op="overlap",
                 hint="a value runs in one overlapped chain only",
             )
+        if g.kind is GroupKind.FUSE:
+            check_nesting(g.members, [n.name for n in members], "overlap")
     check_no_cycle(program, members, "overlap")
     inside = {n.name for n in members}
     for n in members[1:]:

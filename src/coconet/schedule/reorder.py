@@ -91,6 +91,22 @@ def check_reorder(
                     loc=n.loc,
                     hint=f"reduce {i.name} first, or leave {n.name} out",
                 )
+    # A value that is already Sliced (an earlier reorder moved it before another all_gather, or
+    # the program computes it on slices) or Local has no whole form to move: slicing it again
+    # would gather a slice of a slice.
+    not_whole = [n for n in order if not n.type.layout.is_replicated]
+    if not_whole:
+        listed = ", ".join(f"{n.name} ({n.type.layout})" for n in not_whole)
+        one = len(not_whole) == 1
+        raise ScheduleError(
+            f"{listed} {'is' if one else 'are'} not whole (Replicated) and already "
+            f"{'runs' if one else 'run'} on slices or per rank: reorder moves only computations "
+            f"of whole values onto the slices of {ag.name}",
+            op="reorder",
+            loc=not_whole[0].loc,
+            hint=f"leave {', '.join(n.name for n in not_whole)} out; "
+            f"s.computations({ag.name!r}) lists only the values that can move",
+        )
     return ag, order
 
 

@@ -243,17 +243,29 @@ class Schedule:
         through, other communication), plus the computations feeding those that do not depend on
         it (``beta1 * m`` in Adam's ``m_new = beta1 * m + (1 - beta1) * g_sum``): everything a
         ``reorder`` must move onto slices so that no whole value is left to read.
+
+        Of an all_gather (what ``reorder`` moves computations before), only whole (Replicated)
+        values are listed, since only they can move onto slices: a value that already runs on
+        slices (one an earlier ``reorder`` moved before another all_gather, such as the update
+        of a first gradient that a shared global norm makes depend on a second one) or a Local
+        one is not, so that ``reorder(s.computations(ag), ag)`` works for each all_gather in
+        turn. Of anything else (a reduce_scatter, for ``fuse``) every layout is listed.
         """
         start = resolve(self.program, self._resolve(value, "computations"), "computations")
+        whole_only = start.op is Op.ALL_GATHER
+
+        def movable(n) -> bool:
+            return n.op in REORDERABLE and (n.type.layout.is_replicated or not whole_only)
+
         chosen = {start.name}
         for n in downstream(self.program, start):
-            if n.op in REORDERABLE and any(i.name in chosen for i in n.inputs):
+            if movable(n) and any(i.name in chosen for i in n.inputs):
                 chosen.add(n.name)
         before_start = _ancestors(start)
         stack = [self.program.node(c) for c in chosen if c != start.name]
         while stack:
             for i in stack.pop().inputs:
-                if i.op in REORDERABLE and i.name not in chosen and i.name not in before_start:
+                if movable(i) and i.name not in chosen and i.name not in before_start:
                     chosen.add(i.name)
                     stack.append(i)
         chosen.discard(start.name)

@@ -32,11 +32,17 @@ def check_split(program: Program, all_reduce: Any, dim: int = 0) -> Node:
     """The all_reduce node to split, or a ScheduleError naming what blocks it."""
     node = resolve(program, all_reduce, "split")
     if node.op is not Op.ALL_REDUCE:
+        mean_of = node.inputs[0] if node.op is Op.DIV else None
+        if mean_of is not None and mean_of.op is Op.ALL_REDUCE:
+            # all_reduce(x, ReduceOp.MEAN, name=n): n is the division, n_sum the all_reduce
+            hint = f"split its all_reduce: split({mean_of.name!r})"
+        else:
+            hint = "split applies to all_reduce values only"
         raise ScheduleError(
             f"{node.name} is a {node.op}, not an all_reduce",
             op="split",
             loc=node.loc,
-            hint="split applies to all_reduce values only",
+            hint=hint,
         )
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise ScheduleError(

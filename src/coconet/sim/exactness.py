@@ -24,9 +24,10 @@ layout or chunking):
   shape. A sum over slices (partial sums + all_reduce, LAMB's norms under ``reorder``) or a matmul
   run chunk by chunk (``overlap``) is not bitwise equal to the whole one on every CPU (seen: 7.5e-8
   relative on an AMD EPYC, 0 on an Intel Xeon);
-- ``exp``, ``log``, ``gelu``, ``pow``: torch's vectorized kernels and its scalar tail loop differ
-  in the last bits (gelu by up to ~4e-4 relative near x = -3.8), and slicing or
-  chunking moves elements between the two;
+- ``exp``, ``log``, ``gelu``, ``pow``, ``silu``, ``tanh``, ``sigmoid``, ``erf``: torch's
+  vectorized kernels and its scalar tail loop differ (in the last bits for most; gelu by up to
+  ~1e-6 absolute in its negative tail, 4e-4 to 4e-3 relative near x = -3.8), and slicing or
+  chunking moves elements between the two (the ops with ``Prop.ROUNDS_PER_KERNEL``);
 - gloo's own ("native") reductions on 3+ ranks add in gloo's order.
 
 Two further sources of rounding differences lie outside a schedule: fused kernels

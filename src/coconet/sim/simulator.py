@@ -227,8 +227,10 @@ class _Simulator:
                 )
             return torch.tensor(value, dtype=dtype)
         if not isinstance(value, torch.Tensor):
+            scalar = node.type.rank == 0  # a scalar also takes a Python number
+            wanted = "a torch.Tensor or a Python number" if scalar else "a torch.Tensor"
             raise SimulationError(
-                f"input {node.name!r}: expected a torch.Tensor, got {type(value).__name__}"
+                f"input {node.name!r}: expected {wanted}, got {type(value).__name__}"
             )
         if value.dtype != dtype:
             raise SimulationError(
@@ -321,6 +323,10 @@ class _Simulator:
         t = torch.tensor(node.attr("value"), dtype=node.type.dtype.torch)
         return [t] * self.world
 
+    def _size(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        value = semantics.size_value(node, self.sizes, self.mesh)
+        return [torch.tensor(value, dtype=node.type.dtype.torch)] * self.world
+
     def _cast(self, node: Node, args: list[PerRank], rows) -> PerRank:
         return [a.to(node.type.dtype.torch) for a in args[0]]
 
@@ -379,6 +385,7 @@ class _Simulator:
 
     _BY_LOWERING = {
         Lowering.LEAF: _leaf,
+        Lowering.SIZE: _size,
         Lowering.CAST: _cast,
         Lowering.DROPOUT: _dropout,
         Lowering.POINTWISE: _pointwise,
