@@ -109,13 +109,28 @@ def init(
                     hint="launch with coconet run --nproc N or torchrun",
                 )
             kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=options.timeout),
-            **kwargs,
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=options.timeout),
+                **kwargs,
+            )
+        except (RuntimeError, ValueError, OSError) as exc:  # DistStoreError, DistNetworkError
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
+            raise RuntimeFault(
+                f"rank {rank} of {world} could not join the job's process group",
+                op="init",
+                details=[
+                    f"rendezvous: {env.get('MASTER_ADDR', '127.0.0.1')}:"
+                    f"{env.get('MASTER_PORT', '(chosen)')}, timeout {options.timeout:g} s",
+                    f"torch.distributed said: {first[:300]}",
+                ],
+                hint="a peer rank did not start or died before joining, or the rendezvous "
+                "address is unreachable: look at the other ranks' output",
+            ) from None
     _current = Communicator(mesh, options)
     return _current
 
