@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from coconet.cache import build_key, keyed_cache_dir
+from coconet.cache import build_key, keyed_cache_dir, prune
 from coconet.codegen import emit, load_module, lower
 from coconet.errors import CodegenError, CompileOptionError
 from coconet.ir.mesh import Mesh
@@ -132,6 +132,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
         source = emit(plan, header, {a: t.value for a, t in transports.items()})
         generated = keyed_cache_dir(options.cache_dir) / "generated"
         module = load_module(source, f"{program.name}_{key}", generated)
+        prune(generated)  # bounded: the least recently used modules go (coconet.cache)
         module.__coconet_source__ = source
         _MODULES[key] = module
     return CompiledStep(
