@@ -146,6 +146,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
         key=key,
         comm=comm,
         device=device,
+        transports=routes,
     )
 
 

@@ -21,7 +21,9 @@ broken and refuses further work: a group that failed mid-collective cannot line 
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +172,8 @@ class Work:
 class Communicator:
     """Collectives among the ranks of ``mesh`` (the default process group must exist)."""
 
+    _made = 0  # communicators made in this process (names each one's abort key)
+
     def __init__(self, mesh: Mesh | None = None, options: CommOptions | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError(
@@ -204,6 +208,13 @@ class Communicator:
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.broken: str | None = None
+        # Where a rank whose step failed or was interrupted says so (``abort``), so that peers
+        # blocked in a torch.distributed collective with it learn at once: they wait in slices
+        # and look here between them (shared memory has an abort word of its own). Every rank
+        # makes its communicators in the same order, so the key names the same one everywhere.
+        Communicator._made += 1
+        self._abort_key = f"coconet/aborted/{Communicator._made}"
+        self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
         # torch.distributed: every group's process group (the control channel of the handshake,
         # the commit vote and the shared-memory rendezvous), and the transport of groups that
         # span hosts; shared memory for groups within one host (``routes``).
@@ -370,7 +381,43 @@ class Communicator:
 
     def wait(self, work: Work) -> torch.Tensor:
         """The result of a started collective, once it has completed on this rank."""
-        return self._guard(work.op, work.label, work.axis, work.pending.wait)
+        return self._guard(work.op, work.label, work.axis, work.pending.wait, self._wait_work)
+
+    def _wait_work(self, work) -> None:
+        """``work.wait()`` in slices, looking between them whether a peer aborted its step (a
+        peer blocked in this collective with a rank that was interrupted would otherwise learn
+        only at the timeout). A slice that ends leaves the collective running (gloo)."""
+        if self._store is None:
+            work.wait()
+            return
+        deadline = time.monotonic() + self.options.timeout
+        wait_s = 0.01
+        while True:
+            try:
+                work.wait(datetime.timedelta(seconds=wait_s))
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower() or time.monotonic() > deadline:
+                    raise
+            self._check_peers()
+            wait_s = min(2 * wait_s, 0.2)
+
+    def _check_peers(self) -> None:
+        """A ``RuntimeFault`` if a peer aborted (see ``abort``)."""
+        try:
+            aborted = self._store.check([self._abort_key])
+            reason = self._store.get(self._abort_key).decode() if aborted else None
+        except (RuntimeError, OSError) as exc:
+            reason = f"the job's store is unreachable (rank 0 died?): {exc}"
+        if reason is not None:
+            self.broken = f"a peer aborted: {reason}"
+            raise RuntimeFault(
+                "a peer rank aborted its step (it failed or was interrupted)",
+                op="communicator",
+                details=[f"on rank {self.rank} of {self.world}", f"the peer said: {reason}"],
+                hint="look at that rank's output for its failure; this job cannot continue: "
+                "end it (coconet.runtime.shutdown) and restart it",
+            )
 
     def start(
         self, op: Op, x: torch.Tensor, *, label: str, axis: str | None, **arguments: Any
@@ -561,7 +608,8 @@ class Communicator:
                 lambda: self.shm.all_reduce(t, control, reduce_op=ReduceOp.MAX, donate=True),
             )
             return self._guard(op, label, None, work.wait).tolist()
-        self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        work = self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX, async_op=True)
+        self._guard(op, label, None, self._wait_work, work)
         return t.tolist()
 
     def max_over_world(self, values: Sequence[float], label: str) -> list[float]:
@@ -582,6 +630,24 @@ class Communicator:
     def barrier(self, label: str = "barrier") -> None:
         if self.world > 1:
             self._guard("barrier", label, None, dist.barrier)
+
+    def abort(self, reason: str) -> None:
+        """Mark the communicator broken and tell every peer at once, not at their timeout: a
+        step failed or was interrupted here mid-way (peers may be inside a collective this rank
+        will never finish). Over shared memory the peers' waits see this rank's abort word; on
+        torch.distributed they look at the job's store between slices of their waits."""
+        if self.broken is None:
+            self.broken = reason
+        for transport, group in self.routes.values():
+            if transport is self.shm:
+                group.handle.abort()
+        if self._control is not None:
+            self._control.handle.abort()
+        if self._store is not None:
+            try:
+                self._store.set(self._abort_key, f"rank {self.rank}: {reason}")
+            except (RuntimeError, OSError):
+                pass  # the store is gone (its host died): the peers learn from that
 
     def __repr__(self) -> str:
         state = f", broken: {self.broken}" if self.broken else ""
