@@ -44,6 +44,11 @@ class CompileOptions:
     - ``check_replicated``: also compare a checksum of every Replicated tensor input across the
       ranks at every step (a pass over those inputs' bytes), so that parameters that drifted
       apart fail every rank instead of staying different; off by default;
+    - ``compile_timeout``: seconds the ranks wait for each other to compile a step's fused
+      kernels, at its first call (12-16 s with an empty Inductor cache). The kernels are
+      compiled outside the step's collectives, after a rehearsal of the step that runs them
+      eagerly, and the ranks agree that every one is ready before the step runs: a slow
+      compile never counts against ``CommOptions.timeout``;
     - ``donate``: names of inputs the step may overwrite, as DDP does with gradients: a donated
       input read only by a collective is reduced in place instead of on a copy. Its content is
       undefined after the step, even after a failed one (the other inputs stay untouched);
@@ -60,6 +65,7 @@ class CompileOptions:
     check_every_step: bool = True
     commit_vote: bool = True
     check_replicated: bool = False
+    compile_timeout: float = 600.0
     donate: tuple[str, ...] = ()
     commit: CommitMode = CommitMode.COPY
 
@@ -80,6 +86,13 @@ class CompileOptions:
                     op="CompileOptions",
                     hint=f"CompileOptions({flag}=False)",
                 )
+        t = self.compile_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise CompileOptionError(
+                f"compile_timeout must be a positive number of seconds, got {t!r}",
+                op="CompileOptions",
+                hint="CompileOptions(compile_timeout=600.0)",
+            )
         if self.device not in _DEVICES:
             raise CompileOptionError(
                 f"unknown device {self.device!r}",

@@ -221,3 +221,32 @@ def interrupted_mid_step(comm: Communicator, victim: int) -> dict:
         # must have learned from the abort, not from this process's exit
     return dict(status=status, message=message, seconds=seconds, unchanged=unchanged,
                 broken=comm.broken)
+
+
+def slow_compile(comm: Communicator, victim: int, delay: float, dies: bool = False) -> dict:
+    """``victim`` takes ``delay`` seconds to compile its fused kernel (a cold Inductor cache),
+    far longer than the communicator's timeout (item 7): the first step still succeeds,
+    because kernels compile outside the collectives and the ranks agree on readiness. With
+    ``dies``, the victim is killed while compiling: the peers learn it at once."""
+    import os
+    import signal
+
+    from dist_workers import _adam_case
+
+    schedule, mine = _adam_case(comm, size=64)
+    step = cc.compile(schedule, comm=comm, fused_kernels=True)
+    for kernel in step.kernels._kernels.values():
+        # Stand-ins for torch.compile (which takes 10+ s here): the eager kernel, slow to
+        # "compile" on the victim.
+        def compiled(*args, eager=kernel.eager, first=[True]):  # noqa: B006 - per kernel
+            if first[0] and comm.rank == victim:
+                if dies:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(delay)
+            first[0] = False
+            return eager(*args)
+
+        kernel.fn = compiled
+    result = _attempt(step, mine)
+    result["compile_seconds"] = dict(step.kernels.first_call_seconds)
+    return result

@@ -136,3 +136,27 @@ def test_ctrl_c_mid_step_reaches_the_peers_at_once(transport):
     assert victim["status"] == "KeyboardInterrupt" and victim["broken"] and victim["unchanged"]
     assert other["status"] == "RuntimeFault" and other["unchanged"], other
     assert other["seconds"] < TIMEOUT / 4, other
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_slow_first_compile_does_not_count_against_the_timeout(transport):
+    options = CommOptions(timeout=1.5, algorithms="exact", transport=transport)
+    results = spawn(safety_workers.slow_compile, 2, 1, 4.0, options=options, timeout=80)
+    for out in results:
+        assert out["status"] == "no error", out
+        assert not out["unchanged"]  # the step committed
+    assert max(results[1]["compile_seconds"].values()) >= 4.0
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_dies_while_compiling_is_reported_at_once():
+    options = CommOptions(timeout=1.5, algorithms="exact", transport="shared memory")
+    results = spawn(
+        safety_workers.slow_compile, 2, 1, 0.0, True, options=options, timeout=80,
+        failures="return",
+    )
+    survivor, victim = results
+    assert isinstance(victim, RankFailure) and victim.exit_code == -9
+    assert survivor["status"] == "RuntimeFault" and "rank(s) [1] died" in survivor["message"]
+    assert survivor["unchanged"] and survivor["seconds"] < 10

@@ -215,6 +215,7 @@ class Communicator:
         Communicator._made += 1
         self._abort_key = f"coconet/aborted/{Communicator._made}"
         self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
+        self._ready_calls = 0
         # torch.distributed: every group's process group (the control channel of the handshake,
         # the commit vote and the shared-memory rendezvous), and the transport of groups that
         # span hosts; shared memory for groups within one host (``routes``).
@@ -631,6 +632,45 @@ class Communicator:
         if self.world > 1:
             self._guard("barrier", label, None, dist.barrier)
 
+    def agree_ready(self, label: str, deadline_s: float) -> None:
+        """Wait until every rank has called ``agree_ready`` with the same label, for up to
+        ``deadline_s`` seconds (not the communicator's timeout: it is for work that may take
+        long, such as compiling a step's kernels, done outside any collective). Through the
+        job's store, watching for a peer that aborted and, on one host, for one that died."""
+        if self._store is None:
+            return
+        self._ready_calls += 1
+        key = f"{self._abort_key}/ready/{self._ready_calls}"
+        self._store.set(f"{key}/{self.rank}", label)
+        everyone = [f"{key}/{r}" for r in range(self.world)]
+        pids = self._peer_pids()
+        give_up = time.monotonic() + deadline_s
+        pause = 0.001
+        while not self._store.check(everyone):
+            self._check_peers()
+            dead = [r for r, pid in pids.items() if not _alive(pid)]
+            if dead or time.monotonic() > give_up:
+                self.broken = f"ranks not ready: {label}"
+                late = f"not every rank was ready in {deadline_s:g} s"
+                cause = f"rank(s) {dead} died" if dead else late
+                raise RuntimeFault(
+                    f"{cause}: {label}",
+                    op="readiness",
+                    details=[f"on rank {self.rank} of {self.world}"],
+                    hint="look at the other ranks' output; this job cannot continue: end it "
+                    "(coconet.runtime.shutdown) and restart it",
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def _peer_pids(self) -> dict[int, int]:
+        """The peers' process ids, where shared memory told them (one host), by rank."""
+        handle = self._control.handle if self._control is not None else None
+        mem = getattr(handle, "mem", None)
+        if mem is None:
+            return {}
+        return {r: pid for r, pid in enumerate(mem.pids) if r != self.rank}
+
     def abort(self, reason: str) -> None:
         """Mark the communicator broken and tell every peer at once, not at their timeout: a
         step failed or was interrupted here mid-way (peers may be inside a collective this rank
@@ -652,6 +692,18 @@ class Communicator:
     def __repr__(self) -> str:
         state = f", broken: {self.broken}" if self.broken else ""
         return f"Communicator(rank {self.rank} of {self.mesh}, {self.backend}{state})"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) is running: not gone, not a zombie."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # no procfs or not ours to signal: no evidence that it died
 
 
 def _named_start(op: Op):

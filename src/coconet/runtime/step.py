@@ -211,6 +211,8 @@ class CompiledStep:
             seen[h] = ordinal + 1
         self.calls += 1
         try:
+            if self.calls == 1 and self._compiles_kernels(comm):
+                self._rehearse(comm, args)
             outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
             if self.options.commit_vote:
                 comm.agree_max([0], "every rank finished the step", op="commit vote")
@@ -221,6 +223,31 @@ class CompiledStep:
             comm.abort(f"rank {comm.rank} failed in a step: {type(exc).__name__}")
             raise
         return self._commit(inputs, outputs, updates, comm)
+
+    def _compiles_kernels(self, comm: Communicator) -> bool:
+        return self.options.fused_kernels and comm.world > 1 and len(self.kernels) > 0
+
+    def _rehearse(self, comm: Communicator, args: list) -> None:
+        """Compile the fused kernels outside the step's collectives (the first call).
+
+        Compiling between two collectives would make the peers wait inside one, against their
+        timeout, for as long as this rank compiles (12-16 s on an empty Inductor cache). So every
+        rank first rehearses the step with its kernels eager (the same collectives on every rank:
+        the data moves once more, nothing is committed; a donated input is rehearsed on a copy),
+        then compiles each kernel for exactly the arguments it had, outside any collective, and
+        the ranks agree that all are ready (``compile_timeout``) before the real step."""
+        donated = {i for i, n in enumerate(self.program.inputs) if n.name in self.options.donate}
+        rehearsal = [a.clone() if i in donated else a for i, a in enumerate(args)]
+        with self.kernels.recording():
+            outputs, updates = self.module.step(comm, self._geometry, self.kernels, *rehearsal)
+        for value in (*outputs.values(), *updates.values()):
+            if isinstance(value, Published):
+                value.release()  # the peers may reuse their slots
+        del outputs, updates, rehearsal
+        self.kernels.compile_recorded()
+        comm.agree_ready(
+            f"{self.program.name}'s fused kernels are compiled", self.options.compile_timeout
+        )
 
     def _communicator(self):
         comm = self._comm
