@@ -12,7 +12,9 @@ A call, on every rank:
    Replicated tensors) and every rank's verdict on step 1 are compared in one tiny all_reduce; a
    difference or a bad input anywhere fails every rank with the same message, before any data
    moves;
-3. runs the generated ``step`` into fresh tensors (nothing the caller owns is written);
+3. runs the generated ``step`` into fresh tensors (nothing the caller owns is written); at the
+   first call with fused kernels, a rehearsal first (``_rehearse``): kernels compile outside
+   the collectives and the ranks agree they are ready;
 4. with ``commit_vote``, confirms that every rank got through (one tiny all_reduce);
 5. commits: writes each update into the caller's tensor, and returns the outputs.
 
@@ -199,7 +201,13 @@ class CompiledStep:
             ordinal=ordinal,
             replicated=replicated,
         )
-        reports = handshake.settle(comm, report, changed)
+        try:
+            reports = handshake.settle(comm, report, changed)
+        except BaseException as exc:
+            # The agreement itself failed (a peer died, stalled or aborted; Ctrl-C here): the
+            # control channel may be half used, and the other peers must hear of it.
+            comm.abort(f"rank {comm.rank} failed in the handshake: {type(exc).__name__}")
+            raise
         if reports is not None:
             # Raises the same RuntimeFault on every rank, or gives the sizes; a refused call is
             # not counted (on any rank), so the ranks stay in step.
