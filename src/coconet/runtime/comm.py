@@ -641,12 +641,20 @@ class Communicator:
             return
         self._ready_calls += 1
         key = f"{self._abort_key}/ready/{self._ready_calls}"
-        self._store.set(f"{key}/{self.rank}", label)
         everyone = [f"{key}/{r}" for r in range(self.world)]
         pids = self._peer_pids()
         give_up = time.monotonic() + deadline_s
         pause = 0.001
-        while not self._store.check(everyone):
+
+        def all_ready() -> bool:
+            try:
+                return self._store.check(everyone)
+            except (RuntimeError, OSError):
+                self._check_peers()  # the store is gone: a RuntimeFault that says so
+                raise
+
+        self._guard("readiness", label, None, self._store.set, f"{key}/{self.rank}", label)
+        while not all_ready():
             self._check_peers()
             dead = [r for r, pid in pids.items() if not _alive(pid)]
             if dead or time.monotonic() > give_up:
