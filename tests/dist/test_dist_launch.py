@@ -99,7 +99,7 @@ def test_coconet_run_reports_a_failing_rank(tmp_path):
     )
     out = _coconet("run", "--nproc", "2", str(script))
     assert out.returncode == 3, out.stdout + out.stderr
-    assert "rank 1 exited with code 3" in out.stderr
+    assert "rank 1 failed first (exit code 3)" in out.stderr
 
 
 def _free_port():
