@@ -11,6 +11,10 @@ each other's entries. So every cache lives under a directory named by the **buil
     <cache_dir>/<build key>/algorithms.json   measured collective algorithm choices
     <cache_dir>/<build key>/inductor/         Inductor's cache (TORCHINDUCTOR_CACHE_DIR), see below
 
+The generated modules are bounded (``prune``): at most ``GENERATED_MAX_FILES`` files and
+``GENERATED_MAX_BYTES`` bytes, the least recently used going first (a module is "used" when it is
+written or compiled again), so a sweep over many programs does not fill the disk.
+
 with ``<cache_dir>`` from ``CompileOptions.cache_dir`` / ``CommOptions.cache_dir``, else
 ``$XDG_CACHE_HOME/coconet``, else ``~/.cache/coconet``, and the build key
 ``torch-<version>-<capability>-<cpu digest>`` (the CPU digest hashes the processor's model name
@@ -34,7 +38,20 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_key", "default_cache_dir", "keyed_cache_dir", "use_inductor_cache"]
+__all__ = [
+    "GENERATED_MAX_BYTES",
+    "GENERATED_MAX_FILES",
+    "build_key",
+    "default_cache_dir",
+    "keyed_cache_dir",
+    "prune",
+    "use_inductor_cache",
+]
+
+# The bound on ``<build key>/generated``: a generated module is a few to a few hundred KiB, so
+# this keeps a few hundred programs (a tuning sweep's worth) and never more than 64 MiB.
+GENERATED_MAX_FILES = 256
+GENERATED_MAX_BYTES = 64 << 20
 
 _INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # What coconet last wrote into TORCHINDUCTOR_CACHE_DIR: a child process inherits both, and a value
@@ -105,3 +122,46 @@ def _torch_default_inductor_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
 
     return os.path.abspath(inductor_default())
+
+
+def prune(
+    directory: str | Path,
+    *,
+    max_files: int | None = None,
+    max_bytes: int | None = None,
+    suffix: str = ".py",
+) -> list[Path]:
+    """Delete the least recently used ``*suffix`` files of ``directory`` until at most
+    ``max_files`` files (default ``GENERATED_MAX_FILES``) of at most ``max_bytes`` bytes in all
+    (``GENERATED_MAX_BYTES``) remain; the paths deleted.
+
+    Safe with several processes at once (ranks of one job, two jobs): a file that vanished
+    meanwhile is skipped, and a module already imported does not need its file. The newest file
+    is never deleted, so what a process has just written is there for it to import."""
+    max_files = GENERATED_MAX_FILES if max_files is None else max_files
+    max_bytes = GENERATED_MAX_BYTES if max_bytes is None else max_bytes
+    entries = []
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if e.name.endswith(suffix) and not e.name.startswith("."):
+                    try:
+                        st = e.stat()
+                    except OSError:
+                        continue
+                    entries.append((st.st_mtime, st.st_size, Path(e.path)))
+    except OSError:
+        return []
+    entries.sort(reverse=True)  # newest first
+    kept_bytes = 0
+    removed = []
+    for i, (_, size, path) in enumerate(entries):
+        kept_bytes += size
+        if i == 0 or (i < max_files and kept_bytes <= max_bytes):
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass  # gone already, or not ours to delete
+    return removed

@@ -23,7 +23,9 @@ import hashlib
 import types
 from typing import Any
 
-from coconet.cache import build_key, keyed_cache_dir
+import torch
+
+from coconet.cache import build_key, keyed_cache_dir, prune
 from coconet.codegen import emit, load_module, lower
 from coconet.errors import CodegenError, CompileOptionError
 from coconet.ir.mesh import Mesh
@@ -122,7 +124,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
             hint="comm = coconet.runtime.init(); step = coconet.compile(program, comm=comm)",
         )
     mesh = _mesh(program, world, comm)
-    device = options.device or (comm.device.type if comm is not None else "cpu")
+    device = _device(options.device, comm)
     donate = _donated(program, options.donate)
     # What runs each axis's collectives (said in the generated code; part of the key).
     chosen = _transport(transport, comm)
@@ -156,6 +158,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
         source = emit(plan, header, {a: t.value for a, t in transports.items()})
         generated = keyed_cache_dir(options.cache_dir) / "generated"
         module = load_module(source, f"{program.name}_{key}", generated)
+        prune(generated)  # bounded: the least recently used modules go (coconet.cache)
         module.__coconet_source__ = source
         _MODULES[key] = module
     return CompiledStep(
@@ -169,6 +172,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
         key=key,
         comm=comm,
         device=device,
+        transports=routes,
     )
 
 
@@ -198,6 +202,25 @@ def _options(options: CompileOptions | None, overrides: dict[str, Any]) -> Compi
             hint=f"CompileOptions has {sorted(known)}",
         )
     return dataclasses.replace(options, **overrides)
+
+
+def _device(asked: str | None, comm: Communicator | None) -> str:
+    """The device the step computes on: the communicator's, which an explicit option must match
+    (a step runs where its communicator's collectives run; another device would be ignored)."""
+    have = comm.device.type if comm is not None else None
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise CompileOptionError(
+            'device="cuda" but this torch sees no GPU',
+            op="compile",
+            hint="leave device=None to take the communicator's device (cpu here)",
+        )
+    if asked is not None and have is not None and asked != have:
+        raise CompileOptionError(
+            f"device={asked!r} but the communicator computes on {have!r}",
+            op="compile",
+            hint="leave device=None to take the communicator's device",
+        )
+    return asked or have or "cpu"
 
 
 def _donated(program: Program, names: Any) -> frozenset[str]:

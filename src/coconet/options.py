@@ -35,10 +35,20 @@ class CompileOptions:
     - ``cache_dir``: the base of coconet's caches (generated modules, measured collective
       choices, Inductor's kernels), each under a subdirectory keyed by torch version and CPU
       (``coconet.cache``); None is ``$XDG_CACHE_HOME/coconet`` or ``~/.cache/coconet``;
-    - ``check_every_step``: exchange the program hash and input shapes at every step (one tiny
-      all_reduce), not only at the first; with False, shapes must not change between steps;
+    - ``check_every_step``: compare input shapes across ranks at every step, not only at the
+      first; with False, shapes must not change between steps (a change fails every rank). The
+      per-step agreement on the program, the options, which compiled step it is, its call count
+      and the Replicated scalars runs either way (one tiny all_reduce before any data moves);
     - ``commit_vote``: before committing updates, all ranks confirm that the step succeeded
       everywhere (one tiny all_reduce), so that no rank commits a step that failed elsewhere;
+    - ``check_replicated``: also compare a checksum of every Replicated tensor input across the
+      ranks at every step (a pass over those inputs' bytes), so that parameters that drifted
+      apart fail every rank instead of staying different; off by default;
+    - ``compile_timeout``: seconds the ranks wait for each other to compile a step's fused
+      kernels, at its first call (12-16 s with an empty Inductor cache). The kernels are
+      compiled outside the step's collectives, after a rehearsal of the step that runs them
+      eagerly, and the ranks agree that every one is ready before the step runs: a slow
+      compile never counts against ``CommOptions.timeout``;
     - ``donate``: names of inputs the step may overwrite, as DDP does with gradients: a donated
       input read only by a collective is reduced in place instead of on a copy. Its content is
       undefined after the step, even after a failed one (the other inputs stay untouched);
@@ -54,6 +64,8 @@ class CompileOptions:
     cache_dir: str | Path | None = None
     check_every_step: bool = True
     commit_vote: bool = True
+    check_replicated: bool = False
+    compile_timeout: float = 600.0
     donate: tuple[str, ...] = ()
     commit: CommitMode = CommitMode.COPY
 
@@ -66,7 +78,7 @@ class CompileOptions:
                 op="CompileOptions",
                 hint=f"commit is one of {[m.value for m in CommitMode]}",
             ) from None
-        for flag in ("fused_kernels", "check_every_step", "commit_vote"):
+        for flag in ("fused_kernels", "check_every_step", "commit_vote", "check_replicated"):
             value = getattr(self, flag)
             if not isinstance(value, bool):
                 raise CompileOptionError(
@@ -74,6 +86,13 @@ class CompileOptions:
                     op="CompileOptions",
                     hint=f"CompileOptions({flag}=False)",
                 )
+        t = self.compile_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise CompileOptionError(
+                f"compile_timeout must be a positive number of seconds, got {t!r}",
+                op="CompileOptions",
+                hint="CompileOptions(compile_timeout=600.0)",
+            )
         if self.device not in _DEVICES:
             raise CompileOptionError(
                 f"unknown device {self.device!r}",

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -97,7 +99,7 @@ def test_coconet_run_reports_a_failing_rank(tmp_path):
     )
     out = _coconet("run", "--nproc", "2", str(script))
     assert out.returncode == 3, out.stdout + out.stderr
-    assert "rank 1 exited with code 3" in out.stderr
+    assert "rank 1 failed first (exit code 3)" in out.stderr
 
 
 def _free_port():
@@ -215,3 +217,89 @@ def test_calibrate_records_choices_that_show_prints(tmp_path):
         "show", "examples/sgd.py:program", "--world", "2", "--cache-dir", str(tmp_path)
     )
     assert "reduce_scatter  <=64KiB  gloo  world=2" in shown.stdout, shown.stdout
+
+
+# -- the launcher keeps control of its ranks (as torchrun) ---------------------------------------
+# The ranks here are plain Python scripts (no torch): what is tested is the launcher.
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    rank = int(os.environ["RANK"])
+    behaviour = sys.argv[1].split(",")[rank]
+    with open(sys.argv[2] + f".{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    if behaviour == "ignore-term":          # a checkpoint-on-SIGTERM handler that never ends
+        signal.signal(signal.SIGTERM, lambda *a: None)
+    elif behaviour.startswith("exit"):
+        time.sleep(0.3)
+        sys.exit(int(behaviour[4:]))
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (not reaped yet by a dead parent's reaper) is not running
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _launcher(tmp_path, behaviours: str, **kwargs):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    code = (
+        "import sys; from coconet.runtime.launch import run_script; "
+        f"sys.exit(run_script([{str(script)!r}, {behaviours!r}, {str(tmp_path / 'pid')!r}], "
+        f"{len(behaviours.split(','))}, **{kwargs!r}))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=_env(), stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+
+
+def _pids(tmp_path, n: int, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    files = [tmp_path / f"pid.{r}" for r in range(n)]
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+    return [int(f.read_text()) for f in files]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path, sig):
+    launcher = _launcher(tmp_path, "run,run")
+    pids = _pids(tmp_path, 2)
+    launcher.send_signal(sig)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + sig, err
+    assert not any(_alive(p) for p in pids), err
+    assert "stopped by the launcher" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_ignores_sigterm_is_killed_and_the_first_failure_decides_the_exit(tmp_path):
+    # rank 0 fails with 3; rank 1 ignores the SIGTERM that follows and is SIGKILLed after
+    # kill_after: the launcher returns, with rank 0's code (not the signal it sent itself).
+    launcher = _launcher(tmp_path, "exit3,ignore-term", grace=0.2, kill_after=1.0)
+    pids = _pids(tmp_path, 2)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 3, err
+    assert "rank 0 failed first (exit code 3)" in err, err
+    assert "rank 1 stopped by the launcher (killed by SIGKILL)" in err, err
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_exits_with_the_first_failing_ranks_code(tmp_path):
+    launcher = _launcher(tmp_path, "exit5,run,run", grace=0.2)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 5, err
+    assert "rank 0 failed first (exit code 5)" in err and "rank 2 stopped" in err, err

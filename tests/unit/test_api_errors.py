@@ -27,6 +27,7 @@ import coconet.ops
 from coconet import dsl
 from coconet.errors import SourceLoc
 from coconet.runtime import CommOptions, Communicator, init, spawn
+from coconet.runtime.launch import free_port
 from coconet.schedule import AR_C, Schedule, check_fuse
 from coconet.sim import reassociations
 from coconet.testing import check_distributed, check_schedules, rank_inputs
@@ -50,7 +51,13 @@ def _over_tp() -> cc.Program:
     return cc.Program("tp_sum", [t], {"s": cc.all_reduce(t, axis="tp")})
 
 
+def _opt4() -> cc.Program:
+    g = cc.Tensor("g", cc.float32, [4], cc.Local)
+    return cc.Program("sum4", [g], {"s": cc.all_reduce(g, name="g_sum") * 2.0})
+
+
 P = _opt()
+P4 = _opt4()
 TP = _over_tp()
 INPUTS = {"g": torch.ones(4), "p": torch.ones(4), "m": torch.zeros(4), "lr": 0.1}
 RESULT = cc.simulate(P, INPUTS, 2)
@@ -184,6 +191,19 @@ CASES = [
         cc.ScheduleError,
         "got 1",
     ),
+    case(
+        "overlap chunks huge",
+        lambda: Schedule(P).overlap(["g_sum", "m_new"], chunks=10**12),
+        cc.ScheduleError,
+        "more than 1024",
+    ),
+    case(
+        "overlap chunks > rows",
+        lambda: Schedule(P4).overlap(["g_sum", "s"], chunks=5),
+        cc.ScheduleError,
+        "only 4 rows",
+        where=Where.VALUE,
+    ),
     case("split unknown", lambda: Schedule(P).split("nope"), cc.ScheduleError, "'nope'"),
     case(
         "split dim str",
@@ -245,6 +265,13 @@ CASES = [
         lambda: cc.compile(P, world=2, device="tpu"),
         cc.CompileOptionError,
         "'tpu'",
+    ),
+    case(
+        "compile cuda without a GPU",
+        lambda: cc.compile(P, world=2, device="cuda"),
+        cc.CompileOptionError,
+        "no GPU",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there"),
     ),
     case("compile mesh axes", lambda: cc.compile(TP, world=2), cc.CodegenError, "['tp']"),
     case(
@@ -414,6 +441,20 @@ def test_init_without_a_rendezvous_is_a_config_error(monkeypatch):
     assert "WORLD_SIZE=2 but MASTER_ADDR is not set" in e.message and e.hint
     assert e.loc == SourceLoc(__file__, line)
     assert not dist.is_initialized()
+
+
+@no_process_group
+def test_init_when_a_peer_never_joins_is_a_runtime_fault(monkeypatch):
+    # torch raises DistStoreError ("1/2 clients joined") after the timeout: a fault of the job.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(cc.RuntimeFault) as info:
+        init(options=CommOptions(timeout=1, keep_buffers_mapped=False))
+    e = info.value
+    assert "rank 0 of 2 could not join" in e.message and "1/2 clients joined" in str(e)
+    assert e.hint and not dist.is_initialized()
 
 
 def test_errors_that_mix_in_a_builtin_are_that_builtin_too():

@@ -84,3 +84,42 @@ def test_torchs_own_default_is_replaced(tmp_path, monkeypatch):
     got = cache.use_inductor_cache(tmp_path)
     assert got == tmp_path / cache.build_key() / "inductor"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(got)
+
+
+def test_generated_modules_are_bounded_least_recently_used_first(tmp_path, monkeypatch):
+    """300 programs differing in one constant used to leave 300 files: the directory keeps at
+    most GENERATED_MAX_FILES (here 5), and a module compiled again is kept as recently used."""
+    import coconet as cc
+
+    monkeypatch.setattr(cache, "GENERATED_MAX_FILES", 5)
+    generated = cache.keyed_cache_dir(tmp_path) / "generated"
+
+    def program(k: int) -> cc.Program:
+        x = cc.Tensor("x", cc.float32, [4], cc.Local)
+        return cc.Program(f"p{k}", [x], {"y": cc.all_reduce(x) * float(k)})
+
+    first = cc.compile(program(0), world=2, cache_dir=tmp_path)
+    for k in range(1, 12):
+        cc.compile(program(k), world=2, cache_dir=tmp_path)
+        if k % 3 == 0:  # program 0 is used again now and then
+            cc.compiler._MODULES.pop(first.key)
+            cc.compile(program(0), world=2, cache_dir=tmp_path)
+    files = sorted(p.name for p in generated.glob("*.py"))
+    assert len(files) == 5, files
+    assert any(name.startswith("p0_") for name in files), files
+    assert any(name.startswith("p11_") for name in files), files
+    assert not any(name.startswith("p1_") for name in files), files
+
+
+def test_prune_keeps_the_newest_and_respects_the_byte_bound(tmp_path):
+    for i in range(4):
+        path = tmp_path / f"m{i}.py"
+        path.write_text("x" * 1000)
+        os.utime(path, (1000 + i, 1000 + i))
+    (tmp_path / "notes.txt").write_text("not a module")
+    removed = cache.prune(tmp_path, max_files=10, max_bytes=2500)
+    assert sorted(p.name for p in removed) == ["m0.py", "m1.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m2.py", "m3.py", "notes.txt"]
+    # the newest file stays even when it alone is over the bound
+    assert cache.prune(tmp_path, max_files=1, max_bytes=10) == [tmp_path / "m2.py"]
+    assert (tmp_path / "m3.py").exists()

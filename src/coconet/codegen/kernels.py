@@ -7,7 +7,11 @@ compiled artifacts on disk (torch's own FX-graph cache, by default under
 ``fused=False`` the same functions run eagerly, op by op, which is what to debug with.
 
 Compilation happens on a kernel's first call, with the shapes it sees there; the time that first
-call took is kept in ``KernelSet.first_call_seconds`` so compile costs can be reported.
+call took is kept in ``KernelSet.first_call_seconds`` so compile costs can be reported. A step
+compiles its kernels outside its collectives (so that a slow compile never counts against a
+peer's timeout): ``recording()`` runs a rehearsal of the step with every kernel eager and keeps
+each call's arguments, and ``compile_recorded()`` then replays those calls through the compiled
+kernels, which compiles them for exactly the shapes, strides and aliasing of the real step.
 
 Measured on the 2-core development machine (torch 2.13 CPU, one process, Adam's update fused into
 one kernel over 1M float32 elements): the first call compiles in ~15.5 s with an empty Inductor
@@ -18,6 +22,7 @@ ranks compiling at once on an empty cache take ~30 s each. After that a step run
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 
@@ -29,12 +34,17 @@ __all__ = ["KernelSet"]
 class _Kernel:
     """One kernel, timing its first call (which includes torch.compile's work)."""
 
-    def __init__(self, name: str, fn: Callable, owner: KernelSet) -> None:
+    def __init__(self, name: str, fn: Callable, eager: Callable, owner: KernelSet) -> None:
         self.name = name
         self.fn = fn
+        self.eager = eager
         self.owner = owner
 
     def __call__(self, *args):
+        recorded = self.owner.recorded
+        if recorded is not None:  # a rehearsal: eager, keeping the arguments for the compile
+            recorded.append((self, args))
+            return self.eager(*args)
         if self.name in self.owner.first_call_seconds:
             return self.fn(*args)
         t0 = time.perf_counter()
@@ -49,10 +59,31 @@ class KernelSet:
     def __init__(self, functions: Mapping[str, Callable], *, fused: bool) -> None:
         self.fused = fused
         self.first_call_seconds: dict[str, float] = {}
+        self.recorded: list[tuple[_Kernel, tuple]] | None = None  # calls of a rehearsal
+        self._pending: list[tuple[_Kernel, tuple]] | None = None  # ... to compile
         self._kernels: dict[str, _Kernel] = {}
         for name, fn in functions.items():
             compiled = torch.compile(fn, dynamic=None, fullgraph=False) if fused else fn
-            self._kernels[name] = _Kernel(name, compiled, self)
+            self._kernels[name] = _Kernel(name, compiled, fn, self)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Within it, every kernel runs eagerly and its arguments are kept (a rehearsal)."""
+        self.recorded = []
+        try:
+            yield
+        except BaseException:
+            self.recorded = None
+            raise
+        self._pending = self.recorded
+        self.recorded = None
+
+    def compile_recorded(self) -> None:
+        """Replay the rehearsal's kernel calls through the compiled kernels (compiling each for
+        the shapes it was called with); the results are dropped."""
+        calls, self._pending = self._pending or [], None
+        for kernel, args in calls:
+            kernel(*args)
 
     def __getattr__(self, name: str) -> _Kernel:
         kernels = self.__dict__.get("_kernels", {})

@@ -45,6 +45,10 @@ def _write(directory: Path, filename: str, source: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / filename
     if path.exists() and path.read_text() == source:
+        try:
+            os.utime(path)  # just used: the cache evicts the least recently used (coconet.cache)
+        except OSError:
+            pass  # a read-only cache is never pruned either
         return path
     tmp = directory / f".{filename}.{os.getpid()}.tmp"
     tmp.write_text(source)

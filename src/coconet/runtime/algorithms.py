@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from coconet.ir.ops import ReduceOp
 from coconet.ir.semantics import reduce_values
-from coconet.runtime.transport import Pending
+from coconet.runtime.transport import Pending, wait_work
 
 __all__ = ["TORCH_REDUCE_OP", "offsets"]
 
@@ -132,7 +132,7 @@ def ar_all_to_all(x0, op: ReduceOp, pg, parts, index, donate) -> Pending:
     def finish():
         second = ag_all_to_all(first.finish().contiguous(), pg, parts, index)
         for w in second.works:
-            w.wait()
+            wait_work(w)
         return second.finish()
 
     return Pending(first.works, finish)

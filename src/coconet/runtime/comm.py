@@ -21,7 +21,9 @@ broken and refuses further work: a group that failed mid-collective cannot line 
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +172,8 @@ class Work:
 class Communicator:
     """Collectives among the ranks of ``mesh`` (the default process group must exist)."""
 
+    _made = 0  # communicators made in this process (names each one's abort key)
+
     def __init__(self, mesh: Mesh | None = None, options: CommOptions | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError(
@@ -204,6 +208,14 @@ class Communicator:
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.broken: str | None = None
+        # Where a rank whose step failed or was interrupted says so (``abort``), so that peers
+        # blocked in a torch.distributed collective with it learn at once: they wait in slices
+        # and look here between them (shared memory has an abort word of its own). Every rank
+        # makes its communicators in the same order, so the key names the same one everywhere.
+        Communicator._made += 1
+        self._abort_key = f"coconet/aborted/{Communicator._made}"
+        self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
+        self._ready_calls = 0
         # torch.distributed: every group's process group (the control channel of the handshake,
         # the commit vote and the shared-memory rendezvous), and the transport of groups that
         # span hosts; shared memory for groups within one host (``routes``).
@@ -370,7 +382,43 @@ class Communicator:
 
     def wait(self, work: Work) -> torch.Tensor:
         """The result of a started collective, once it has completed on this rank."""
-        return self._guard(work.op, work.label, work.axis, work.pending.wait)
+        return self._guard(work.op, work.label, work.axis, work.pending.wait, self._wait_work)
+
+    def _wait_work(self, work) -> None:
+        """``work.wait()`` in slices, looking between them whether a peer aborted its step (a
+        peer blocked in this collective with a rank that was interrupted would otherwise learn
+        only at the timeout). A slice that ends leaves the collective running (gloo)."""
+        if self._store is None:
+            work.wait()
+            return
+        deadline = time.monotonic() + self.options.timeout
+        wait_s = 0.01
+        while True:
+            try:
+                work.wait(datetime.timedelta(seconds=wait_s))
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower() or time.monotonic() > deadline:
+                    raise
+            self._check_peers()
+            wait_s = min(2 * wait_s, 0.2)
+
+    def _check_peers(self) -> None:
+        """A ``RuntimeFault`` if a peer aborted (see ``abort``)."""
+        try:
+            aborted = self._store.check([self._abort_key])
+            reason = self._store.get(self._abort_key).decode() if aborted else None
+        except (RuntimeError, OSError) as exc:
+            reason = f"the job's store is unreachable (rank 0 died?): {exc}"
+        if reason is not None:
+            self.broken = f"a peer aborted: {reason}"
+            raise RuntimeFault(
+                "a peer rank aborted its step (it failed or was interrupted)",
+                op="communicator",
+                details=[f"on rank {self.rank} of {self.world}", f"the peer said: {reason}"],
+                hint="look at that rank's output for its failure; this job cannot continue: "
+                "end it (coconet.runtime.shutdown) and restart it",
+            )
 
     def start(
         self, op: Op, x: torch.Tensor, *, label: str, axis: str | None, **arguments: Any
@@ -602,7 +650,8 @@ class Communicator:
                 lambda: self.shm.all_reduce(t, control, reduce_op=ReduceOp.MAX, donate=True),
             )
             return self._guard(op, label, None, work.wait).tolist()
-        self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        work = self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX, async_op=True)
+        self._guard(op, label, None, self._wait_work, work)
         return t.tolist()
 
     def max_over_world(self, values: Sequence[float], label: str) -> list[float]:
@@ -624,9 +673,86 @@ class Communicator:
         if self.world > 1:
             self._guard("barrier", label, None, dist.barrier)
 
+    def agree_ready(self, label: str, deadline_s: float) -> None:
+        """Wait until every rank has called ``agree_ready`` with the same label, for up to
+        ``deadline_s`` seconds (not the communicator's timeout: it is for work that may take
+        long, such as compiling a step's kernels, done outside any collective). Through the
+        job's store, watching for a peer that aborted and, on one host, for one that died."""
+        if self._store is None:
+            return
+        self._ready_calls += 1
+        key = f"{self._abort_key}/ready/{self._ready_calls}"
+        everyone = [f"{key}/{r}" for r in range(self.world)]
+        pids = self._peer_pids()
+        give_up = time.monotonic() + deadline_s
+        pause = 0.001
+
+        def all_ready() -> bool:
+            try:
+                return self._store.check(everyone)
+            except (RuntimeError, OSError):
+                self._check_peers()  # the store is gone: a RuntimeFault that says so
+                raise
+
+        self._guard("readiness", label, None, self._store.set, f"{key}/{self.rank}", label)
+        while not all_ready():
+            self._check_peers()
+            dead = [r for r, pid in pids.items() if not _alive(pid)]
+            if dead or time.monotonic() > give_up:
+                self.broken = f"ranks not ready: {label}"
+                late = f"not every rank was ready in {deadline_s:g} s"
+                cause = f"rank(s) {dead} died" if dead else late
+                raise RuntimeFault(
+                    f"{cause}: {label}",
+                    op="readiness",
+                    details=[f"on rank {self.rank} of {self.world}"],
+                    hint="look at the other ranks' output; this job cannot continue: end it "
+                    "(coconet.runtime.shutdown) and restart it",
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def _peer_pids(self) -> dict[int, int]:
+        """The peers' process ids, where shared memory told them (one host), by rank."""
+        handle = self._control.handle if self._control is not None else None
+        mem = getattr(handle, "mem", None)
+        if mem is None:
+            return {}
+        return {r: pid for r, pid in enumerate(mem.pids) if r != self.rank}
+
+    def abort(self, reason: str) -> None:
+        """Mark the communicator broken and tell every peer at once, not at their timeout: a
+        step failed or was interrupted here mid-way (peers may be inside a collective this rank
+        will never finish). Over shared memory the peers' waits see this rank's abort word; on
+        torch.distributed they look at the job's store between slices of their waits."""
+        if self.broken is None:
+            self.broken = reason
+        for transport, group in self.routes.values():
+            if transport is self.shm:
+                group.handle.abort()
+        if self._control is not None:
+            self._control.handle.abort()
+        if self._store is not None:
+            try:
+                self._store.set(self._abort_key, f"rank {self.rank}: {reason}")
+            except (RuntimeError, OSError):
+                pass  # the store is gone (its host died): the peers learn from that
+
     def __repr__(self) -> str:
         state = f", broken: {self.broken}" if self.broken else ""
         return f"Communicator(rank {self.rank} of {self.mesh}, {self.backend}{state})"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) is running: not gone, not a zombie."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # no procfs or not ours to signal: no evidence that it died
 
 
 def _named_start(op: Op):

@@ -2,23 +2,27 @@
 
 Ranks that run different programs, or pass inputs of mismatched sizes, would issue collectives
 that do not line up; on gloo a size mismatch aborts the process from C++ (MACHINE-NOTES), beyond
-any Python error handling. So before the step's first collective every rank contributes a short
-fixed-size vector to one MAX all_reduce (which cannot mismatch):
+any Python error handling. So before the step's first collective, at every step, every rank
+contributes a short fixed-size vector to one MAX all_reduce (which cannot mismatch):
 
-    [identity hash, -identity hash, "I need a full exchange", "my inputs failed their check"]
+    [identity hash, -identity hash, call, -call, "I need a full exchange", "my inputs failed"]
 
-Equal hashes on every rank show as max(h) == -max(-h). When the hashes differ, a rank's input
-shapes changed (or it is the first step), or a rank found a bad input, every rank learns it from
-the same reduced vector and they all take part in a full exchange of ``RankReport``s (pickled
-objects of any size, ``all_gather_object``). From the same reports every rank reaches the same
-verdict: the global sizes, or one ``RuntimeFault`` naming the difference, raised on every rank.
+The identity is the compiled step's (program, schedule, mesh, every option that changes the
+collectives or the numerics); ``call`` counts this rank's calls of steps with that identity, so a
+rank that skipped or repeated a step is caught at the next one instead of pairing its step t with
+a peer's step t+1. Equal values on every rank show as max(x) == -max(-x). When the hashes or
+the calls differ, a rank's input shapes changed (or it is the first step), or a rank found a bad
+input, every rank learns it from the same reduced vector and they all take part in a full
+exchange of ``RankReport``s (pickled objects of any size, ``all_gather_object``). From the same
+reports every rank reaches the same verdict: the global sizes, or one ``RuntimeFault`` naming
+the difference, raised on every rank.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coconet.codegen.geometry import bind_sizes
 from coconet.errors import RuntimeFault
@@ -39,6 +43,11 @@ class RankReport:
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
     error: str | None = None
+    call: int = 0  # this call's number among the calls of this compiled step (from 1)
+    ordinal: int = 0  # which compiled step of this identity it is, on this communicator
+    # The Replicated inputs that must be equal on every rank, as compared: the scalars' exact
+    # values, and with check_replicated a checksum of each Replicated tensor.
+    replicated: dict[str, str] = field(default_factory=dict)
 
 
 def identity_hash(identity: Sequence[tuple[str, str]]) -> int:
@@ -51,10 +60,18 @@ def settle(comm, report: RankReport, need_exchange: bool) -> list[RankReport] | 
 
     Every rank must call it at the same point of the step (before any other collective).
     """
-    h = identity_hash(report.identity)
-    flags = comm.agree_max([h, -h, int(need_exchange), int(report.error is not None)], "hash")
-    same = flags[0] == -flags[1]
-    if same and not flags[2] and not flags[3]:
+    agreed = [
+        identity_hash(report.identity),
+        report.ordinal,
+        report.call,
+        identity_hash(sorted(report.replicated.items())),
+    ]
+    flags = comm.agree_max(
+        [*agreed, *(-x for x in agreed), int(need_exchange), int(report.error is not None)], "hash"
+    )
+    n = len(agreed)
+    same = all(flags[i] == -flags[n + i] for i in range(n))
+    if same and not flags[2 * n] and not flags[2 * n + 1]:
         return None
     return comm.exchange(report, "input shapes")
 
@@ -77,6 +94,27 @@ def verdict(reports: Sequence[RankReport], program: Program, mesh: Mesh) -> dict
                 hint="every rank must compile the same program and schedule with the same "
                 "coconet and options",
             )
+    if len({r.ordinal for r in reports}) > 1:
+        raise RuntimeFault(
+            "ranks are running different compiled steps of the same program (two steps of one "
+            "program and shapes, called in a different order)",
+            op=f"{program.name} step",
+            details=[
+                f"rank {r.rank} runs the compiled step it called first as number {r.ordinal + 1}"
+                " of this program"
+                for r in reports
+            ],
+            hint="every rank must call its compiled steps in the same order",
+        )
+    calls = sorted({r.call for r in reports})
+    if len(calls) > 1:
+        raise RuntimeFault(
+            "ranks are at different steps of the same program: one skipped or repeated a step",
+            op=f"{program.name} step",
+            details=[f"rank {r.rank} is at its call {r.call} of this step" for r in reports],
+            hint="every rank must call the compiled step the same number of times, in the same "
+            "order as its other steps; this job's ranks have diverged: restart it",
+        )
     errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error is not None]
     if errors:
         raise RuntimeFault(
@@ -84,6 +122,20 @@ def verdict(reports: Sequence[RankReport], program: Program, mesh: Mesh) -> dict
             op=f"{program.name} step",
             details=errors,
             hint="fix the inputs named above; nothing was communicated or updated",
+        )
+    differ = [
+        f"input {name!r}: rank 0 has {first.replicated.get(name)}, rank {r.rank} has {value}"
+        for r in reports[1:]
+        for name, value in r.replicated.items()
+        if value != first.replicated.get(name)
+    ]
+    if differ:
+        raise RuntimeFault(
+            "Replicated inputs differ across ranks",
+            op=f"{program.name} step",
+            details=differ,
+            hint="a Replicated input must be the same on every rank (a step counter that differs "
+            "means a rank skipped or repeated a step); nothing was communicated or updated",
         )
     dtypes = [
         f"input {name!r} is {r.dtypes[name]} on rank {r.rank} but {first.dtypes[name]} on rank 0"

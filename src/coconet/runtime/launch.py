@@ -15,9 +15,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -109,13 +111,28 @@ def init(
                     hint="launch with coconet run --nproc N or torchrun",
                 )
             kwargs["init_method"] = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=options.timeout),
-            **kwargs,
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=options.timeout),
+                **kwargs,
+            )
+        except (RuntimeError, ValueError, OSError) as exc:  # DistStoreError, DistNetworkError
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
+            raise RuntimeFault(
+                f"rank {rank} of {world} could not join the job's process group",
+                op="init",
+                details=[
+                    f"rendezvous: {env.get('MASTER_ADDR', '127.0.0.1')}:"
+                    f"{env.get('MASTER_PORT', '(chosen)')}, timeout {options.timeout:g} s",
+                    f"torch.distributed said: {first[:300]}",
+                ],
+                hint="a peer rank did not start or died before joining, or the rendezvous "
+                "address is unreachable: look at the other ranks' output",
+            ) from None
     _current = Communicator(mesh, options)
     return _current
 
@@ -177,38 +194,117 @@ def _rank_env(rank: int, nproc: int, port: int, base: dict[str, str] | None = No
     return env
 
 
-def run_script(argv: Sequence[str], nproc: int, *, module: bool = False, grace: float = 5.0) -> int:
-    """Run ``python argv...`` (or ``python -m``) as ``nproc`` local ranks; the worst exit code.
+def run_script(
+    argv: Sequence[str],
+    nproc: int,
+    *,
+    module: bool = False,
+    grace: float = 5.0,
+    kill_after: float = 10.0,
+) -> int:
+    """Run ``python argv...`` (or ``python -m``) as ``nproc`` local ranks; the job's exit code.
 
-    When a rank fails, the others get ``grace`` seconds to notice (their collectives fail) and are
-    then terminated, as torchrun does.
+    As torchrun does:
+
+    - when a rank fails, the others get ``grace`` seconds to notice (their collectives fail), then
+      SIGTERM;
+    - SIGTERM or SIGINT sent to the launcher is forwarded to every rank;
+    - a rank still running ``kill_after`` seconds after it was sent a signal (one that handles
+      SIGTERM to write a checkpoint and hangs) gets SIGKILL, so the launcher always returns;
+    - the exit code is the first failing rank's (a rank killed by signal S counts as 128 + S, as
+      in a shell), not that of ranks the launcher stopped itself; 128 + S when the launcher was
+      sent S and every rank went quietly. Which rank failed first is printed.
     """
     port = free_port()
     cmd = [sys.executable, *(["-m"] if module else []), *argv]
-    procs = [subprocess.Popen(cmd, env=_rank_env(r, nproc, port)) for r in range(nproc)]
-    codes: list[int | None] = [None] * nproc
-    deadline = None
+    received: list[int] = []  # signals sent to the launcher, handled in the loop below
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+
+    handled = (signal.SIGTERM, signal.SIGINT)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in handled} if main_thread else {}
+    procs: list[subprocess.Popen] = []
     try:
-        while any(c is None for c in codes):
-            for r, p in enumerate(procs):
-                if codes[r] is None:
-                    codes[r] = p.poll()
-                    if codes[r] not in (None, 0) and deadline is None:
-                        deadline = time.monotonic() + grace
-            if deadline is not None and time.monotonic() > deadline:
-                for r, p in enumerate(procs):
-                    if codes[r] is None:
-                        p.terminate()
-                        codes[r] = p.wait()
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        raise
-    failed = [(r, c) for r, c in enumerate(codes) if c]
-    for r, c in failed:
-        print(f"coconet run: rank {r} exited with code {c}", file=sys.stderr)
-    return max((abs(c) for _, c in failed), default=0)
+        procs = [subprocess.Popen(cmd, env=_rank_env(r, nproc, port)) for r in range(nproc)]
+        return _supervise(procs, received, grace, kill_after)
+    finally:
+        for p in procs:  # only on an error of the launcher itself: _supervise waited for all
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _supervise(
+    procs: list[subprocess.Popen], received: list[int], grace: float, kill_after: float
+) -> int:
+    """Wait for every rank, stopping them as ``run_script`` says; the job's exit code."""
+    codes: list[int | None] = [None] * len(procs)
+    signalled: dict[int, float] = {}  # rank -> when the launcher sent it a signal
+    first: tuple[int, int] | None = None  # (rank, exit code) of the first rank that failed
+    stop_at: float | None = None  # when to stop the ranks still running after a failure
+    forwarded = 0  # how many of the received signals were forwarded
+
+    def send(sig: int) -> None:
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if codes[r] is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    continue
+                signalled.setdefault(r, now)
+
+    while any(c is None for c in codes):
+        while forwarded < len(received):
+            send(received[forwarded])
+            forwarded += 1
+        for r, p in enumerate(procs):
+            if codes[r] is None and p.poll() is not None:
+                codes[r] = p.returncode
+                if p.returncode != 0 and r not in signalled and first is None:
+                    first = (r, p.returncode)
+                    stop_at = time.monotonic() + grace
+        now = time.monotonic()
+        if stop_at is not None and now >= stop_at:
+            send(signal.SIGTERM)
+            stop_at = None
+        for r, since in signalled.items():
+            if codes[r] is None and now - since >= kill_after:
+                procs[r].kill()
+        time.sleep(0.05)
+    for r, c in enumerate(codes):
+        if c and r in signalled:
+            stopped = f"rank {r} stopped by the launcher ({_describe(c)})"
+            print(f"coconet run: {stopped}", file=sys.stderr)
+    if first is not None:
+        rank, code = first
+        print(
+            f"coconet run: rank {rank} failed first ({_describe(code)}); the job exits with its "
+            "code",
+            file=sys.stderr,
+        )
+        return _exit_code(code)
+    if received:
+        return 128 + received[0]
+    return 0
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _exit_code(code: int) -> int:
+    """A child's return code as a shell reports it: 128 + S for a death by signal S."""
+    return 128 - code if code < 0 else code
 
 
 def _send(queue, item) -> None:  # pragma: no cover - child

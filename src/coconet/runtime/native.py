@@ -49,6 +49,7 @@ def sync_library(cache_dir: str | None = None) -> ctypes.CDLL:
         ctypes.c_uint64,
         ctypes.c_double,
         ctypes.POINTER(ctypes.c_int32),
+        ctypes.POINTER(u64p),
     ]
     lib.cn_wait_all.restype = ctypes.c_int
     return lib

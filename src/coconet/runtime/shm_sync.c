@@ -59,9 +59,11 @@ int cn_alive(int32_t pid) {
 
 /* Wait until *counters[i] >= target for every i < n whose pids[i] > 0 (0: skip, e.g. oneself).
  * Returns -1 when all arrived; else the index of the peer it gave up on, with *why = 1 (the
- * deadline passed) or 2 (that peer died). */
+ * deadline passed), 2 (that peer died) or 3 (that peer aborted: its *aborts[i] is non-zero, set
+ * when its step failed or was interrupted, so that the waiters learn at once and not at the
+ * deadline). */
 int cn_wait_all(uint64_t **counters, const int32_t *pids, int n, uint64_t target,
-                double timeout_s, int32_t *why) {
+                double timeout_s, int32_t *why, uint64_t **aborts) {
     double start = now_s(), last_check = start;
     long sleep_ns = 1000;
     for (unsigned long spin = 0;; spin++) {
@@ -84,6 +86,12 @@ int cn_wait_all(uint64_t **counters, const int32_t *pids, int n, uint64_t target
         double t = now_s();
         if (t - last_check > 0.01) {
             last_check = t;
+            for (int i = 0; i < n; i++) {
+                if (pids[i] > 0 && __atomic_load_n(aborts[i], __ATOMIC_ACQUIRE) != 0) {
+                    *why = 3;
+                    return i;
+                }
+            }
             if (!cn_alive(pids[waiting])) {
                 *why = 2;
                 return waiting;

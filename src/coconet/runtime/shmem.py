@@ -139,6 +139,12 @@ class ShmGroup:
             old.close()
         self.mem, self.area = mem, area
 
+    def abort(self) -> None:
+        """Tell the peers that this rank's step failed: their waits on it fail at once."""
+        for mem in (self.mem, *(m for m, _, _ in self.registered.values())):
+            if mem is not None:
+                mem.abort()
+
     def close(self) -> None:
         if self.mem is not None:
             self.mem.close()

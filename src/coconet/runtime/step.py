@@ -2,23 +2,41 @@
 
 A call, on every rank:
 
-1. checks this rank's inputs locally (names, types, dtypes, devices, ranks of shapes) without
-   communicating;
-2. runs the handshake (``handshake.settle``): program identity and input shapes are compared across
-   ranks and a bad input anywhere fails every rank with the same message, before any data moves;
-3. runs the generated ``step`` into fresh tensors (nothing the caller owns is written);
+1. checks this rank's inputs locally, without communicating: names, types, dtypes, devices,
+   ranks of shapes, scalars that fit their dtype, and everything the commit needs of an updated
+   tensor (writable in place: not an inference tensor, no element stored twice, no overlap with
+   another updated or donated input);
+2. runs the handshake (``handshake.settle``), at every step: the step's identity (program,
+   schedule, mesh, the options that change collectives or numerics), which compiled step it is,
+   its call count, the Replicated scalars (and, with ``check_replicated``, a checksum of the
+   Replicated tensors) and every rank's verdict on step 1 are compared in one tiny all_reduce; a
+   difference or a bad input anywhere fails every rank with the same message, before any data
+   moves;
+3. runs the generated ``step`` into fresh tensors (nothing the caller owns is written); at the
+   first call with fused kernels, a rehearsal first (``_rehearse``): kernels compile outside
+   the collectives and the ranks agree they are ready;
 4. with ``commit_vote``, confirms that every rank got through (one tiny all_reduce);
-5. commits: copies each update into the caller's tensor, and returns the outputs.
+5. commits: writes each update into the caller's tensor, and returns the outputs.
 
-A failure at 2 leaves everything usable. A failure at 3 or 4 raises (a ``RuntimeFault`` for
-communication problems) and leaves the caller's tensors as they were; the communicator is then
-marked broken, because its collectives may no longer line up across ranks.
+A failure at 1 or 2 leaves everything usable. A failure at 3 or 4 (any ``BaseException``,
+``KeyboardInterrupt`` included) raises and leaves the caller's tensors as they were; the
+communicator is then marked broken, because its collectives may no longer line up across ranks.
+Step 5 cannot fail half-way: what could make a write fail was ruled out at 1 (and voted on at
+2); an interruption during the commit (Ctrl-C) is held until every update is written, then
+raised with a note saying the step was committed; a write that still fails is retried once, and
+only a write that fails twice (a bug in the checks of step 1) leaves this rank half-committed,
+reported as a ``RuntimeFault`` naming the tensors written and not written.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import types
+import warnings
+import weakref
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -57,6 +75,7 @@ class CompiledStep:
         key: str,
         comm: Communicator | None,
         device: str,
+        transports: str = "",
     ) -> None:
         self.program = program
         self.schedule = schedule  # the schedule's text, for people
@@ -72,6 +91,10 @@ class CompiledStep:
         self._exchanged: dict[str, tuple[int, ...]] | None = None  # shapes at the last exchange
         self._geometry: Geometry | None = None
         self._updated = {u.inputs[0].name for u in program.updates}
+        self.transports = transports  # what runs each axis's collectives (part of the identity)
+        self.calls = 0  # calls of this compiled step that every rank agreed on
+        self._ordinal: int | None = None  # which step of this identity it is, on its communicator
+        self._identity: tuple[Any, tuple, int] | None = None  # (options, identity, hash)
 
     # -- what it is -----------------------------------------------------------------------------
 
@@ -97,7 +120,21 @@ class CompiledStep:
             ("device", self.device),
             ("coconet", __version__),
             ("collective algorithms", repr(comm.options.algorithms)),
+            ("transports", self.transports or "(unknown)"),
+            # Every option: each changes the collectives a step runs (the votes, the checks),
+            # how it commits, or its numerics (fused kernels contract differently than eager
+            # ops: "Replicated" parameters drift apart when ranks differ in it).
+            *((f"option {f.name}", repr(getattr(self.options, f.name))) for f in _IDENTITY_OPTIONS),
         )
+
+    def _identity_of(self, comm: Communicator) -> tuple[tuple, int]:
+        """(identity, its hash), cached while the communicator's options stay the same."""
+        cached = self._identity
+        if cached is None or cached[0] is not comm.options:
+            identity = self.identity(comm)
+            cached = (comm.options, identity, handshake.identity_hash(identity))
+            self._identity = cached
+        return cached[1], cached[2]
 
     def input_buffer(self, name: str, shape: Sequence[int]) -> torch.Tensor:
         """A tensor to pass as input ``name`` that lives where the step's collective reads it
@@ -141,33 +178,84 @@ class CompiledStep:
         """Run one step on this rank. Returns the outputs by name; applies the updates in place
         to the caller's tensors once the step succeeded on every rank."""
         comm = self._communicator()
-        args, shapes, dtypes, error = self._bind(inputs, comm)
-        report = handshake.RankReport(comm.rank, self.identity(comm), shapes, dtypes, error)
-        need = self._exchanged != shapes
-        if self.options.check_every_step or self._exchanged is None:
-            reports = handshake.settle(comm, report, need)
-            if reports is not None:
-                sizes = handshake.verdict(reports, self.program, self.mesh)
-                self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
-                self._exchanged = shapes
-        elif need or error is not None:
-            raise RuntimeFault(
-                error or "input shapes changed since the first step",
-                op=f"{self.program.name} step",
-                hint="with check_every_step=False, inputs must keep their shapes (and the other "
-                "ranks are not told: they will time out); compile with the default to allow it",
+        args, shapes, dtypes, replicated, error = self._bind(inputs, comm)
+        identity, h = self._identity_of(comm)
+        first = self._exchanged is None
+        changed = self._exchanged != shapes
+        if changed and not first and not self.options.check_every_step and error is None:
+            # Told to every rank through the handshake's flag: they all fail at once.
+            change = _shape_change(self._exchanged, shapes)
+            error = (
+                f"input shapes changed since the first step ({change}); compiled with "
+                "check_every_step=False, the shapes must stay"
             )
+        seen = _steps_seen(comm)
+        ordinal = seen.get(h, 0) if self._ordinal is None else self._ordinal
+        report = handshake.RankReport(
+            comm.rank,
+            identity,
+            shapes,
+            dtypes,
+            error,
+            call=self.calls + 1,
+            ordinal=ordinal,
+            replicated=replicated,
+        )
         try:
+            reports = handshake.settle(comm, report, changed)
+        except BaseException as exc:
+            # The agreement itself failed (a peer died, stalled or aborted; Ctrl-C here): the
+            # control channel may be half used, and the other peers must hear of it.
+            comm.abort(f"rank {comm.rank} failed in the handshake: {type(exc).__name__}")
+            raise
+        if reports is not None:
+            # Raises the same RuntimeFault on every rank, or gives the sizes; a refused call is
+            # not counted (on any rank), so the ranks stay in step.
+            sizes = handshake.verdict(reports, self.program, self.mesh)
+            self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
+            self._exchanged = shapes
+        if self._ordinal is None:
+            self._ordinal = ordinal
+            seen[h] = ordinal + 1
+        self.calls += 1
+        try:
+            if self.calls == 1 and self._compiles_kernels(comm):
+                self._rehearse(comm, args)
             outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
             if self.options.commit_vote:
                 comm.agree_max([0], "every rank finished the step", op="commit vote")
-        except Exception as exc:
+        except BaseException as exc:
             # Collectives of this step may be half done on other ranks: this communicator
-            # can no longer line up with them.
-            if comm.broken is None:
-                comm.broken = f"rank {comm.rank} failed in a step: {type(exc).__name__}"
+            # can no longer line up with them. KeyboardInterrupt and SystemExit too: they
+            # leave the step as half done as any error.
+            comm.abort(f"rank {comm.rank} failed in a step: {type(exc).__name__}")
             raise
-        return self._commit(inputs, outputs, updates)
+        return self._commit(inputs, outputs, updates, comm)
+
+    def _compiles_kernels(self, comm: Communicator) -> bool:
+        return self.options.fused_kernels and comm.world > 1 and len(self.kernels) > 0
+
+    def _rehearse(self, comm: Communicator, args: list) -> None:
+        """Compile the fused kernels outside the step's collectives (the first call).
+
+        Compiling between two collectives would make the peers wait inside one, against their
+        timeout, for as long as this rank compiles (12-16 s on an empty Inductor cache). So every
+        rank first rehearses the step with its kernels eager (the same collectives on every rank:
+        the data moves once more, nothing is committed; a donated input is rehearsed on a copy),
+        then compiles each kernel for exactly the arguments it had, outside any collective, and
+        the ranks agree that all are ready (``compile_timeout``) before the real step."""
+        donated = {i for i, n in enumerate(self.program.inputs) if n.name in self.options.donate}
+        rehearsal = [a.clone() if i in donated else a for i, a in enumerate(args)]
+        with self.kernels.recording():
+            outputs, updates = self.module.step(comm, self._geometry, self.kernels, *rehearsal)
+        for value in (*outputs.values(), *updates.values()):
+            if isinstance(value, Published):
+                value.release()  # the peers may reuse their slots
+        del outputs, updates, rehearsal
+        self.kernels.compile_recorded()
+        comm.agree_ready(
+            f"{self.program.name}'s fused kernels are compiled", self.options.compile_timeout
+        )
 
     def _communicator(self):
         comm = self._comm
@@ -189,9 +277,10 @@ class CompiledStep:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def _bind(self, given: dict[str, Any], comm) -> tuple[list, dict, dict, str | None]:
-        """Positional args for the generated step, local shapes and dtypes, and the first problem
-        found with this rank's inputs (None when they look right locally)."""
+    def _bind(self, given: dict[str, Any], comm) -> tuple[list, dict, dict, dict, str | None]:
+        """Positional args for the generated step, local shapes and dtypes, the digests of the
+        Replicated inputs compared across ranks, and the first problems found with this rank's
+        inputs (None when they look right locally)."""
         names = [n.name for n in self.program.inputs]
         problems = []
         unknown = sorted(set(given) - set(names))
@@ -199,7 +288,7 @@ class CompiledStep:
             problems.append(
                 f"{self.program.name} has no inputs named {unknown}; its inputs are {names}"
             )
-        args, shapes, dtypes = [], {}, {}
+        args, shapes, dtypes, replicated = [], {}, {}, {}
         for node in self.program.inputs:
             if node.name not in given:
                 problems.append(f"input {node.name!r} ({node.type}) is missing")
@@ -212,7 +301,42 @@ class CompiledStep:
             if value is not None:
                 shapes[node.name] = tuple(value.shape)
                 dtypes[node.name] = str(value.dtype).replace("torch.", "")
-        return args, shapes, dtypes, ("; ".join(problems) or None)
+                layout = node.type.layout
+                # The same on every rank of the world (Replicated over one axis may differ
+                # between that axis's groups, and the handshake spans the world).
+                if layout.is_replicated and layout.axis is None:
+                    if node.type.rank == 0:
+                        replicated[node.name] = _scalar_text(value)
+                    elif self.options.check_replicated:
+                        replicated[node.name] = _checksum(value)
+        if not problems:
+            problems.extend(self._aliasing(given))
+        return args, shapes, dtypes, replicated, ("; ".join(problems) or None)
+
+    def _aliasing(self, given: dict[str, Any]) -> list[str]:
+        """Inputs whose memory makes the step lose an update or read what it wrote: two updated
+        inputs that share elements (one write would be lost), or a donated input (overwritten
+        mid-step) that shares elements with any other input. An updated input may share memory
+        with inputs that are only read: every read happens before the commit writes."""
+        tensors = [(n.name, given[n.name]) for n in self.program.inputs]
+        tensors = [(k, v) for k, v in tensors if isinstance(v, torch.Tensor) and v.numel()]
+        donated = set(self.options.donate)
+        problems = []
+        for i, (a, ta) in enumerate(tensors):
+            for b, tb in tensors[i + 1 :]:
+                both_updated = a in self._updated and b in self._updated
+                if not (both_updated or {a, b} & donated) or not _overlap(ta, tb):
+                    continue
+                if both_updated:
+                    why = "both are updated: one update would be lost"
+                else:
+                    d = a if a in donated else b
+                    why = f"{d!r} is donated (overwritten mid-step): the other would read it"
+                problems.append(
+                    f"inputs {a!r} and {b!r} share memory and {why} (pass separate tensors, "
+                    "e.g. .clone())"
+                )
+        return problems
 
     def _tensor(self, node: Node, value: Any, comm) -> tuple[torch.Tensor | None, str | None]:
         ty = node.type
@@ -226,7 +350,7 @@ class CompiledStep:
                     f"input {node.name!r} is updated by the program: pass a tensor "
                     "that can be written, not a number"
                 )
-            return torch.tensor(value, dtype=dtype, device=device), None
+            return _scalar(node, value, device)
         if not isinstance(value, torch.Tensor):
             # a scalar input also takes a Python number (the learning rate as a float)
             wanted = "a torch.Tensor or a Python number" if ty.rank == 0 else "a torch.Tensor"
@@ -245,6 +369,10 @@ class CompiledStep:
                 f"input {node.name!r} has shape {list(value.shape)}, the program "
                 f"declares {format_shape(ty.shape)} ({ty.layout})"
             )
+        if node.name in self._updated:
+            problem = _unwritable(node.name, value)
+            if problem:
+                return None, problem
         return value.detach(), None
 
     # -- commit ---------------------------------------------------------------------------------
@@ -254,6 +382,7 @@ class CompiledStep:
         given: dict[str, Any],
         outputs: dict[str, torch.Tensor],
         updates: dict[str, torch.Tensor],
+        comm: Communicator,
     ) -> dict[str, torch.Tensor]:
         # A result may share memory with an input (a broadcast root's own tensor, a scatter's
         # view): copy it before any input is overwritten, so outputs keep the step's values and
@@ -272,16 +401,196 @@ class CompiledStep:
         outputs = {k: own(v) for k, v in outputs.items()}
         updates = {k: own(v) for k, v in updates.items()}
         swap = self.options.commit is CommitMode.SWAP
+        # Every rank voted to commit: this rank must end wholly after the step, like the others.
+        # Whatever interrupts a write (Ctrl-C arrives between two writes, or inside one, whose
+        # copy then either happened or not: writing again is harmless) is held until every
+        # update is written.
+        held_back: BaseException | None = None
+        unwritten: list[str] = []
         with torch.no_grad():
             for name, value in updates.items():
-                target = given[name]
-                if isinstance(value, Published):
-                    value.copy_into(target)  # the gather lands in the caller's tensor once
-                elif swap and _swappable(target, value):
-                    target.set_(value)  # the new values' storage: no copy
-                else:
-                    target.copy_(value)
+                for attempt in (1, 2):
+                    try:
+                        self._write(given[name], value, swap)
+                        break
+                    except BaseException as exc:  # noqa: BLE001 - re-raised after the commit
+                        held_back = held_back or exc
+                        if attempt == 2:
+                            unwritten.append(name)
+                            if isinstance(value, Published):
+                                value.release()  # the peers must not wait for this rank
+        if unwritten:
+            written = [k for k in updates if k not in unwritten]
+            comm.broken = f"rank {comm.rank} could not commit {unwritten}"
+            raise RuntimeFault(
+                "the commit failed on this rank after every rank voted to commit: this rank "
+                "is half-committed",
+                op=f"{self.program.name} commit",
+                details=[f"written: {written}", f"not written: {unwritten}", repr(held_back)],
+                hint="report this (the checks before the step should have refused these "
+                "tensors); restore the state from a checkpoint",
+            ) from held_back
+        if held_back is not None:
+            if isinstance(held_back, Exception):
+                # A write failed once and then succeeded: the step is whole on every rank.
+                warnings.warn(
+                    f"{self.program.name}: a commit write failed once and was repeated "
+                    f"({held_back!r}); the step is committed",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            else:
+                held_back.add_note(
+                    f"coconet: {self.program.name}'s step was committed on this rank (and on "
+                    "every other) before this was raised: do not repeat it"
+                )
+                raise held_back
         return outputs
+
+    @staticmethod
+    def _write(target: torch.Tensor, value: torch.Tensor | Published, swap: bool) -> None:
+        """Write one update into the caller's tensor (under no_grad)."""
+        if isinstance(value, Published):
+            value.copy_into(target)  # the gather lands in the caller's tensor once
+        elif swap and _swappable(target, value):
+            target.set_(value)  # the new values' storage: no copy
+        else:
+            target.copy_(value)
+
+
+# The options every rank must share (all of them: each changes the collectives a step runs, how
+# it commits or what it computes; cache_dir is only where files go).
+_IDENTITY_OPTIONS = tuple(f for f in fields(CompileOptions) if f.name != "cache_dir")
+
+# Per communicator: how many compiled steps of each identity have run their first call, so
+# that two compiled steps of one identity (two parameter groups of one shape) are told apart.
+_STEPS: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _steps_seen(comm: Any) -> dict[int, int]:
+    return _STEPS.setdefault(comm, {})
+
+
+def _shape_change(before: dict | None, now: dict) -> str:
+    before = before or {}
+    return ", ".join(
+        f"{k}: {list(before.get(k, ()))} -> {list(v)}" for k, v in now.items() if before.get(k) != v
+    )
+
+
+def _scalar(node: Node, value: int | float, device) -> tuple[torch.Tensor | None, str | None]:
+    """A Python number as the 0-d tensor of the program's dtype, or why it does not fit it.
+
+    torch.tensor would raise for some (an int NaN, 10**400) and silently change others (1.5 for
+    an int scalar, 1e10 for a float16 one): either way the ranks must learn it together."""
+    ty = node.type
+    dtype = ty.dtype.torch
+    where = f"input {node.name!r} ({ty.dtype.value})"
+    if dtype.is_floating_point:
+        finite = not (isinstance(value, float) and (value != value or abs(value) == float("inf")))
+        try:
+            t = torch.tensor(float(value), dtype=dtype, device=device)
+        except OverflowError:
+            return None, f"{where}: {_short(value)} does not fit a float"
+        if finite and not torch.isfinite(t):
+            return None, f"{where}: {_short(value)} overflows {ty.dtype.value} (it would be inf)"
+        return t, None  # NaN and inf pass through, as in torch.optim
+    if isinstance(value, float):
+        if not value.is_integer():
+            return None, f"{where}: {value!r} is not an integer (it would be truncated)"
+        value = int(value)
+    info = torch.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        return None, f"{where}: {_short(value)} is outside [{info.min}, {info.max}]"
+    return torch.tensor(value, dtype=dtype, device=device), None
+
+
+def _short(value: int | float) -> str:
+    text = repr(value)
+    return text if len(text) <= 30 else f"{text[:12]}...({len(text)} digits)"
+
+
+def _scalar_text(t: torch.Tensor) -> str:
+    """A 0-d Replicated input as the ranks compare it: its exact bits (NaN equals NaN)."""
+    return f"{t.item()!r} [{bytes(t.detach().cpu().reshape(1).view(torch.uint8).tolist()).hex()}]"
+
+
+def _checksum(t: torch.Tensor) -> str:
+    """A checksum of a tensor's bits (``check_replicated``): position-weighted sums of its
+    elements' bit patterns, so equal bits give equal sums on every rank and a changed element
+    almost surely does not."""
+    flat = t.detach().contiguous().reshape(-1)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    bits = flat.view(width).to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    plain, weighted = int(bits.sum()), int((bits * weights).sum())
+    digest = hashlib.sha256(struct.pack("<qq", plain, weighted)).hexdigest()[:16]
+    return f"{format_shape(tuple(t.shape))} checksum {digest}"
+
+
+def _unwritable(name: str, t: torch.Tensor) -> str | None:
+    """Why the commit could not write updated input ``name`` in place (None: it can)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return (
+            f"input {name!r} is updated but is an inference tensor (made under "
+            "torch.inference_mode): it cannot be written outside it (pass a tensor made "
+            f"outside inference_mode, or {name}.clone())"
+        )
+    if _self_overlapping(t):
+        return (
+            f"input {name!r} is updated but several of its elements are one memory location "
+            f"(strides {list(t.stride())}, e.g. an expand()): pass {name}.clone()"
+        )
+    return None
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    verdict = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: too hard to tell
+    if verdict != 2:
+        return verdict == 1
+    count = torch.zeros(_storage_elements(t), dtype=torch.int32)
+    count.index_add_(0, _element_indices(t), torch.ones(t.numel(), dtype=torch.int32))
+    return bool((count > 1).any())
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share an element's memory (exact, also for strided views)."""
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    lo_a, hi_a = _byte_extent(a)
+    lo_b, hi_b = _byte_extent(b)
+    if hi_a <= lo_b or hi_b <= lo_a:
+        return False
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    marks = torch.zeros(a.untyped_storage().nbytes(), dtype=torch.bool)
+    _byte_view(marks, a).fill_(True)
+    return bool(_byte_view(marks, b).any())
+
+
+def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    size = t.element_size()
+    steps = [(n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)]
+    lo = t.storage_offset() + sum(d for d in steps if d < 0)
+    hi = t.storage_offset() + sum(d for d in steps if d > 0)
+    return lo * size, (hi + 1) * size
+
+
+def _byte_view(marks: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s elements, as a view of ``marks`` (one bool per byte of its storage)."""
+    e = t.element_size()
+    return marks.as_strided(
+        (*t.shape, e), (*(s * e for s in t.stride()), 1), t.storage_offset() * e
+    )
+
+
+def _storage_elements(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes() // t.element_size()
+
+
+def _element_indices(t: torch.Tensor) -> torch.Tensor:
+    index = torch.arange(_storage_elements(t), dtype=torch.int64)
+    return index.as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)
 
 
 def _swappable(target: torch.Tensor, value: torch.Tensor) -> bool:

@@ -49,7 +49,10 @@ class Phase(enum.IntEnum):
     # gather slots may be overwritten: for a published gather, posted after the commit)
 
 
-SIGNAL_BYTES = _LINE * (max(Phase) + 1)  # header line + one line per phase
+# After the phases, one more line: the owner's abort word (0, or 1 once its step failed or was
+# interrupted: ``abort``); every wait on the owner gives up when it sees it set.
+_ABORT_OFFSET = _LINE * (max(Phase) + 1)
+SIGNAL_BYTES = _ABORT_OFFSET + _LINE  # header line + one line per phase + the abort line
 
 
 def host_identity() -> str:
@@ -212,11 +215,21 @@ class SymmetricMemory:
             *[ctypes.cast(self._counter(p, phase), ctypes.POINTER(ctypes.c_uint64)) for p in peers]
         )
         pids = (ctypes.c_int32 * n)(*[self.pids[p] for p in peers])
+        aborts = (ctypes.POINTER(ctypes.c_uint64) * n)(
+            *[
+                ctypes.cast(self._base[p] + _ABORT_OFFSET, ctypes.POINTER(ctypes.c_uint64))
+                for p in peers
+            ]
+        )
         why = ctypes.c_int32(0)
-        late = self.lib.cn_wait_all(counters, pids, n, epoch, self.timeout, ctypes.byref(why))
+        late = self.lib.cn_wait_all(
+            counters, pids, n, epoch, self.timeout, ctypes.byref(why), aborts
+        )
         if late >= 0:
             peer = peers[late]
-            if why.value == 2:
+            if why.value == 3:
+                cause = "a peer rank aborted its step (it failed or was interrupted)"
+            elif why.value == 2:
                 cause = "a peer rank died"
             else:
                 cause = f"no answer within {self.timeout:g} s: a peer rank stalled or died"
@@ -231,9 +244,15 @@ class SymmetricMemory:
                 "continue: end it (coconet.runtime.shutdown) and restart it",
             )
 
+    def abort(self) -> None:
+        """Tell every peer waiting on this rank that it will not post again (its step failed or
+        was interrupted): their waits fail at once instead of at the deadline. Final."""
+        if self._base:
+            self.lib.cn_store_release(self._base[self.index] + _ABORT_OFFSET, 1)
+
     def close(self) -> None:
         """Drop this rank's mappings (the memory goes when every rank dropped them)."""
-        self._bytes = []
+        self._bytes, self._base = [], []
         for m in self._maps:
             if m is not None:
                 try:

@@ -25,6 +25,7 @@ an ``exact`` algorithm (reductions in rank order), within rounding otherwise.
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -106,10 +107,31 @@ class Pending:
     works: list = field(default_factory=list)
     finish: Callable[[], torch.Tensor] = lambda: torch.empty(0)
 
-    def wait(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
-        return self.finish()
+    def wait(self, waiter: Callable[[Any], None] | None = None) -> torch.Tensor:
+        """The result. ``waiter(work)`` waits for each torch work handle, those of a second
+        phase that ``finish`` starts included (default: ``work.wait()``); the communicator's
+        waits in slices, looking between them whether a peer aborted."""
+        previous = getattr(_WAITER, "fn", None)
+        _WAITER.fn = waiter
+        try:
+            for w in self.works:
+                wait_work(w)
+            return self.finish()
+        finally:
+            _WAITER.fn = previous
+
+
+# The waiter of the Pending being waited for on this thread (see Pending.wait).
+_WAITER = threading.local()
+
+
+def wait_work(work: Any) -> None:
+    """Wait for a torch work handle the way the current ``Pending.wait`` asks."""
+    waiter = getattr(_WAITER, "fn", None)
+    if waiter is None:
+        work.wait()
+    else:
+        waiter(work)
 
 
 class Published:

@@ -39,6 +39,11 @@ __all__ = ["apply_overlap", "check_overlap"]
 
 _ROWWISE = ops_with(Prop.ROWWISE)
 
+# The most chunks a chain may run in. Each chunk is one collective and one kernel call per member
+# (a fixed cost of tens of microseconds), so far more chunks than that cost more than any overlap
+# saves: 100000 chunks of a 64-element chain made a step take 20 s.
+MAX_CHUNKS = 1024
+
 
 def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[Node]:
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
@@ -46,6 +51,13 @@ def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[N
             f"chunks must be an int >= 2, got {chunks!r}",
             op="overlap",
             hint="overlap(nodes, chunks=4)",
+        )
+    if chunks > MAX_CHUNKS:
+        raise ScheduleError(
+            f"chunks={chunks} is more than {MAX_CHUNKS}: each chunk costs one collective and one "
+            "kernel call per member, far more than overlapping them could save",
+            op="overlap",
+            hint="a few chunks (2-16) are enough to overlap communication with computation",
         )
     members = group_members(program, nodes, "overlap")
     if len(members) < 2:
@@ -88,6 +100,14 @@ def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[N
             op="overlap",
             loc=members[0].loc,
             hint="overlap a chain whose values have many rows",
+        )
+    if isinstance(rows, int) and chunks > rows:
+        raise ScheduleError(
+            f"chunks={chunks} but {members[0].name} has only {rows} rows: some chunks would be "
+            "empty",
+            op="overlap",
+            loc=members[0].loc,
+            hint=f"chunks <= {rows}",
         )
     slicing_axes = {
         n.type.layout.axis for n in members if n.type.layout.is_sliced and n.type.layout.dim == 0
