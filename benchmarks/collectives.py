@@ -11,8 +11,9 @@ Every result is checked against the expected sum before its time counts.
 
 The bound next to each row is the contender's own: the bytes each rank must read and write for
 the collective over shared memory (its slice of every peer's input, its reduced slice, every
-peer's slice of the result), at the copy bandwidth measured in the same run (a copy loop on every
-rank at once). gloo is not bounded by that: it moves the data over loopback sockets.
+peer's slice of the result; the all_reduce is donated, so a buffer in symmetric memory receives
+the result in place), at the copy bandwidth measured in the same run (a copy loop on every rank at
+once). gloo is not bounded by that: it moves the data over loopback sockets.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def _bound_bytes(op: str, n: int, world: int) -> int:
     symmetric memory)."""
     s = 4 * n
     slice_ = s / world
-    if op == "all_reduce":  # read my slice of every peer, write my slice, read every slice, write
-        return int(world * slice_ + slice_ + s + s)
+    if op == "all_reduce":
+        # donated, in place: read my slice of every peer and write it into my own input, then
+        # copy every other rank's reduced slice out of its input into mine
+        return int(world * slice_ + slice_ + 2 * (s - slice_))
     if op == "reduce_scatter":  # read my slice of every peer, write it
         return int(world * slice_ + slice_)
     return int(slice_ + s + s)  # all_gather: write my slice in, read every slice, write result
