@@ -223,6 +223,13 @@ class _Emitter:
                 out.append(unit)
         return out
 
+    def _communicates_after(self, unit: FusedCollective) -> bool:
+        """Whether communication starts after ``unit``: a published gather holds the peers'
+        slots until the commit, so a later collective over them would wait for it forever."""
+        body = list(self.plan.body)
+        later = body[body.index(unit) + 1 :]
+        return any(isinstance(s, (Start, FusedCollective, ChunkLoop)) for s in later)
+
     def _one_pass_names(self, op: OnePass) -> tuple[str, str]:
         """(the peers' slices parameter, the gather slot parameter) of a one-pass kernel."""
         key = op.kernel.name
@@ -310,8 +317,10 @@ class _Emitter:
             lines += _call("_", f"kernels.{k.name}", args)
         # Read only by updates: the gather stays in the peers' slots and the commit copies it
         # straight into the caller's tensor (the gather is the commit).
-        published = ag.name not in {n.name for n in self.program.outputs} and all(
-            u.op is Op.UPDATE for u in self.program.users()[ag.name]
+        published = (
+            ag.name not in {n.name for n in self.program.outputs}
+            and all(u.op is Op.UPDATE for u in self.program.users()[ag.name])
+            and not self._communicates_after(unit)
         )
         lines += [self.comment(ag) + ("  (published: the commit copies it)" if published else "")]
         lines += _call(
