@@ -61,3 +61,25 @@ def test_an_earlier_fused_collective_that_reads_the_unit_runs_after_it(tmp_path)
     s.fuse(["v0"])  # the all_gather of v0 alone, reading v0_slice of the group below
     s.fuse(["v0_slice", "ge_1_slice", "s2_slice", "out_v1_slice", "out_v1"])
     _run_both(s, tmp_path)
+
+
+def test_a_one_pass_gather_is_published_only_when_no_collective_follows(monkeypatch):
+    """Over shared memory a one-pass unit whose gather only updates an input leaves it in the
+    peers' slots for the commit; a collective started after it would wait for those slots
+    forever (both ranks stalled until the deadline), so then the gather is copied out."""
+    from pathlib import Path
+
+    from coconet.codegen import emit, lower
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "dist"))
+    import dist_programs  # the programs tests/dist runs over shared memory
+
+    shm = {None: "shared memory"}
+    for build, published in ((dist_programs.lion, True), (dist_programs.user_ops, False)):
+        plan = lower(build().program)
+        assert all(u.one_pass is not None for u in plan.fused_collectives)
+        source = emit(plan, [], shm)
+        assert ("published=True" in source) is published, build.__name__
+        if not published:  # the global mean's all_reduce runs after the unit
+            body = source[source.index("def step(") :]
+            assert body.index("comm.fused_all_gather_finish") < body.index("all_reduce_start")

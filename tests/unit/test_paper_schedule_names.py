@@ -136,7 +136,7 @@ def test_a_wrong_all_reduce_name_lists_the_candidates():
     msg = str(info.value)
     assert "RS_C_AG: all_reduce='g_sum': program sgd has no value named 'g_sum'" in msg
     assert "the all_reduces of sgd: grads" in msg
-    with pytest.raises(cc.ScheduleError, match="buf_new is a add, not an all_reduce"):
+    with pytest.raises(cc.ScheduleError, match="buf_new is an add, not an all_reduce"):
         AR_C(sgd("grads"), all_reduce="buf_new")
 
 

@@ -511,7 +511,7 @@ def _overlapped_split_chain(s: Schedule) -> Schedule:
 ILLEGAL = [
     # split
     ("split-not-an-all_reduce", opt, None, lambda s: s.split("m_new"),
-     ["split: ", "m_new is a add, not an all_reduce"]),
+     ["split: ", "m_new is an add, not an all_reduce"]),
     ("split-scalar", reordered, None, lambda s: s.split("m_norm_sumsq"),
      ["m_norm_sumsq is a scalar all_reduce: there is nothing to slice"]),
     ("split-dim-out-of-range", opt, None, lambda s: s.split("g_sum", dim=1),
@@ -521,12 +521,12 @@ ILLEGAL = [
     ("split-unknown-value", opt, None, lambda s: s.split("nope"),
      ["has no value named 'nope'"]),
     ("split-already-split", reordered, None, lambda s: s.split("p_new"),
-     ["p_new is a all_gather, not an all_reduce"]),
+     ["p_new is an all_gather, not an all_reduce"]),
     # reorder
     ("reorder-onto-all_reduce", opt, None, lambda s: s.reorder(["m_new"], "g_sum"),
-     ["reorder: ", "g_sum is a all_reduce, not an all_gather", "split(...) the all_reduce first"]),
+     ["reorder: ", "g_sum is an all_reduce, not an all_gather", "split(...) the all_reduce first"]),
     ("reorder-onto-computation", opt, _split, lambda s: s.reorder(["mul_2"], "m_new"),
-     ["m_new is a add, not an all_gather"]),
+     ["m_new is an add, not an all_gather"]),
     ("reorder-a-matmul", tensor_parallel, lambda s: (s.split("out_sum"), s)[1],
      lambda s: s.reorder(["partial", "y"], "out_sum"),
      ["partial is a matmul; only pointwise computations, reductions and sends can run on slices"]),
@@ -565,7 +565,7 @@ ILLEGAL = [
     ("fuse-already-fused", opt, _fused_m_new, lambda s: s.fuse(["m_new", "mul_2"]),
      ["m_new already belongs to fuse(m_new)"]),
     ("fuse-an-input", opt, None, lambda s: s.fuse(["m", "mul_1"]),
-     ["m is a input: only computations and communication can be grouped"]),
+     ["m is an input: only computations and communication can be grouped"]),
     ("fuse-two-gathers", reordered, None, lambda s: s.fuse(["p_new", "m_new"]),
      ["2 all_gathers (p_new, m_new) with no collective feeding them"]),
     ("fuse-independent-gather", reordered, None,
@@ -593,7 +593,7 @@ ILLEGAL = [
     ("overlap-one-row", one_row, None, lambda s: s.overlap(["t", "u"], chunks=2),
      ["t has a single row", "nothing to cut into chunks"]),
     ("overlap-an-update", opt, None, lambda s: s.overlap(["g_sum", "update_1"]),
-     ["update_1 is a update: only computations and communication can be grouped"]),
+     ["update_1 is an update: only computations and communication can be grouped"]),
     # a fused kernel cannot run both chunk by chunk and once (issue 12, bug 1), in either order
     ("fuse-partly-overlapped", opt, _overlapped, lambda s: s.fuse(["m_new", "mul_2"]),
      ["fuse: fuse(m_new, mul_2) lies partly inside the overlapped chain overlap(g_sum, m_new): "
@@ -751,7 +751,7 @@ CORRUPT = {
     "unknown-node": (_doc(steps=[{"primitive": "split", "nodes": ["h_sum"]}]),
                      "no value named 'h_sum'"),
     "illegal-step": (_doc(steps=[{"primitive": "reorder", "nodes": ["m_new"], "target": "g_sum"}]),
-                     "g_sum is a all_reduce, not an all_gather"),
+                     "g_sum is an all_reduce, not an all_gather"),
     "digest-mismatch": (_doc(program_digest="0" * 16), "recorded on another program"),
 }  # fmt: skip
 

@@ -16,6 +16,7 @@ from coconet.ir.program import Program
 Recheck = Callable[[str, Program, Mapping[Group, Group]], None]
 
 __all__ = [
+    "a_or_an",
     "downstream",
     "fresh_name",
     "group_members",
@@ -24,6 +25,12 @@ __all__ = [
     "rewrite",
     "value_list",
 ]
+
+
+def a_or_an(word: Any) -> str:
+    """``"an input"``, ``"an all_reduce"``, ``"a div"``: the op as messages name it."""
+    text = str(word)
+    return f"{'an' if text[:1] in 'aeiou' else 'a'} {text}"
 
 
 def value_list(values: Any, primitive: str) -> list[Any]:
@@ -93,7 +100,8 @@ def group_members(program: Program, nodes: Iterable[Any], primitive: str) -> lis
     for n in members:
         if n.op in LEAVES or n.op is Op.UPDATE:
             raise ScheduleError(
-                f"{n.name} is a {n.op}: only computations and communication can be grouped",
+                f"{n.name} is {a_or_an(n.op)}: only computations and communication can be "
+                "grouped",
                 op=primitive,
                 loc=n.loc,
                 hint=f"leave {n.name} out of the group",

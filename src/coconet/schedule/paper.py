@@ -24,6 +24,7 @@ from typing import Any
 from coconet.errors import ScheduleError, UnknownNameError
 from coconet.ir.ops import COMMUNICATION, Op
 from coconet.ir.program import Program
+from coconet.schedule.graph import a_or_an
 from coconet.schedule.schedule import Handle, Schedule
 
 __all__ = [
@@ -72,7 +73,7 @@ def _the_all_reduce(program: Program, all_reduce: Any, schedule: str) -> str:
     except UnknownNameError as e:
         node, why = None, e.message
     else:
-        why = f"{node.name} is a {node.op}, not an all_reduce"
+        why = f"{node.name} is {a_or_an(node.op)}, not an all_reduce"
     if node is None or node.op is not Op.ALL_REDUCE:
         raise ScheduleError(
             f"all_reduce={all_reduce!r}: {why}",

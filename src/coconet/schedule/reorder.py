@@ -34,7 +34,7 @@ from coconet.ir.node import Node
 from coconet.ir.ops import REDUCTIONS, Op, ReduceOp
 from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
-from coconet.schedule.graph import fresh_name, new_node, resolve, rewrite, value_list
+from coconet.schedule.graph import a_or_an, fresh_name, new_node, resolve, rewrite, value_list
 from coconet.schedule.regroup import recheck_groups
 
 __all__ = ["REORDERABLE", "apply_reorder", "check_reorder"]
@@ -50,7 +50,7 @@ def check_reorder(
     if ag.op is not Op.ALL_GATHER:
         hint = "split(...) the all_reduce first" if ag.op is Op.ALL_REDUCE else None
         raise ScheduleError(
-            f"{ag.name} is a {ag.op}, not an all_gather",
+            f"{ag.name} is {a_or_an(ag.op)}, not an all_gather",
             op="reorder",
             loc=ag.loc,
             hint=hint or "reorder moves computations before an all_gather",
@@ -67,8 +67,8 @@ def check_reorder(
     for n in order:
         if n.op not in REORDERABLE:
             raise ScheduleError(
-                f"{n.name} is a {n.op}; only pointwise computations, reductions and sends can run "
-                "on slices",
+                f"{n.name} is {a_or_an(n.op)}; only pointwise computations, reductions and sends "
+                "can run on slices",
                 op="reorder",
                 loc=n.loc,
                 hint=f"leave {n.name} out of the list",

@@ -22,7 +22,7 @@ from coconet.errors import ScheduleError
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
-from coconet.schedule.graph import fresh_name, new_node, resolve, rewrite
+from coconet.schedule.graph import a_or_an, fresh_name, new_node, resolve, rewrite
 from coconet.schedule.regroup import recheck_groups
 
 __all__ = ["apply_split", "check_split"]
@@ -39,7 +39,7 @@ def check_split(program: Program, all_reduce: Any, dim: int = 0) -> Node:
         else:
             hint = "split applies to all_reduce values only"
         raise ScheduleError(
-            f"{node.name} is a {node.op}, not an all_reduce",
+            f"{node.name} is {a_or_an(node.op)}, not an all_reduce",
             op="split",
             loc=node.loc,
             hint=hint,
