@@ -189,6 +189,30 @@ def commit_interrupted(comm: Communicator, victim: int, kind: str) -> dict:
     )
 
 
+def healthy(comm: Communicator) -> dict:
+    """Every check above that leaves the communicator usable, in one job (spawning costs
+    seconds): misuse, steps in other orders, options that differ, drifting parameters, and
+    commits interrupted after the vote."""
+    out = {"misuse": misuse(comm), "sequence": sequence(comm), "drift": replicated_drift(comm)}
+    for option, values in OPTION_PAIRS:
+        out[f"option {option}"] = option_mismatch(comm, option, values)
+    for kind in ("error", "interrupt"):
+        out[f"commit {kind}"] = commit_interrupted(comm, 1, kind)
+    return out
+
+
+# Options that differ between rank 0 and rank 1 (on gloo, check_every_step differing used to
+# abort the process with SIGABRT; commit_vote differing made both ranks wait out the timeout;
+# fused_kernels differing let "Replicated" parameters drift apart).
+OPTION_PAIRS = (
+    ("check_every_step", (True, False)),
+    ("commit_vote", (True, False)),
+    ("fused_kernels", (True, False)),
+    ("commit", ("copy", "swap")),
+    ("check_replicated", (False, True)),
+)
+
+
 def interrupted_mid_step(comm: Communicator, victim: int) -> dict:
     """Ctrl-C on ``victim`` mid-step (item 8): it marks its communicator broken and leaves; the
     peers learn at once (not at the timeout) and keep their tensors."""
@@ -217,7 +241,7 @@ def interrupted_mid_step(comm: Communicator, victim: int) -> dict:
     seconds = time.perf_counter() - t0
     unchanged = all(torch.equal(before[k], mine[k]) for k in before)
     if comm.rank == victim:
-        time.sleep(5.0)  # alive after the interrupt (a handler writing a checkpoint): the peers
+        time.sleep(3.0)  # alive after the interrupt (a handler writing a checkpoint): the peers
         # must have learned from the abort, not from this process's exit
     return dict(status=status, message=message, seconds=seconds, unchanged=unchanged,
                 broken=comm.broken)
