@@ -250,6 +250,7 @@ def deepspeed_available(world: int) -> str:
     DeepSpeed needs ``LOCAL_SIZE`` = the ranks on this host (else its ranks segfault) and falls
     back to gloo silently when its op did not build or the CPU lacks the vector ISA: both are
     checked here, so a row labelled DeepSpeed is DeepSpeed's shared memory."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what it runs on here; no guessing banner
     try:
         import deepspeed.comm as ds
     except ImportError:

@@ -32,6 +32,6 @@ mkdir -p "$R"
 # coconet.optim's optimizers against ddp / zero / pytorch_optimizer.Lamb at 16M parameters.
 for opt in adam lamb; do
   "$PY" benchmarks/data_parallel.py --optimizer $opt --params 16M --nproc 2 \
-    --json "$R/data_parallel_${opt}_16M.json" --plot "$R/data_parallel_${opt}_16M.png" \
-    | tee "$R/data_parallel_${opt}_16M.txt"
+    --json "$R/dp_optim_${opt}_16M.json" --plot "$R/dp_optim_${opt}_16M.png" \
+    | tee "$R/dp_optim_${opt}_16M.txt"
 done
