@@ -44,6 +44,7 @@ from coconet.errors import ConfigError
 from coconet.ir.program import Program
 from coconet.ir.types import DType, slice_bounds
 from coconet.optim import checkpoint
+from coconet.optim import ddp as ddp_hook
 from coconet.options import CommitMode, CompileOptions
 from coconet.runtime.comm import Communicator
 from coconet.schedule import Schedule
@@ -112,14 +113,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buckets: list[_Bucket] = []
         self._ddp = ddp
         if ddp is not None:
-            from coconet.optim.ddp import check_and_register
-
-            check_and_register(self, ddp)
+            ddp_hook.check_and_register(self, ddp)
         super().__init__(params, defaults)  # calls add_param_group for each group
 
     # -- what a subclass provides ---------------------------------------------------------------
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
+        """One step of the optimizer over a flat bucket of ``dtype``: inputs ``g`` (Local) and
+        ``p`` (Replicated), the state (Replicated; the schedule slices it), then the scalars."""
         raise NotImplementedError
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
@@ -144,9 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._check_param(p, index)
             by_dtype.setdefault(p.dtype, []).append(p)
         if self._ddp is not None:
-            from coconet.optim.ddp import check_group
-
-            check_group(self, index)
+            ddp_hook.check_group(self, index)
             return  # DDP's buckets are the buckets: made on the hook's first call
         for dtype, params in by_dtype.items():
             if self.bucket_per_parameter:
