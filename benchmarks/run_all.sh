@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-runs every benchmark whose output benchmarks/README.md quotes, writing benchmarks/results/.
-# Usage: benchmarks/run_all.sh [python]   (default: python on PATH; ~9 minutes on 2 cores)
+# Usage: benchmarks/run_all.sh [python]   (default: python on PATH; ~15 minutes on 2 cores)
 set -euo pipefail
 PY=${1:-python}
 cd "$(dirname "$0")/.."
