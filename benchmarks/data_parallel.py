@@ -39,6 +39,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_parallel_adam import cpu_model  # noqa: E402  (one definition for the benchmarks)
+
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
 HYPER = {
     "sgd": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-2},
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {
             "cpus": os.cpu_count(), "device": "cpu", "backend": "gloo",
             "torch": torch.__version__.split("+")[0], "python": platform.python_version(),
-            "cpu_model": _cpu_model(), "coconet": coconet.__version__,
+            "cpu_model": cpu_model(), "coconet": coconet.__version__,
         },
         "world_size": args.nproc,
         "config": {**cfg, "dtype": "float32", "hyper_parameters": HYPER[args.optimizer]},
@@ -379,16 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(doc, args.plot)
     return 0 if all(r.get("correct", True) for r in rows) else 1
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":
