@@ -22,7 +22,7 @@ from coconet.ir.opspec import Prop, Work, spec
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, Layout, TensorType, slice_bounds
 
-__all__ = ["Accounting", "account"]
+__all__ = ["Accounting", "Counter", "account"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Accounting:
 def account(program: Program, world: int | Mesh, sizes: Mapping[str, int]) -> Accounting:
     """Persistent bytes and bytes sent per rank; ``sizes`` binds every Dim (``{"N": 4096}``)."""
     mesh = world if isinstance(world, Mesh) else Mesh.world(world)
-    counter = _Counter(mesh, sizes)
+    counter = Counter(mesh, sizes)
     ranks = range(mesh.size)
     updated = {u.inputs[0].name for u in program.updates}
     by_input = {
@@ -89,7 +89,7 @@ def account(program: Program, world: int | Mesh, sizes: Mapping[str, int]) -> Ac
     return Accounting(persistent, sent, by_input, by_node, work)
 
 
-class _Counter:
+class Counter:
     def __init__(self, mesh: Mesh, sizes: Mapping[str, int]) -> None:
         self.mesh = mesh
         self.sizes = sizes

@@ -1,0 +1,167 @@
+"""``TuneResult.explain()``: the tuner's choice, in words and a table.
+
+1. the candidates, best measured first, then the rest by prediction: predicted and measured
+   milliseconds, prediction error, and how far each is behind the winner;
+2. the winner and its margin over the runner-up;
+3. each rewrite (split, reorder, as_slice, fuse, a fused collective, overlap, the transport):
+   what it was predicted to save and what it did save, where both sides were measured;
+4. why the others lost: illegal rewrites with their ``ScheduleError``, duplicates, legal ones by
+   how much slower they were (measured, else predicted), and failures with their error;
+5. how well the model predicted the measured candidates.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from coconet.runtime.transport import TransportKind
+
+if TYPE_CHECKING:
+    from coconet.tune.tuner import Row, TuneResult
+
+__all__ = ["explain"]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _sizes(sizes) -> str:
+    return ", ".join(f"{k}={v:,}" for k, v in sizes.items())
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    line = lambda cells: "  ".join(  # noqa: E731
+        str(c).ljust(w) if i == 1 else str(c).rjust(w) if i > 1 else str(c).ljust(w)
+        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    )
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def explain(result: TuneResult) -> str:
+    rows = result.rows
+    measured = [r for r in result.measured if r.measured_ms is not None]
+    winner = result.winner_row
+    out = [
+        f"coconet tune: {result.program.name} with {_sizes(result.sizes)} on {result.world} "
+        f"rank(s)" + (" (from the cache)" if result.cached else f" ({result.seconds:.1f} s)"),
+        f"cost model: {result.machine}",
+        f"{len(rows)} candidates ({len(result.enumeration.schedules)} schedules x "
+        f"{len({r.candidate.transport for r in rows})} transport(s)), "
+        f"{sum(r.measured is not None for r in rows)} measured",
+        "",
+    ]
+    order = sorted(rows, key=lambda r: (r.score, r.predicted_ms))
+    table = []
+    for i, r in enumerate(order, 1):
+        m = r.measured
+        if m is None:
+            status, behind = "not measured", ""
+        elif m.ms is None:
+            status, behind = ("timed out" if m.timed_out else "failed"), ""
+        else:
+            err = (r.predicted_ms - m.ms) / m.ms
+            status = f"{err:+.0%}"
+            behind = "winner" if r is winner else f"+{(m.ms / winner.measured_ms - 1):.0%}"
+        table.append(
+            [str(i), r.candidate.label, _ms(r.predicted_ms), _ms(r.measured_ms), status, behind]
+        )
+    out += _table(
+        ["#", "candidate", "predicted ms", "measured ms", "pred. err", "vs winner"], table
+    )
+    out.append("")
+    steps = "; ".join(winner.candidate.steps) or "(no transformation)"
+    out.append(f"winner: {winner.candidate.label}: {steps}")
+    others = [r for r in measured if r is not winner]
+    if others:
+        second = others[0]
+        margin = second.measured_ms - winner.measured_ms
+        out.append(
+            f"  {winner.measured_ms:.2f} ms measured ({winner.predicted_ms:.2f} predicted), "
+            f"{margin:.2f} ms ({margin / second.measured_ms:.0%}) faster than the runner-up "
+            f"{second.candidate.label} ({second.measured_ms:.2f} ms)"
+        )
+    else:
+        out.append(f"  {winner.measured_ms:.2f} ms measured; no other candidate ran")
+    out.append(
+        "  where its time goes (predicted): "
+        + ", ".join(f"{k} {1e3 * s:.2f} ms" for k, s in _kinds(winner).items())
+    )
+    out += ["", "what each rewrite was predicted to save, and what it saved (measured):"]
+    out += _rewrites(result)
+    out += ["", "why the others were not chosen:"]
+    for j in result.enumeration.rejected:
+        out.append(f"  {j.recipe}: illegal: {j.error.message}")
+    for recipe, same in result.enumeration.duplicates.items():
+        out.append(f"  {recipe}: the same program as {same}")
+    for r in order:
+        if r is winner:
+            continue
+        m = r.measured
+        if m is not None and m.ms is None:
+            out.append(f"  {r.candidate.label}: {m.error}")
+        elif m is not None:
+            d = m.ms - winner.measured_ms
+            out.append(
+                f"  {r.candidate.label}: legal, slower by {d:.2f} ms measured "
+                f"({d / winner.measured_ms:.0%})"
+            )
+        else:
+            d = r.predicted_ms - winner.predicted_ms
+            out.append(
+                f"  {r.candidate.label}: legal, predicted slower by {d:.2f} ms "
+                f"({d / max(winner.predicted_ms, 1e-9):.0%}): not measured"
+            )
+    if measured:
+        errs = [abs(r.predicted_ms - r.measured_ms) / r.measured_ms for r in measured]
+        within = sum(e <= 0.25 for e in errs)
+        out += [
+            "",
+            f"prediction: mean error {sum(errs) / len(errs):.0%} over the "
+            f"{len(errs)} measured; {within} of {len(errs)} within 25%",
+        ]
+    return "\n".join(out)
+
+
+def _kinds(row: Row) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for p in row.parts:
+        out[p.kind] = out.get(p.kind, 0.0) + p.seconds
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def _rewrites(result: TuneResult) -> list[str]:
+    by = {(r.candidate.recipe, r.candidate.transport): r for r in result.rows}
+    lines = []
+    for r in result.rows:
+        parent = r.candidate.parent_recipe
+        if parent is None:
+            continue
+        base = by.get((parent, r.candidate.transport))
+        if base is None:
+            continue
+        lines.append(
+            _saving(
+                f"{r.candidate.last_rewrite} ({base.candidate.name} -> "
+                f"{r.candidate.name}, {r.candidate.transport.value})",
+                base,
+                r,
+            )
+        )
+    shm, td = TransportKind.SHARED_MEMORY, TransportKind.TORCH_DISTRIBUTED
+    for r in result.rows:
+        if r.candidate.transport is shm and (r.candidate.recipe, td) in by:
+            base = by[(r.candidate.recipe, td)]
+            lines.append(
+                _saving(f"shared memory instead of torch.distributed ({r.candidate.name})", base, r)
+            )
+    return lines or ["  (no candidate is one rewrite away from another)"]
+
+
+def _saving(what: str, before: Row, after: Row) -> str:
+    pred = before.predicted_ms - after.predicted_ms
+    text = f"  {what}: predicted {pred:+.2f} ms"
+    if before.measured_ms is not None and after.measured_ms is not None:
+        text += f", measured {before.measured_ms - after.measured_ms:+.2f} ms"
+    return text

@@ -1,0 +1,258 @@
+"""Measuring candidates on the real ranks: compiled, warmed up, timed step by step.
+
+Collective: every rank measures the same candidates in the same order. For each one:
+
+1. compile it (``coconet.compile`` on the communicator of its transport and algorithms) and
+   build its inputs; the ranks vote on whether that worked before any step runs, so one rank's
+   compile error never leaves the others waiting in a step;
+2. warm up (the first call compiles the fused kernels); a candidate whose warm-up took longer
+   than its ``budget_s`` is not timed further ("timed out");
+3. time ``reps`` steps, each after a barrier, each the slowest rank's time (MAX over the world),
+   and keep the median;
+4. vote again: a candidate that failed on any rank scores as infinitely slow, with the first
+   failing rank's error, and the tuning goes on. A communicator a failed step broke is replaced
+   by a fresh one over the same ranks.
+
+The votes go through the job's default process group (``torch.distributed``), which a broken
+coconet communicator does not affect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from coconet.accounting import Counter
+from coconet.options import CompileOptions
+from coconet.runtime.comm import CommOptions, Communicator
+from coconet.runtime.transport import TransportKind, TransportPolicy
+from coconet.tune.candidates import Candidate
+
+__all__ = ["Communicators", "Measurement", "communicator_options", "measure"]
+
+
+@dataclass
+class Measurement:
+    """What measuring one candidate gave: its median step (None: failed or timed out)."""
+
+    candidate: Candidate
+    ms: float | None
+    steps_ms: list[float] = field(default_factory=list)
+    error: str | None = None
+    timed_out: bool = False
+
+    @property
+    def score(self) -> float:
+        return self.ms if self.ms is not None else math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ms": self.ms,
+            "steps_ms": self.steps_ms,
+            "error": self.error,
+            "timed_out": self.timed_out,
+        }
+
+
+class Communicators:
+    """One communicator per (transport, fixed algorithms) over the ranks of ``base``, made on
+    first use (collective: every rank asks for the same ones in the same order).
+
+    The candidates never run on ``base`` itself: a candidate that fails mid-step breaks its
+    communicator, and the caller's must stay usable whatever the tuning met."""
+
+    def __init__(self, base: Communicator) -> None:
+        self.base = base
+        self._made: dict[tuple, Communicator] = {}
+
+    def transports(self) -> list[TransportKind]:
+        """The transports the ranks can use: shared memory where they share a host."""
+        own = self.base.transport_of(None)
+        if own is TransportKind.SHARED_MEMORY:
+            return [TransportKind.SHARED_MEMORY, TransportKind.TORCH_DISTRIBUTED]
+        return [own]
+
+    def get(self, transport: TransportKind, algorithms: tuple = ()) -> Communicator:
+        key = (transport, algorithms)
+        if key not in self._made:
+            options = communicator_options(transport, algorithms, self.base.options)
+            self._made[key] = Communicator(self.base.mesh, options)
+        return self._made[key]
+
+    def discard(self, transport: TransportKind, algorithms: tuple = ()) -> None:
+        """Forget a communicator a failed step may have broken (collective: every rank does,
+        so that the next ``get`` makes a fresh one everywhere)."""
+        self._made.pop((transport, algorithms), None)
+
+    def by_transport(self) -> dict[TransportKind, Communicator]:
+        return {t: self.get(t) for t in self.transports()}
+
+
+def _inputs(
+    candidate: Candidate,
+    sizes: Mapping[str, int],
+    comm: Communicator,
+    scalars: Mapping[str, float],
+    seed: int,
+) -> dict[str, Any]:
+    """This rank's inputs of the candidate's program: random tensors (Replicated ones the same
+    on every rank), the given scalars (0.5 for any not given: any finite value times alike)."""
+    program = candidate.scheduled
+    counter = Counter(comm.mesh, sizes)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {}
+    for node in program.inputs:
+        if node.type.rank == 0:
+            out[node.name] = float(scalars.get(node.name, 0.5))
+            continue
+        shape = counter.local_shape(node.type, comm.rank)
+        local = node.type.layout.is_local
+        g = torch.Generator().manual_seed(seed + 7919 * (comm.rank + 1)) if local else gen
+        t = torch.rand(shape, generator=g, dtype=torch.float32).to(node.type.dtype.torch)
+        out[node.name] = t.to(comm.device)
+    return out
+
+
+def _vote_failed(failed: bool, error: str | None) -> str | None:
+    """The first failing rank's error, the same on every rank (None: every rank succeeded)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error if failed else None
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return None
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, (dist.get_rank(), error) if failed else None)
+    rank, text = next(e for e in errors if e is not None)
+    return f"rank {rank}: {text}"
+
+
+def _max_over_world(values: Sequence[float]) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1 and len(values):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _one(
+    candidate: Candidate,
+    comms: Communicators,
+    sizes: Mapping[str, int],
+    options: CompileOptions,
+    scalars: Mapping[str, float],
+    warmup: int,
+    reps: int,
+    budget_s: float,
+) -> Measurement:
+    from coconet.compiler import compile as coconet_compile
+
+    comm = comms.get(candidate.transport, candidate.algorithms)
+    error: str | None = None
+    fn = inputs = None
+    try:
+        fn = coconet_compile(candidate.target, comm=comm, options=options)
+        inputs = _inputs(candidate, sizes, comm, scalars, seed=1234)
+        for name in options.donate:  # the donated operand lives where its collective reads it
+            t = inputs.get(name)
+            if isinstance(t, torch.Tensor) and t.dim():
+                try:
+                    buf = fn.input_buffer(name, tuple(t.shape))
+                except Exception:  # noqa: BLE001 - not read by a collective: left as it is
+                    continue
+                buf.copy_(t)
+                inputs[name] = buf
+    except Exception as e:  # noqa: BLE001 - any failure scores the candidate, never the tuning
+        error = f"{type(e).__name__}: {e}"
+    error = _vote_failed(error is not None, error)
+    if error is not None:
+        return Measurement(candidate, None, error=error)
+    originals = {
+        k: v.clone()
+        for k, v in inputs.items()
+        if k in options.donate and isinstance(v, torch.Tensor)
+    }
+    times: list[float] = []
+    timed_out = False
+    try:
+        start = time.perf_counter()
+        for _ in range(warmup):
+            _refill(inputs, originals)
+            fn(**inputs)
+        warm_s = _max_over_world([time.perf_counter() - start])[0]
+        timed_out = warm_s > budget_s
+        if not timed_out:
+            per_step = warm_s / max(warmup, 1)
+            n = max(3, min(reps, int(budget_s / max(per_step, 1e-6))))
+            n = _max_over_world([n])[0]  # every rank times the same number of steps
+            for _ in range(int(n)):
+                _refill(inputs, originals)
+                comm.barrier("tuning")
+                t0 = time.perf_counter()
+                fn(**inputs)
+                times.append(time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    error = _vote_failed(error is not None, error)
+    if error is not None:
+        comms.discard(candidate.transport, candidate.algorithms)  # a step failed: maybe broken
+        return Measurement(candidate, None, error=error)
+    if timed_out:
+        return Measurement(
+            candidate,
+            None,
+            error=f"timed out: warm-up took more than {budget_s:g} s",
+            timed_out=True,
+        )
+    slowest = _max_over_world(times)
+    ms = [1e3 * t for t in slowest]
+    return Measurement(candidate, statistics.median(ms), ms)
+
+
+def _refill(inputs: dict, originals: dict) -> None:
+    for k, v in originals.items():
+        inputs[k].copy_(v)  # a donated input is overwritten by each step
+
+
+def measure(
+    candidates: Sequence[Candidate],
+    comms: Communicators,
+    sizes: Mapping[str, int],
+    *,
+    options: CompileOptions | None = None,
+    scalars: Mapping[str, float] | None = None,
+    warmup: int = 2,
+    reps: int = 7,
+    budget_s: float = 60.0,
+    progress: Callable[[Candidate, Measurement], None] | None = None,
+) -> list[Measurement]:
+    """Measure each candidate (see the module's docstring). Collective."""
+    options = options or CompileOptions()
+    out = []
+    for c in candidates:
+        m = _one(c, comms, sizes, options, scalars or {}, warmup, reps, budget_s)
+        out.append(m)
+        if progress is not None:
+            progress(c, m)
+    return out
+
+
+def communicator_options(
+    transport: TransportKind, algorithms: tuple, base: CommOptions
+) -> CommOptions:
+    """``base`` with ``transport`` forced and ``algorithms`` (``((op, algorithm), ...)``; empty:
+    ``base``'s) fixed: how to run a candidate outside the tuner."""
+    policy = (
+        TransportPolicy.SHARED_MEMORY
+        if transport is TransportKind.SHARED_MEMORY
+        else TransportPolicy.TORCH_DISTRIBUTED
+    )
+    chosen = dict(algorithms) if algorithms else base.algorithms
+    return dataclasses.replace(base, transport=policy, algorithms=chosen)

@@ -1,0 +1,367 @@
+"""``coconet.tune.tune``: enumerate, predict, measure the most promising, choose, explain.
+
+::
+
+    comm = coconet.runtime.init()
+    result = coconet.tune.tune(program, comm, sizes={"N": 1 << 24})   # collective
+    print(result.explain())
+    step = coconet.compile(result.winner.target, comm=result.communicator(comm))
+
+Every rank calls ``tune`` with the same arguments. The candidates are every legal schedule of
+the program on every transport the ranks can use (``coconet.tune.candidates``). The cost model
+(calibrated once per machine, ``coconet.tune.calibrate``) predicts each; the ``top`` best
+predicted, and always the unscheduled program (the baseline a rewrite has to beat, visibly), are
+measured on the real ranks (``coconet.tune.measure``). The winner is the fastest measured; every
+rank gets the same, since each measured time is the slowest rank's. The result is cached
+(``coconet.tune.store``): a second tune of the same case is read back, ``retune=True`` measures
+again.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from coconet.errors import ConfigError
+from coconet.ir.program import Program
+from coconet.options import CompileOptions
+from coconet.runtime.comm import Communicator
+from coconet.runtime.transport import TransportKind
+from coconet.tune import store
+from coconet.tune.calibrate import calibrate
+from coconet.tune.candidates import CHUNKS, Candidate, Enumeration, enumerate_candidates
+from coconet.tune.cost import MachineModel, Part, predict
+from coconet.tune.measure import Communicators, Measurement, communicator_options, measure
+
+__all__ = ["Row", "TuneResult", "tune"]
+
+
+@dataclass
+class Row:
+    """One candidate: its prediction and, if it was measured, its measurement."""
+
+    candidate: Candidate
+    predicted_ms: float
+    parts: list[Part]
+    measured: Measurement | None = None
+
+    @property
+    def measured_ms(self) -> float | None:
+        return self.measured.ms if self.measured is not None else None
+
+    @property
+    def score(self) -> float:
+        return self.measured.score if self.measured is not None else math.inf
+
+
+@dataclass
+class TuneResult:
+    """What a tune found (see ``explain``)."""
+
+    program: Program
+    sizes: dict[str, int]
+    world: int
+    rows: list[Row]
+    enumeration: Enumeration
+    machine: str
+    options: dict[str, Any] = field(default_factory=dict)
+    cached: bool = False
+    seconds: float = 0.0
+
+    @property
+    def measured(self) -> list[Row]:
+        return sorted((r for r in self.rows if r.measured is not None), key=lambda r: r.score)
+
+    @property
+    def winner_row(self) -> Row:
+        done = [r for r in self.measured if r.measured_ms is not None]
+        if not done:
+            raise ConfigError(
+                f"no candidate of {self.program.name} ran: every measured one failed",
+                op="tune",
+                details=[f"{r.candidate.label}: {r.measured.error}" for r in self.measured][:8],
+                hint="look at the errors above; coconet.compile the program itself to debug",
+            )
+        return done[0]
+
+    @property
+    def winner(self) -> Candidate:
+        return self.winner_row.candidate
+
+    def communicator(self, comm: Communicator) -> Communicator:
+        """A communicator over ``comm``'s ranks that runs the winner as it was measured (its
+        transport and algorithms). Collective. ``comm`` itself when it already does."""
+        w = self.winner
+        options = communicator_options(w.transport, w.algorithms, comm.options)
+        if options == comm.options or (comm.transport_of(None) is w.transport and not w.algorithms):
+            return comm
+        return Communicator(comm.mesh, options)
+
+    # -- explain ---------------------------------------------------------------------------------
+
+    def explain(self) -> str:
+        """The candidates with predicted and measured times, the winner and its margin, what
+        each rewrite was predicted to save and did save, and why each other one lost."""
+        from coconet.tune.explain import explain
+
+        return explain(self)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"program", "world_size", "candidates": [{"schedule", "predicted_ms",
+        "measured_ms"}], "winner"}`` plus the details (``coconet tune --json``)."""
+        return {
+            "program": self.program.name,
+            "world_size": self.world,
+            "sizes": self.sizes,
+            "machine": self.machine,
+            "options": self.options,
+            "candidates": [
+                {
+                    "schedule": str(r.candidate),
+                    "name": r.candidate.name,
+                    "transport": r.candidate.transport.value,
+                    "predicted_ms": r.predicted_ms,
+                    "measured_ms": r.measured_ms,
+                    "error": r.measured.error if r.measured is not None else None,
+                    "predicted_parts": [[p.what, p.kind, 1e3 * p.seconds] for p in r.parts],
+                    "candidate": r.candidate.to_dict(),
+                    "steps_ms": r.measured.steps_ms if r.measured is not None else [],
+                    "timed_out": r.measured.timed_out if r.measured is not None else False,
+                }
+                for r in self.rows
+            ],
+            "rejected": [
+                {"recipe": j.recipe, "error": j.error.message} for j in self.enumeration.rejected
+            ],
+            "duplicates": self.enumeration.duplicates,
+            "winner": str(self.winner),
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_json(cls, program: Program, doc: Mapping[str, Any], enumeration: Enumeration):
+        rows = []
+        for c in doc["candidates"]:
+            cand = Candidate.from_dict(program, c["candidate"])
+            parts = [Part(w, k, ms / 1e3) for w, k, ms in c.get("predicted_parts", [])]
+            m = None
+            if c["measured_ms"] is not None or c.get("error"):
+                m = Measurement(
+                    cand,
+                    c["measured_ms"],
+                    list(c.get("steps_ms", [])),
+                    c.get("error"),
+                    bool(c.get("timed_out", False)),
+                )
+            rows.append(Row(cand, float(c["predicted_ms"]), parts, m))
+        return cls(
+            program,
+            dict(doc["sizes"]),
+            int(doc["world_size"]),
+            rows,
+            enumeration,
+            str(doc["machine"]),
+            dict(doc.get("options", {})),
+            cached=True,
+            seconds=float(doc.get("seconds", 0.0)),
+        )
+
+
+def _bar(total: int, enabled: bool):
+    """A progress bar on stderr (tqdm), or None."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(
+        total=total, desc="measuring candidates", unit="candidate", file=sys.stderr, leave=False
+    )
+
+
+def tune(
+    program: Program,
+    comm: Communicator,
+    sizes: Mapping[str, int],
+    *,
+    options: CompileOptions | None = None,
+    scalars: Mapping[str, float] | None = None,
+    state: Sequence[str] = (),
+    top: int = 4,
+    measure_all: bool = False,
+    transports: Sequence[TransportKind] | None = None,
+    chunks: Sequence[int] = CHUNKS,
+    reps: int = 7,
+    budget_s: float = 60.0,
+    retune: bool = False,
+    progress: bool | Callable[[str], None] = False,
+) -> TuneResult:
+    """Choose the schedule and transport of ``program`` with ``sizes`` bound, on ``comm``'s
+    ranks (see the module's docstring). Collective.
+
+    ``options``: the compile options every candidate is measured with (``donate=("g",)``,
+    ``commit="swap"``, ...). ``scalars``: values of the program's scalars while measuring
+    (0.5 for any not given). ``state``: the inputs the schedules may store sliced (the
+    optimizer's state: Adam's ``("m", "v")``; never the parameters). ``top``: how many of the
+    best predicted to measure (``measure_all``: every one). ``transports``: restrict them
+    (default: shared memory and torch.distributed on one host, torch.distributed across
+    hosts). ``budget_s``: a candidate
+    whose warm-up takes longer scores as timed out.
+    """
+    if not isinstance(program, Program):
+        raise ConfigError(
+            f"tune takes a Program, got {type(program).__name__}",
+            op="tune",
+            hint="tune(program, comm, sizes={'N': 1 << 24})",
+        )
+    if not isinstance(comm, Communicator):
+        raise ConfigError(
+            f"tune needs the communicator, got {comm!r}",
+            op="tune",
+            hint="comm = coconet.runtime.init(); tune(program, comm, sizes=...)",
+        )
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ConfigError(
+            f"top must be an int >= 1, got {top!r}",
+            op="tune",
+            hint="tune(..., top=4): measure the 4 best predicted",
+        )
+    _check_sizes(program, sizes)
+    options = options or CompileOptions()
+    began = time.perf_counter()
+    say = _say(progress, comm.rank)
+    comms = Communicators(comm)
+    usable = comms.transports()
+    chosen = list(transports) if transports is not None else usable
+    bad = [t for t in chosen if t not in usable]
+    if bad:
+        raise ConfigError(
+            f"transport(s) {[t.value for t in bad]} not available to these ranks",
+            op="tune",
+            hint=f"they can use {[t.value for t in usable]}",
+        )
+    candidates, enumeration = enumerate_candidates(program, chosen, chunks, state)
+    settings = {
+        "top": top,
+        "measure_all": measure_all,
+        "chunks": list(chunks),
+        "state": list(state),
+        "reps": reps,
+        "scalars": dict(scalars or {}),
+        "compile options": {k: str(v) for k, v in sorted(vars(options).items())},
+    }
+    key = store.result_key(program, sizes, comm, chosen, settings)
+    if not retune:
+        doc = store.load_result(comm, key)
+        if doc is not None:
+            say("tuning result read from the cache (retune=True measures again)")
+            return TuneResult.from_json(program, doc, enumeration)
+    model = _machine(comms, chosen, retune, say)
+    rows = []
+    for c in candidates:
+        p = predict(
+            c,
+            sizes,
+            model,
+            comm.mesh,
+            donate=options.donate,
+            commit=options.commit,
+            commit_vote=options.commit_vote,
+        )
+        if c.transport is TransportKind.TORCH_DISTRIBUTED and p.algorithms:
+            c = c.with_algorithms(p.algorithms)
+            p = predict(
+                c,
+                sizes,
+                model,
+                comm.mesh,
+                donate=options.donate,
+                commit=options.commit,
+                commit_vote=options.commit_vote,
+            )
+        rows.append(Row(c, p.ms, p.parts))
+    ranked = sorted(range(len(rows)), key=lambda i: rows[i].predicted_ms)
+    picked = ranked if measure_all else ranked[:top]
+    own = comm.transport_of(None)
+    for i, r in enumerate(rows):  # the baseline: unscheduled, on the transport the ranks use
+        if r.candidate.schedule is None and r.candidate.transport is own and i not in picked:
+            picked.append(i)
+    bar = _bar(len(picked), progress is True and comm.rank == 0)
+
+    def done(c: Candidate, m: Measurement) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"{c.name}: " + (f"{m.ms:.2f} ms" if m.ms else "failed"))
+            bar.update()
+
+    results = measure(
+        [rows[i].candidate for i in picked],
+        comms,
+        sizes,
+        options=options,
+        scalars=scalars,
+        reps=reps,
+        budget_s=budget_s,
+        progress=done,
+    )
+    if bar is not None:
+        bar.close()
+    for i, m in zip(picked, results, strict=True):
+        rows[i].measured = m
+    result = TuneResult(
+        program,
+        dict(sizes),
+        comm.world,
+        rows,
+        enumeration,
+        model.description,
+        settings,
+        cached=False,
+        seconds=time.perf_counter() - began,
+    )
+    store.save_result(
+        comm, key, result.to_json() if any(r.measured_ms is not None for r in rows) else None
+    )
+    return result
+
+
+def _check_sizes(program: Program, sizes: Mapping[str, int]) -> None:
+    from coconet.ir.types import Dim
+
+    dims = sorted({s.name for n in program.nodes for s in n.type.shape if isinstance(s, Dim)})
+    missing = [d for d in dims if d not in sizes]
+    if missing or not all(isinstance(v, int) and v > 0 for v in sizes.values()):
+        raise ConfigError(
+            f"sizes {dict(sizes)} must bind every Dim of {program.name} ({dims}) to a positive int",
+            op="tune",
+            hint="tune(program, comm, sizes={" + ", ".join(f"'{d}': 4096" for d in dims) + "})",
+        )
+
+
+def _say(progress, rank: int) -> Callable[[str], None]:
+    if callable(progress) and not isinstance(progress, bool):
+        return progress
+    if progress and rank == 0:
+        return lambda msg: print(f"coconet tune: {msg}", file=sys.stderr, flush=True)
+    return lambda msg: None
+
+
+def _machine(
+    comms: Communicators, transports: Sequence[TransportKind], retune: bool, say
+) -> MachineModel:
+    """The calibrated model of this machine: from the cache, else measured now (collective)."""
+    base = comms.base
+    if not retune:
+        doc = store.load_machine(base, transports)
+        if doc is not None:
+            return MachineModel.from_json(doc)
+    say("calibrating the cost model on these ranks (once per machine)")
+    model = calibrate(
+        {t: comms.get(t) for t in transports}, progress=lambda what: say(f"  calibrating {what}")
+    )
+    store.save_machine(base, transports, model.to_json())
+    return model
