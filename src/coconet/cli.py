@@ -5,7 +5,11 @@
   print the code generated for it, and the collective algorithms measured on this machine;
 - ``coconet run --nproc N SCRIPT [args]``: run a script as N local ranks (gloo on CPU); with
   ``--nnodes`` it hands over to torchrun's rendezvous;
-- ``coconet calibrate --nproc N``: measure the collective algorithms once, for every size class.
+- ``coconet calibrate --nproc N``: measure the collective algorithms once, for every size class;
+- ``coconet tune FILE.py:NAME --nproc N --size N=16777216 [--json out.json]``: choose the
+  program's schedule and transport by prediction and measurement, and explain the choice;
+- ``coconet plan FILE.py:NAME --cluster dgx-a100-ib --world 64``: predicted step times at world
+  sizes that cannot be run here, from a cluster description.
 """
 
 from __future__ import annotations
@@ -94,7 +98,55 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("--cache-dir", help="where to keep the choices (default ~/.cache/coconet)")
     ca.add_argument("--force", action="store_true", help="measure again what is already known")
     ca.set_defaults(func=_calibrate)
+
+    tu = sub.add_parser(
+        "tune",
+        help="choose a program's schedule and transport by prediction and measurement",
+        description="Enumerate the legal schedules of the program on every transport the ranks "
+        "can use, predict each with the cost model (calibrated once per machine), measure the "
+        "best predicted and the unscheduled program on --nproc local ranks, and print the "
+        "table with the winner and why. The result is cached; --retune measures again.",
+    )
+    tu.add_argument("target", help=_TARGET_HELP)
+    _size_args(tu)
+    tu.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    tu.add_argument("--top", type=int, default=4, help="measure the N best predicted (default 4)")
+    tu.add_argument("--all", action="store_true", help="measure every candidate")
+    tu.add_argument("--reps", type=int, default=7, help="timed steps per candidate (default 7)")
+    tu.add_argument("--donate", help="inputs the step may overwrite, comma separated (e.g. g)")
+    tu.add_argument("--commit", choices=["copy", "swap"], default="copy",
+                    help="how updates are committed (CompileOptions.commit; default copy)")
+    tu.add_argument("--eager", action="store_true", help="no torch.compile (fused_kernels=False)")
+    tu.add_argument("--scalar", action="append", default=[], metavar="NAME=VALUE",
+                    help="a scalar's value while measuring (default 0.5 for each)")
+    tu.add_argument("--json", help="write the candidates and the winner to this file")
+    tu.add_argument("--retune", action="store_true", help="ignore the cache: measure again")
+    tu.add_argument("--cache-dir", help="where the calibration and results are kept")
+    tu.add_argument("--timeout", type=float, default=1800.0,
+                    help="seconds the whole tuning may take (default 1800)")
+    tu.set_defaults(func=_tune)
+
+    pl = sub.add_parser(
+        "plan",
+        help="predicted step times at world sizes beyond this machine, from a cluster description",
+    )
+    pl.add_argument("target", help=_TARGET_HELP)
+    _size_args(pl)
+    pl.add_argument("--cluster", default="dgx-a100-ib",
+                    help="a cluster description: a JSON file, or dgx-a100-ib / cpu-2core "
+                    "(default dgx-a100-ib)")
+    pl.add_argument("--world", type=int, action="append",
+                    help="world size(s) to predict (repeatable; default 8,16,32,64,128,256)")
+    pl.add_argument("--json", help="write the table to this file")
+    pl.set_defaults(func=_plan)
     return p
+
+
+def _size_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", action="append", default=[], metavar="DIM=N",
+                   help="the size of a Dim, e.g. N=16777216 (repeatable; or N=1024,M=64)")
+    p.add_argument("--state", help="inputs the schedules may store sliced, comma separated "
+                   "(default: the module's STATE tuple, if it has one)")
 
 
 _TARGET_HELP = (
@@ -235,6 +287,113 @@ def _calibrate(args) -> int:
 
     classes = args.classes.split(",") if args.classes else None
     print(calibrate_local(args.nproc, classes, args.cache_dir, force=args.force))
+    return 0
+
+
+def _sizes(items: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        for part in item.split(","):
+            name, eq, value = part.partition("=")
+            try:
+                out[name.strip()] = int(value.replace("_", ""))
+            except ValueError:
+                eq = ""
+            if not eq or not name.strip():
+                raise SystemExit(f"coconet: --size takes DIM=N (e.g. N=16777216), got {part!r}")
+    return out
+
+
+def _state(args, namespace: dict[str, Any]) -> tuple[str, ...]:
+    if args.state is not None:
+        return tuple(s.strip() for s in args.state.split(",") if s.strip())
+    state = namespace.get("STATE", ())
+    return tuple(state) if isinstance(state, (tuple, list)) else ()
+
+
+def _program_of(obj) -> Program:
+    if isinstance(obj, Program):
+        return obj
+    return getattr(obj, "original", None) or obj.program
+
+
+def _tune_worker(comm, target: str, sizes, settings: dict) -> tuple[str, dict] | None:
+    import torch
+
+    from coconet.options import CompileOptions
+    from coconet.tune import tune
+
+    torch.set_num_threads(settings.pop("threads"))
+    obj, namespace = _load(target)
+    options = CompileOptions(**settings.pop("compile"))
+    result = tune(_program_of(obj), comm, sizes, options=options, progress=comm.rank == 0,
+                  **settings)
+    return (result.explain(), result.to_json()) if comm.rank == 0 else None
+
+
+def _tune(args) -> int:
+    import json
+
+    from coconet.runtime.comm import CommOptions
+    from coconet.runtime.launch import spawn
+
+    sizes = _sizes(args.size)
+    obj, namespace = _load(args.target)  # errors here, before any process starts
+    if not sizes:
+        raise SystemExit("coconet tune: give the sizes to tune for, e.g. --size N=16777216")
+    scalars = {}
+    for item in args.scalar:
+        name, _, value = item.partition("=")
+        try:
+            scalars[name.strip()] = float(value)
+        except ValueError:
+            raise SystemExit(f"coconet tune: --scalar takes NAME=VALUE, got {item!r}") from None
+    settings = {
+        "threads": 1,
+        "compile": {
+            "fused_kernels": not args.eager,
+            "donate": tuple(d.strip() for d in (args.donate or "").split(",") if d.strip()),
+            "commit": args.commit,
+            "cache_dir": args.cache_dir,
+        },
+        "state": _state(args, namespace),
+        "scalars": scalars,
+        "top": args.top,
+        "measure_all": args.all,
+        "reps": args.reps,
+        "retune": args.retune,
+    }
+    options = CommOptions(cache_dir=args.cache_dir)
+    text, doc = spawn(_tune_worker, args.nproc, args.target, sizes, settings, options=options,
+                      timeout=args.timeout)[0]
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"\nJSON written to {args.json}")
+    return 0
+
+
+def _plan(args) -> int:
+    import json
+
+    from coconet.tune.cluster import load_description
+    from coconet.tune.plan import plan
+
+    obj, namespace = _load(args.target)
+    sizes = _sizes(args.size)
+    if not sizes:
+        raise SystemExit("coconet plan: give the sizes, e.g. --size N=334000000 (BERT-large)")
+    worlds = args.world or [8, 16, 32, 64, 128, 256]
+    if any(w < 1 for w in worlds):
+        raise SystemExit(f"coconet plan: world sizes must be >= 1, got {worlds}")
+    table = plan(_program_of(obj), sizes, load_description(args.cluster), worlds,
+                 state=_state(args, namespace))
+    print(table.format())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table.to_json(), f, indent=1)
+        print(f"\nJSON written to {args.json}")
     return 0
 
 

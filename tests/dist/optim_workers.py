@@ -354,3 +354,33 @@ def lion(comm: Communicator, steps: int) -> float:
         ((a - b).abs().max() / b.abs().max()).item()
         for a, b in zip(net.parameters(), ref.parameters(), strict=True)
     )
+
+
+def auto_schedule(comm: Communicator, name: str, kwargs: dict, steps: int) -> dict:
+    """coconet.optim.<name>(schedule="auto") against torch (pytorch_optimizer for LAMB): the
+    tuner chooses each bucket's schedule at construction (once per size class)."""
+    net, ref = model(), model()
+    ours = getattr(coconet.optim, name)(
+        net.parameters(), comm=comm, options=EAGER, schedule="auto", **kwargs
+    )
+    theirs = _reference_class(name)(ref.parameters(), **kwargs)
+    for k in range(steps):
+        x, y = batch(k)
+        ours.zero_grad()
+        xs = torch.tensor_split(x, comm.world)[comm.rank]
+        ys = torch.tensor_split(y, comm.world)[comm.rank]
+        _loss(net, xs, ys).backward()
+        ours.step()
+        _reference_grads(ref, comm.world, k)
+        theirs.step()
+    rel = max(
+        ((a - b).abs().max() / b.abs().max()).item()
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True)
+    )
+    return {
+        "rel": rel,
+        "classes": len(ours.tuning),
+        "winners": [str(r.winner) for r in ours.tuning],
+        "explained": all("winner:" in r.explain() for r in ours.tuning),
+        "buckets": len(ours._buckets),
+    }

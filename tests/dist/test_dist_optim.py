@@ -138,3 +138,22 @@ def test_as_ddps_communication_hook_it_matches_ddp_with_torchs_optimizer(transpo
 def test_a_users_own_dsl_optimizer_is_wrapped_the_same_way():
     for rel in spawn(optim_workers.lion, 2, 10, options=OPTIONS, timeout=100):
         assert rel <= 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_schedule_auto_uses_the_tuner_per_size_class(tmp_path):
+    """schedule="auto": the tuner picks each bucket's schedule (measured on the ranks) and the
+    optimizer still matches its reference; LAMB's one bucket per parameter, of very different
+    sizes, is tuned once per size class."""
+    options = CommOptions(timeout=60, cache_dir=str(tmp_path))
+    adam, lamb = spawn(_auto, 2, options=options, timeout=230)[0]
+    assert adam["rel"] <= 1e-6 and adam["classes"] == 1 and adam["explained"]
+    assert lamb["rel"] <= 1e-5 and lamb["explained"]
+    assert 2 <= lamb["classes"] < lamb["buckets"], lamb
+
+
+def _auto(comm):
+    return (
+        optim_workers.auto_schedule(comm, "Adam", {"lr": 1e-2, "weight_decay": 1e-2}, 6),
+        optim_workers.auto_schedule(comm, "LAMB", {"lr": 1e-2}, 6),
+    )

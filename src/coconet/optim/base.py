@@ -111,6 +111,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # place (they are views of a bucket, see step()).
         self._options = dataclasses.replace(options or CompileOptions(), commit=CommitMode.SWAP)
         self._buckets: list[_Bucket] = []
+        self._auto: dict[tuple[str, str], Any] = {}  # schedule="auto": (program, size class)
         self._ddp = ddp
         if ddp is not None:
             ddp_hook.check_and_register(self, ddp)
@@ -213,7 +214,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             total += p.numel()
         program = self.program(group, _DTYPES[dtype])
         names = self.state_names(group)
-        target = self._scheduled(program, tuple(names))
+        target = self._scheduled(program, tuple(names), total)
         step_fn = coconet_compile(target, comm=comm, options=self._options)
         bounds = slice_bounds(total, comm.world, comm.rank)
         bucket = _Bucket(index, params, offsets, total, step_fn, bounds, names)
@@ -223,12 +224,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket.state[name] = torch.zeros(size, dtype=dtype, device=comm.device)
         return bucket
 
-    def _scheduled(self, program: Program, state: tuple[str, ...]) -> Program | Schedule:
+    def _scheduled(
+        self, program: Program, state: tuple[str, ...], total: int = 0
+    ) -> Program | Schedule:
         choice = self._schedule if self._schedule is not None else "fuse_RS_C_AG"
         if callable(choice):
             return choice(program)
         if choice == "auto":
-            choice = "fuse_RS_C_AG"  # the fastest measured on both transports (benchmarks/)
+            return self._tuned(program, state, total)
         named = {
             "AR_C": lambda p: schedules.AR_C(p),
             "RS_C_AG": lambda p: schedules.RS_C_AG(p, state=state),
@@ -243,6 +246,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "program -> Schedule",
             )
         return named[choice](program)
+
+    def _tuned(self, program: Program, state: tuple[str, ...], total: int) -> Program | Schedule:
+        """``schedule="auto"``: the tuner's choice for a bucket of ``total`` elements, once per
+        (program, size class): buckets of very different sizes (LAMB's one per parameter, or
+        param groups) may get different schedules, and same-class buckets reuse the choice (a
+        program's schedule does not depend on its size: N is symbolic). Collective."""
+        from coconet.tune import tune
+        from coconet.tune.tuner import size_class
+
+        key = (program.digest(), size_class(total * 4))
+        if key not in self._auto:
+            result = tune(
+                program,
+                self._comm,
+                {"N": max(total, self._comm.world)},
+                options=self._options,
+                state=state,
+                transports=[self._comm.transport_of(None)],
+                top=2,
+                reps=5,
+                fix_algorithms=False,
+            )
+            self._auto[key] = result
+        return self._auto[key].winner.target
+
+    @property
+    def tuning(self) -> list[Any]:
+        """With ``schedule="auto"``: the ``TuneResult`` of each size class tuned (its
+        ``explain()`` says why each schedule was chosen)."""
+        return list(self._auto.values())
 
     def _agree_on_shapes(self, index: int, dtype: torch.dtype, params: list) -> None:
         """Every rank packs the same shapes in the same order, else all of them fail."""

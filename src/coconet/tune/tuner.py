@@ -200,6 +200,7 @@ def tune(
     budget_s: float = 60.0,
     retune: bool = False,
     progress: bool | Callable[[str], None] = False,
+    fix_algorithms: bool = True,
 ) -> TuneResult:
     """Choose the schedule and transport of ``program`` with ``sizes`` bound, on ``comm``'s
     ranks (see the module's docstring). Collective.
@@ -211,7 +212,9 @@ def tune(
     best predicted to measure (``measure_all``: every one). ``transports``: restrict them
     (default: shared memory and torch.distributed on one host, torch.distributed across
     hosts). ``budget_s``: a candidate
-    whose warm-up takes longer scores as timed out.
+    whose warm-up takes longer scores as timed out. ``fix_algorithms``: on torch.distributed,
+    measure each candidate with the collective algorithms the model chose (False: with the
+    communicator's own choice, for a caller that runs the winner on its communicator as it is).
     """
     if not isinstance(program, Program):
         raise ConfigError(
@@ -251,6 +254,7 @@ def tune(
         "measure_all": measure_all,
         "chunks": list(chunks),
         "state": list(state),
+        "fix_algorithms": fix_algorithms,
         "reps": reps,
         "scalars": dict(scalars or {}),
         "compile options": {k: str(v) for k, v in sorted(vars(options).items())},
@@ -273,7 +277,7 @@ def tune(
             commit=options.commit,
             commit_vote=options.commit_vote,
         )
-        if c.transport is TransportKind.TORCH_DISTRIBUTED and p.algorithms:
+        if fix_algorithms and c.transport is TransportKind.TORCH_DISTRIBUTED and p.algorithms:
             c = c.with_algorithms(p.algorithms)
             p = predict(
                 c,
@@ -327,6 +331,14 @@ def tune(
         comm, key, result.to_json() if any(r.measured_ms is not None for r in rows) else None
     )
     return result
+
+
+def size_class(nbytes: int) -> str:
+    """Buckets this close in size (a factor of 4 apart at most) share one tuning."""
+    if nbytes <= 0:
+        return "empty"
+    k = max(0, (nbytes.bit_length() - 1) // 2)
+    return f"<{4 ** (k + 1)} B"
 
 
 def _check_sizes(program: Program, sizes: Mapping[str, int]) -> None:

@@ -1,0 +1,198 @@
+"""How good the tuner's choices and predictions are: every candidate measured, side by side.
+
+For each data-parallel example (``--examples``, default adam and sgd) and size (``--sizes``,
+default 1M, 16M and 64M parameters) this runs ``coconet.tune.tune(..., measure_all=True)`` on
+2 local ranks (1 torch thread each): every candidate (each legal schedule on shared memory and on
+torch.distributed) is predicted by the calibrated cost model and measured (median of the timed
+steps, the slowest rank's). From that one run it reports:
+
+- the best measured candidate, and the one the tuner picks by default (it measures only the
+  ``--top`` best predicted and the unscheduled program, then takes the fastest of those): is the
+  default winner within 5% of the best?
+- prediction error of every measured candidate (target: within 25%);
+- and, from ``coconet plan``'s model of a DGX-A100-like cluster, the predicted step of
+  data-parallel Adam at BERT-large size (334M parameters) at 8-256 GPUs.
+
+    python benchmarks/tune_quality.py --json benchmarks/results/tune_quality.json \\
+        --plot benchmarks/results/tune_quality.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTE = (
+    "NOTE: 2 ranks x 1 thread on a {cpus}-core machine: the ranks fill the cores, computation "
+    "and communication compete for them; timings drift between runs on this shared machine, "
+    "ratios within one run hold better."
+)
+BERT_LARGE = 334_000_000
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"coconet_example_{name}",
+                                                  ROOT / f"examples/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "examples"))
+    spec.loader.exec_module(module)
+    return module
+
+
+def worker(comm, example: str, n: int, cfg: dict) -> dict | None:
+    from coconet.options import CompileOptions
+    from coconet.tune import tune
+
+    torch.set_num_threads(1)
+    mod = load_example(example)
+    options = CompileOptions(cache_dir=cfg["cache_dir"], commit=cfg["commit"])
+    result = tune(mod.program(), comm, {"N": n}, options=options, state=tuple(mod.STATE),
+                  measure_all=True, reps=cfg["reps"], retune=True, progress=comm.rank == 0)
+    return {"json": result.to_json(), "explain": result.explain()} if comm.rank == 0 else None
+
+
+def default_pick(candidates: list[dict], top: int) -> dict:
+    """What ``tune(top=top)`` would choose from these measurements: the fastest measured among
+    the ``top`` best predicted and the unscheduled program on the ranks' own transport."""
+    ranked = sorted(candidates, key=lambda c: c["predicted_ms"])
+    pool = ranked[:top] + [
+        c for c in candidates
+        if c["name"] == "unscheduled" and c["transport"] == "shared memory"
+    ]
+    ran = [c for c in pool if c["measured_ms"] is not None]
+    return min(ran, key=lambda c: c["measured_ms"])
+
+
+def summarize(doc: dict, top: int) -> dict:
+    cands = doc["candidates"]
+    ran = [c for c in cands if c["measured_ms"] is not None]
+    best = min(ran, key=lambda c: c["measured_ms"])
+    pick = default_pick(cands, top)
+    errors = [(c["predicted_ms"] - c["measured_ms"]) / c["measured_ms"] for c in ran]
+    return {
+        "best": best["schedule"],
+        "best_ms": best["measured_ms"],
+        "default_pick": pick["schedule"],
+        "default_pick_ms": pick["measured_ms"],
+        "pick_vs_best": pick["measured_ms"] / best["measured_ms"] - 1,
+        "within_25": sum(abs(e) <= 0.25 for e in errors),
+        "measured": len(ran),
+        "mean_abs_error": sum(abs(e) for e in errors) / len(errors),
+        "errors": errors,
+    }
+
+
+def short(schedule: str) -> str:
+    return schedule.split(":")[0]
+
+
+def table(runs: list[dict], plan_text: str, top: int) -> str:
+    lines = []
+    for r in runs:
+        s = r["summary"]
+        lines += [
+            f"== {r['example']} N={r['n']:,} ({r['seconds']:.0f} s): best measured "
+            f"{short(s['best'])} {s['best_ms']:.2f} ms; the default tune (top {top} predicted "
+            f"+ unscheduled) picks {short(s['default_pick'])} {s['default_pick_ms']:.2f} ms "
+            f"({s['pick_vs_best']:+.1%}: {'within' if s['pick_vs_best'] <= 0.05 else 'NOT within'}"
+            f" 5%); predictions within 25%: {s['within_25']} of {s['measured']} "
+            f"(mean error {s['mean_abs_error']:.0%})",
+            "",
+        ]
+        lines += [f"   {line}" for line in r["explain"].splitlines()[4:4 + 3 + len(
+            r["json"]["candidates"])]]
+        lines.append("")
+    lines += ["== coconet plan: data-parallel Adam at BERT-large size, DGX-A100-like cluster "
+              "(predicted, not measured)", ""]
+    lines += [f"   {line}" for line in plan_text.splitlines()]
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    for r in runs:
+        cands = [c for c in r["json"]["candidates"] if c["measured_ms"] is not None]
+        ax.scatter([c["measured_ms"] for c in cands], [c["predicted_ms"] for c in cands],
+                   label=f"{r['example']} N={r['n'] / 2**20:.0f}M", s=18)
+    lo = min(min(c["measured_ms"], c["predicted_ms"]) for r in runs
+             for c in r["json"]["candidates"] if c["measured_ms"] is not None)
+    hi = max(max(c["measured_ms"], c["predicted_ms"]) for r in runs
+             for c in r["json"]["candidates"] if c["measured_ms"] is not None)
+    xs = [lo * 0.8, hi * 1.25]
+    ax.plot(xs, xs, "k-", lw=0.8, label="predicted = measured")
+    ax.fill_between(xs, [x * 0.75 for x in xs], [x * 1.25 for x in xs], color="grey",
+                    alpha=0.15, label="within 25%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured ms per step (median, slowest rank)")
+    ax.set_ylabel("predicted ms per step")
+    ax.set_title("coconet tune: cost model vs measurement, every candidate (2 ranks)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from coconet.runtime import CommOptions, spawn
+    from coconet.tune.cluster import load_description
+    from coconet.tune.plan import plan
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--examples", default="adam,sgd")
+    p.add_argument("--sizes", default="1M,16M,64M")
+    p.add_argument("--top", type=int, default=4)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--commit", default="swap", choices=["copy", "swap"])
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sizes = [int(float(s[:-1]) * 2**20) if s.endswith("M") else int(s)
+             for s in args.sizes.split(",")]
+    cache = tempfile.mkdtemp(prefix="coconet-tune-quality-")
+    cfg = {"cache_dir": cache, "reps": args.reps, "commit": args.commit}
+    runs = []
+    began = time.time()
+    print(NOTE.format(cpus=os.cpu_count()))
+    for example in args.examples.split(","):
+        for n in sizes:
+            print(f"[{time.time() - began:.0f} s] {example} N={n:,}: measuring every candidate",
+                  file=sys.stderr, flush=True)
+            t0 = time.time()
+            out = spawn(worker, 2, example, n, cfg, options=CommOptions(cache_dir=cache),
+                        timeout=3600)[0]
+            runs.append({"example": example, "n": n, "seconds": time.time() - t0, **out,
+                         "summary": summarize(out["json"], args.top)})
+    adam = load_example("adam")
+    planned = plan(adam.program(), {"N": BERT_LARGE}, load_description("dgx-a100-ib"),
+                   [8, 16, 32, 64, 128, 256], state=tuple(adam.STATE))
+    text = table(runs, planned.format(), args.top)
+    print(text)
+    print(f"\n(wall time {time.time() - began:.0f} s)")
+    if args.json:
+        doc = {"runs": runs, "plan": planned.to_json(), "top": args.top, "commit": args.commit,
+               "torch": torch.__version__, "cpus": os.cpu_count()}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

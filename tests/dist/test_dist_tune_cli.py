@@ -1,0 +1,38 @@
+"""``coconet tune`` end to end: local ranks, the table, the JSON format, the cache."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _tune(tmp_path, *extra):
+    cmd = [sys.executable, "-m", "coconet.cli", "tune", f"{ROOT}/examples/sgd.py:program",
+           "--nproc", "2", "--size", "N=4099", "--eager", "--top", "2", "--reps", "3",
+           "--cache-dir", str(tmp_path / "cache"), "--json", str(tmp_path / "t.json"), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, json.loads((tmp_path / "t.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_coconet_tune_prints_the_table_and_writes_the_documented_json(tmp_path):
+    text, doc = _tune(tmp_path)
+    assert {"program", "world_size", "candidates", "winner"} <= set(doc)
+    assert doc["world_size"] == 2 and doc["program"] == "sgd"
+    for c in doc["candidates"]:
+        assert isinstance(c["schedule"], str) and isinstance(c["predicted_ms"], float)
+        assert c["measured_ms"] is None or c["measured_ms"] > 0
+    ran = [c for c in doc["candidates"] if c["measured_ms"] is not None]
+    assert len(ran) >= 3  # the 2 best predicted + the unscheduled program
+    fastest = min(ran, key=lambda c: c["measured_ms"])
+    assert doc["winner"] == fastest["schedule"]
+    assert any(c["schedule"].startswith("unscheduled [shared memory]") for c in ran)
+    assert "winner:" in text and "why the others were not chosen:" in text
+    # a second tune of the same case is read from the cache, with the same winner
+    again, doc2 = _tune(tmp_path)
+    assert "(from the cache)" in again and doc2["winner"] == doc["winner"]
