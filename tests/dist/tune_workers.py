@@ -153,3 +153,14 @@ def measure_with_a_broken_candidate(comm: Communicator, n: int) -> dict:
         "errors": [m.error for m in got],
         "comm_still_works": _adam_step_works(comm, n),
     }
+
+
+def tune_layer(comm: Communicator, sizes: dict, scalars: dict | None) -> dict:
+    """The tensor-parallel layer (int64 scalars seed and step), the 2 best predicted."""
+    prog = load_example("tensor_parallel").program()
+    result = tune(prog, comm, sizes, options=EAGER, scalars=scalars, top=2, reps=3)
+    return {
+        "rows": _rows(result),
+        "errors": [r.measured.error for r in result.rows if r.measured is not None],
+        "winner": str(result.winner) if any(r.measured_ms for r in result.rows) else None,
+    }
