@@ -607,3 +607,15 @@ def test_explain_never_says_slower_by_a_negative_amount():
     assert best_predicted.predicted_ms < result.winner_row.predicted_ms
     text = result.explain()
     assert "slower by -" not in text
+
+
+@pytest.mark.parametrize(
+    ("example", "state"),
+    [("tensor_parallel", ()), ("pipeline_parallel", ()), ("lamb", ADAM_STATE)],
+)
+def test_every_candidate_of_an_example_round_trips_through_json(example, state):
+    prog = load_example(example).program()
+    cands, _ = enumerate_candidates(prog, [SHM, TD], state=state)
+    for c in cands:
+        back = Candidate.from_json(prog, c.to_json())
+        assert back.key == c.key and back.label == c.label, c.label
