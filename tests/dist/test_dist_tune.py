@@ -117,12 +117,6 @@ def test_a_layer_with_integer_scalars_tunes_when_they_are_given(options):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="coconet/tune/measure.py _inputs gives every scalar not in scalars= the float 0.5, "
-    "also an int64 one (the layer's seed and step): the step rejects it ('0.5 is not an "
-    "integer'), so every candidate fails and tune() has no winner",
-)
 def test_a_layer_with_integer_scalars_tunes_with_the_default_scalars(options):
     outs = spawn(tune_workers.tune_layer, 2, LAYER_SIZES, None, options=options, timeout=55)
     assert all(e is None for e in outs[0]["errors"]), outs[0]["errors"][0]

@@ -546,12 +546,6 @@ def test_to_json_has_the_documented_keys_and_reads_back():
     assert "(from the cache)" in back.explain()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="coconet/tune/measure.py _inputs gives an int64 scalar not in scalars= the float "
-    "0.5, which the step rejects ('0.5 is not an integer'): every candidate of a program with "
-    "an integer scalar (a dropout's seed and step) fails to measure",
-)
 def test_measurement_inputs_fit_integer_scalars():
     from types import SimpleNamespace
 
@@ -567,12 +561,6 @@ def test_measurement_inputs_fit_integer_scalars():
         assert float(values[name]).is_integer(), (name, values[name])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="coconet/tune/cost.py Curve.__call__: below the smallest measured size it returns the "
-    "fitted line alpha + beta * b, which can lie above the first point: a smaller message is "
-    "then predicted slower than the first measured size (the curve jumps down at points[0])",
-)
 def test_a_curve_never_predicts_a_smaller_message_slower():
     # A noisy calibration (within 3% of a line) whose first point lies below the fitted line.
     points = [
@@ -587,11 +575,6 @@ def test_a_curve_never_predicts_a_smaller_message_slower():
         assert curve(b) <= curve(first), (b, curve(b), curve(first))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="coconet/tune/explain.py: an unmeasured candidate predicted faster than the measured "
-    "winner is listed as 'legal, predicted slower by -X ms (-Y%)': a negative 'slower'",
-)
 def test_explain_never_says_slower_by_a_negative_amount():
     result = _result()
     for r in result.rows:

@@ -106,7 +106,11 @@ class Curve:
         if len(pts) >= 2 and nbytes > pts[-1][0]:
             # past the largest size: that size's time plus the fitted per-byte cost
             return pts[-1][1] + self.beta * (nbytes - pts[-1][0])
-        return self.alpha + self.beta * nbytes
+        line = self.alpha + self.beta * nbytes
+        if pts and nbytes < pts[0][0]:
+            # below the smallest size: never slower than that size (the line may pass above it)
+            return min(line, pts[0][1])
+        return line
 
     @property
     def bandwidth(self) -> float:

@@ -109,10 +109,14 @@ def explain(result: TuneResult) -> str:
             )
         else:
             d = r.predicted_ms - winner.predicted_ms
-            out.append(
-                f"  {r.candidate.label}: legal, predicted slower by {d:.2f} ms "
-                f"({d / max(winner.predicted_ms, 1e-9):.0%}): not measured"
-            )
+            rel = abs(d) / max(winner.predicted_ms, 1e-9)
+            if d >= 0:
+                out.append(f"  {r.candidate.label}: legal, predicted slower by {d:.2f} ms "
+                           f"({rel:.0%}): not measured")
+            else:
+                out.append(f"  {r.candidate.label}: legal, predicted faster than the winner by "
+                           f"{-d:.2f} ms ({rel:.0%}), but not among the best predicted that "
+                           "were measured")
     if measured:
         errs = [abs(r.predicted_ms - r.measured_ms) / r.measured_ms for r in measured]
         within = sum(e <= 0.25 for e in errs)

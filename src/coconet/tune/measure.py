@@ -104,14 +104,18 @@ def _inputs(
     seed: int,
 ) -> dict[str, Any]:
     """This rank's inputs of the candidate's program: random tensors (Replicated ones the same
-    on every rank), the given scalars (0.5 for any not given: any finite value times alike)."""
+    on every rank), the given scalars (any finite value times alike: 0.5 for a float scalar
+    not given, 1 for an integer one)."""
     program = candidate.scheduled
     counter = Counter(comm.mesh, sizes)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {}
     for node in program.inputs:
         if node.type.rank == 0:
-            out[node.name] = float(scalars.get(node.name, 0.5))
+            if node.type.dtype.torch.is_floating_point:
+                out[node.name] = float(scalars.get(node.name, 0.5))
+            else:  # a seed or a step count: an integer the step refuses to truncate
+                out[node.name] = int(scalars.get(node.name, 1))
             continue
         shape = counter.local_shape(node.type, comm.rank)
         local = node.type.layout.is_local
