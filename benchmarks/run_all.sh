@@ -35,3 +35,9 @@ for opt in adam lamb; do
     --json "$R/dp_optim_${opt}_16M.json" --plot "$R/dp_optim_${opt}_16M.png" \
     | tee "$R/dp_optim_${opt}_16M.txt"
 done
+
+# The tuner: every candidate of data-parallel Adam predicted and measured at 1M, 16M, 64M
+# parameters (is the default tune's pick within 5% of the best? predictions within 25%?), and
+# coconet plan's BERT-large table on a DGX-A100-like cluster.
+"$PY" benchmarks/tune_quality.py --examples adam --sizes 1M,16M,64M \
+  --json "$R/tune_quality.json" --plot "$R/tune_quality.png" | tee "$R/tune_quality.txt"
