@@ -121,3 +121,11 @@ def test_a_layer_with_integer_scalars_tunes_with_the_default_scalars(options):
     outs = spawn(tune_workers.tune_layer, 2, LAYER_SIZES, None, options=options, timeout=55)
     assert all(e is None for e in outs[0]["errors"]), outs[0]["errors"][0]
     assert outs[0]["winner"] is not None
+
+
+@pytest.mark.timeout(60)
+def test_only_measures_exactly_the_named_candidates_and_caches_nothing(options):
+    label = "AR_C [shared memory]"
+    outs = spawn(tune_workers.tune_only, 2, 6144, label, options=options, timeout=55)
+    assert outs[0]["measured"] == [label]
+    assert outs[0]["full_cached"] is False

@@ -28,7 +28,8 @@ def test_coconet_tune_prints_the_table_and_writes_the_documented_json(tmp_path):
         assert isinstance(c["schedule"], str) and isinstance(c["predicted_ms"], float)
         assert c["measured_ms"] is None or c["measured_ms"] > 0
     ran = [c for c in doc["candidates"] if c["measured_ms"] is not None]
-    assert len(ran) >= 3  # the 2 best predicted + the unscheduled program
+    # the 2 best predicted and the unscheduled program (which may be one of them)
+    assert len(ran) >= 2
     fastest = min(ran, key=lambda c: c["measured_ms"])
     assert doc["winner"] == fastest["schedule"]
     assert any(c["schedule"].startswith("unscheduled [shared memory]") for c in ran)

@@ -164,3 +164,15 @@ def tune_layer(comm: Communicator, sizes: dict, scalars: dict | None) -> dict:
         "errors": [r.measured.error for r in result.rows if r.measured is not None],
         "winner": str(result.winner) if any(r.measured_ms for r in result.rows) else None,
     }
+
+
+def tune_only(comm: Communicator, n: int, label: str) -> dict:
+    """``only=[label]``: exactly that candidate measured, and nothing cached (a later full tune
+    measures)."""
+    kwargs = {"options": EAGER, "state": STATE, "reps": 3}
+    part = tune(_adam(), comm, {"N": n}, only=[label], **kwargs)
+    full = tune(_adam(), comm, {"N": n}, top=1, **kwargs)
+    return {
+        "measured": [r.candidate.label for r in part.rows if r.measured is not None],
+        "full_cached": full.cached,
+    }

@@ -38,9 +38,14 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"ir", "codegen", "cache", "options"},
     "compiler": {"ir", "codegen", "schedule", "runtime", "cache", "options"},
     "testing": {"ir", "sim", "compiler", "runtime"},
-    "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options"},
+    # the autotuner: enumerates schedules, predicts plans (codegen), measures compiled steps
+    "tune": {
+        "ir", "dsl", "accounting", "codegen", "schedule", "compiler", "runtime", "cache",
+        "options",
+    },
+    "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options", "tune"},
     "coconet": {"ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting", "optim"},
-    "cli": {"ir", "schedule", "compiler", "runtime", "cache", "coconet"},
+    "cli": {"ir", "schedule", "compiler", "runtime", "cache", "coconet", "tune", "options"},
 }
 
 

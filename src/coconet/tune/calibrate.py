@@ -5,7 +5,11 @@ rank at once after a barrier (the ranks share the memory bus and the cores, as i
 time is the median of a few repetitions, and the medians are reduced with MAX over the world, so
 every rank ends with the same model (and would choose the same schedule). What is measured:
 
-- ``memory``: a chain of elementwise ops on 16K-16M float32 (see ``_memory``);
+- ``memory``: a fused kernel's kind of pass (``addcmul``: 3 streams read, 1 written) and
+  ``eager``: unfused ops one after the other (``mul`` then ``add``), on 16K-16M float32;
+- ``op_overhead``: an eager op on a tiny tensor (the dispatch cost);
+- ``step_overhead``: a tiny compiled step (one all_reduce, one op) on each transport, less what
+  the model already counts for it: the fixed cost of a step call;
 - ``flops``: a 384 x 384 matmul;
 - every collective op the programs use (all_reduce, reduce_scatter, all_gather) on each
   transport given, each algorithm torch.distributed has for it, at 64 KiB - 64 MiB; on shared
@@ -55,25 +59,65 @@ def _timed(comm: Communicator, run: Callable[[], None], reps: int) -> float:
 
 
 def _memory(comm: Communicator) -> list[tuple[float, float]]:
-    """(bytes moved, seconds) of elementwise work as a step runs it: a chain of ops, each
-    allocating its result while the earlier ones stay alive (a step's temporaries), with a 0-d
-    scalar operand. A lone ``add(out=...)`` into a warm buffer is 20-35% faster per byte than
-    that (measured here), and would under-predict every step."""
+    """(bytes moved, seconds) of a fused kernel's kind of work: one pass that reads three
+    streams and writes a new tensor (``addcmul``), as a generated kernel reads the gradient and
+    the state and writes the new values."""
+    points = []
+    for n in MEMORY_ELEMENTS:
+        a, b, c = (torch.rand(n, device=comm.device) for _ in range(3))
+        run = lambda a=a, b=b, c=c: torch.addcmul(a, b, c)  # noqa: E731
+        points.append((16.0 * n, _timed(comm, run, _reps(16 * n))))
+    return points
+
+
+def _eager(comm: Communicator) -> list[tuple[float, float]]:
+    """(bytes moved, seconds) of eager ops as unfused generated code runs them: one op after
+    the other, each allocating its result, with a 0-d scalar operand (``mul`` then ``add``;
+    the temporary dies at once, as the step's do)."""
     points = []
     for n in MEMORY_ELEMENTS:
         a, b = (torch.rand(n, device=comm.device) for _ in range(2))
         s = torch.tensor(0.5, device=comm.device)
-
-        def chain(a=a, b=b, s=s) -> list[torch.Tensor]:
-            x, out = a, []
-            for _ in range(3):
-                x = torch.mul(x, s)  # reads n, writes n
-                x = torch.add(x, b)  # reads 2n, writes n
-                out.append(x)
-            return out
-
-        points.append((3 * 20.0 * n, _timed(comm, chain, _reps(60 * n))))
+        run = lambda a=a, b=b, s=s: torch.add(torch.mul(a, s), b)  # noqa: E731
+        points.append((20.0 * n, _timed(comm, run, _reps(20 * n))))
     return points
+
+
+def _op_overhead(comm: Communicator) -> float:
+    """Seconds per eager op on a tiny tensor: the dispatch cost every op pays."""
+    a, s = torch.ones(4, device=comm.device), torch.tensor(0.5, device=comm.device)
+
+    def hundred() -> None:
+        for _ in range(100):
+            torch.mul(a, s)
+
+    return _timed(comm, hundred, 7) / 100
+
+
+def _tiny_program():
+    """One all_reduce, one op, one update: the least a step can be."""
+    from coconet.dsl import Tensor, all_reduce, update
+    from coconet.ir.program import Program
+    from coconet.ir.types import Dim, DType, Local, Replicated
+
+    n = Dim("N")
+    g = Tensor("g", DType.float32, [n], Local)
+    p = Tensor("p", DType.float32, [n], Replicated)
+    return Program("calibration_step", [g, p], [update(p, p + all_reduce(g))])
+
+
+def _step_seconds(comm: Communicator) -> float:
+    """Seconds of one step of a tiny compiled program (one all_reduce, one op, one update): the
+    fixed cost of a step call (binding and checking the inputs, the agreement, the generated
+    code, the commit) with almost no data."""
+    from coconet.compiler import compile as coconet_compile
+
+    fn = coconet_compile(_tiny_program(), comm=comm, fused_kernels=False)
+    size = 4 * comm.world
+    gt = fn.input_buffer("g", (size,))
+    gt.fill_(1.0)
+    pt = torch.zeros(size, device=comm.device)
+    return _timed(comm, lambda: fn(g=gt, p=pt), 9)
 
 
 _MM = 384  # the matmul probe's size: 2 * 384^3 flops
@@ -93,11 +137,10 @@ def _collective_run(comm: Communicator, op: Op, numel: int, in_place: bool):
         x = torch.ones(part, device=comm.device)
         args = {"dim": 0, "parts": [part] * n}
     else:
-        if in_place:
-            x = comm.symmetric_tensor((numel,), torch.float32)
-            x.fill_(1.0)
-        else:
-            x = torch.ones(numel, device=comm.device)
+        # In symmetric memory, as the tuner measures and coconet.optim runs a gradient: the
+        # staging copy of an ordinary tensor is the cost model's own term.
+        x = comm.symmetric_tensor((numel,), torch.float32)
+        x.fill_(1.0)
         args = {"reduce_op": ReduceOp.SUM, "donate": in_place}
         if op is Op.REDUCE_SCATTER:
             args["dim"] = 0
@@ -127,9 +170,12 @@ def calibrate(
     comm = next(iter(comms.values()))
     say("memory bandwidth")
     memory_points = _memory(comm)
+    eager_points = _eager(comm)
+    op_s = _op_overhead(comm)
     matmul_s = _matmul_seconds(comm)
     collectives: dict = {}
     control: dict[TransportKind, float] = {}
+    steps: dict[TransportKind, float] = {}
     for transport, c in comms.items():
         for op in _OPS:
             variants: list[tuple] = []
@@ -154,26 +200,39 @@ def calibrate(
                         run = _collective_run(c, op, numel, in_place)
                     points.append((float(numel * 4), _timed(c, run, _reps(nbytes))))
                 collectives[(transport, op, algorithm, in_place)] = points
-        say(f"{transport.value} agreement")
+        say(f"{transport.value} agreement and step")
         control[transport] = _timed(c, lambda c=c: c.agree_max([0], "calibration"), 9)
+        steps[transport] = _step_seconds(c)
     # One model on every rank: each time is the slowest rank's.
-    flat: list[float] = [t for _, t in memory_points] + [matmul_s]
+    flat: list[float] = [t for _, t in memory_points] + [t for _, t in eager_points]
+    flat += [op_s, matmul_s]
     for points in collectives.values():
         flat += [t for _, t in points]
-    flat += list(control.values())
+    flat += list(control.values()) + list(steps.values())
     agreed = iter(comm.max_over_world(flat, "cost model calibration"))
     memory_points = [(b, next(agreed)) for b, _ in memory_points]
+    eager_points = [(b, next(agreed)) for b, _ in eager_points]
+    op_s = next(agreed)
     flops = 2.0 * _MM**3 / next(agreed)
     curves = {k: Curve.fit([(b, next(agreed)) for b, _ in pts]) for k, pts in collectives.items()}
     control = {t: next(agreed) for t in control}
+    steps = {t: next(agreed) for t in steps}
     cpus = torch.get_num_threads()
-    return MachineModel(
+    model = MachineModel(
         description=f"calibrated on this host: {comm.world} ranks x {cpus} thread(s), "
         f"{comm.backend}, transports {', '.join(t.value for t in comms)}",
         world=comm.world,
         collectives=curves,
         memory=Curve.fit(memory_points),
+        eager=Curve.fit(eager_points),
         flops=flops,
         control=control,
+        op_overhead=op_s,
         overlap=0.0,
     )
+    # The step's fixed cost: what the tiny step took beyond its agreement (handshake and vote)
+    # and its all_reduce of a few bytes (about one more such round), and its op.
+    model.step_overhead = {
+        t: max(0.0, s - 3 * control[t] - op_s) for t, s in steps.items()
+    }
+    return model

@@ -12,8 +12,11 @@ A machine (``MachineModel``) has
   passes to an all_reduce or reduce_scatter, what an all_gather returns), and for shared memory
   a second one for an all_reduce that reduces in place (a donated buffer in symmetric memory);
   a reduction's arithmetic (CoCoNet's gamma) is inside what was measured;
-- ``memory``: a streaming kernel (read and write) by bytes moved, every rank at once, since the
-  ranks share the memory bus;
+- ``memory``: a fused kernel's pass (read and write) by bytes moved, every rank at once, since
+  the ranks share the memory bus; ``eager``: the same for unfused ops run one after the other;
+- ``op_overhead``: what every op or kernel call costs besides its data (dispatch), and
+  ``step_overhead``: the fixed cost of one step call on each transport (binding and checking
+  the inputs, the generated code's bookkeeping, the commit);
 - ``flops``: one rank's matmul rate;
 - ``control``: one round of the per-step agreement (the handshake, the commit vote);
 - ``overlap``: the fraction of a collective that runs behind computation when both are in
@@ -55,7 +58,7 @@ from coconet.options import CommitMode
 from coconet.runtime.transport import Algorithm, TransportKind
 from coconet.tune.candidates import Candidate
 
-__all__ = ["Curve", "MachineModel", "Part", "Prediction", "predict"]
+__all__ = ["Curve", "MachineModel", "Part", "Prediction", "collective_inputs", "predict"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,10 @@ class Curve:
         if len(pts) >= 2 and pts[0][0] <= nbytes <= pts[-1][0]:
             i = min(max(bisect.bisect_left([b for b, _ in pts], nbytes), 1), len(pts) - 1)
             (b0, t0), (b1, t1) = pts[i - 1], pts[i]
-            return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0) if b1 > b0 else t1
+            if b1 <= b0:
+                return t1
+            f = (nbytes - b0) / (b1 - b0)
+            return min(max(t0 * (1 - f) + t1 * f, min(t0, t1)), max(t0, t1))
         if len(pts) >= 2 and nbytes > pts[-1][0]:
             # past the largest size: that size's time plus the fitted per-byte cost
             return pts[-1][1] + self.beta * (nbytes - pts[-1][0])
@@ -162,6 +168,9 @@ class MachineModel:
     control: dict[TransportKind, float]
     op_overhead: float = 5e-6  # seconds per eager op or kernel call (Python and dispatch)
     overlap: float = 0.0
+    eager: Curve | None = None  # unfused ops one after the other (None: as ``memory``)
+    # the fixed cost of a step call on each transport (binding, checks, commit bookkeeping)
+    step_overhead: dict[TransportKind, float] = field(default_factory=dict)
     # A cluster description's collectives: (op, transport, bytes, group size) -> seconds, used
     # instead of ``collectives`` when set (coconet.tune.cluster).
     formula: Any = field(default=None, repr=False)
@@ -202,9 +211,11 @@ class MachineModel:
             )
         return min(options, key=lambda x: x[0])
 
-    def compute(self, bytes_moved: float, flops: float) -> float:
-        """Seconds of a local computation that moves ``bytes_moved`` and does ``flops``."""
-        return max(self.memory(bytes_moved) if bytes_moved else 0.0, flops / self.flops)
+    def compute(self, bytes_moved: float, flops: float, eager: bool = False) -> float:
+        """Seconds of a local computation that moves ``bytes_moved`` and does ``flops``: a
+        fused kernel's pass, or (``eager``) an unfused op."""
+        curve = self.eager if eager and self.eager is not None else self.memory
+        return max(curve(bytes_moved) if bytes_moved else 0.0, flops / self.flops)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -216,6 +227,8 @@ class MachineModel:
             "control": {t.value: s for t, s in self.control.items()},
             "op_overhead": self.op_overhead,
             "overlap": self.overlap,
+            "eager": None if self.eager is None else self.eager.to_json(),
+            "step_overhead": {t.value: s for t, s in self.step_overhead.items()},
         }
 
     @classmethod
@@ -229,6 +242,10 @@ class MachineModel:
             control={TransportKind(t): float(s) for t, s in d["control"].items()},
             op_overhead=float(d.get("op_overhead", 5e-6)),
             overlap=float(d.get("overlap", 0.0)),
+            eager=Curve.from_json(d["eager"]) if d.get("eager") else None,
+            step_overhead={
+                TransportKind(t): float(s) for t, s in d.get("step_overhead", {}).items()
+            },
         )
 
 
@@ -271,6 +288,18 @@ class Prediction:
 # -- the walk over the plan ---------------------------------------------------------------------
 
 
+def collective_inputs(program) -> tuple[str, ...]:
+    """The tensor inputs of ``program`` that a collective reads directly (a gradient): the
+    ones a step can take in symmetric memory (``CompiledStep.input_buffer``)."""
+    users = program.users()
+    return tuple(
+        n.name
+        for n in program.inputs
+        if n.type.rank
+        and any(spec(u.op).has(Prop.COMMUNICATES) for u in users.get(n.name, ()))
+    )
+
+
 class _Walk:
     def __init__(
         self,
@@ -280,6 +309,7 @@ class _Walk:
         transport: TransportKind,
         algorithms: Mapping[Op, Algorithm],
         donated: frozenset[str],
+        registered: frozenset[str],
     ) -> None:
         self.model = model
         self.mesh = mesh
@@ -288,6 +318,7 @@ class _Walk:
         self.fixed = dict(algorithms)
         self.chosen: dict[Op, Algorithm] = {}
         self.donated = donated
+        self.registered = registered
         self.rank = 0  # rank 0 holds the largest slice of an uneven split: the slowest rank
 
     def nbytes(self, node: Node) -> int:
@@ -305,10 +336,12 @@ class _Walk:
     # -- terms -----------------------------------------------------------------------------------
 
     def compute(self, node: Node) -> float:
-        if node.op is Op.SCATTER or not spec(node.op).has(Prop.KERNEL):
-            return self.model.op_overhead
+        if node.op is Op.SCATTER or not spec(node.op).has(Prop.KERNEL) or not node.type.rank:
+            return self.model.op_overhead  # a view, or arithmetic on 0-d values: dispatch only
         work = self.counter.work(node, self.rank)
-        return self.model.op_overhead + self.model.compute(work.bytes_moved, work.flops)
+        return self.model.op_overhead + self.model.compute(
+            work.bytes_moved, work.flops, eager=True
+        )
 
     def kernel(self, k: Kernel, skip_reads: frozenset[str] = frozenset()) -> tuple[float, float]:
         """(seconds, bytes moved) of one fused kernel call: what it reads from outside and what
@@ -338,6 +371,20 @@ class _Walk:
                 self.__dict__.setdefault("_largest", {})[op] = nbytes
         return self.model.op_overhead + seconds
 
+    def staging(self, node: Node, parts: list[Part], where: str) -> None:
+        """Over shared memory, an operand of a reduction that does not live in symmetric memory
+        (a computed value, or an input passed as an ordinary tensor) is copied in first."""
+        operand = node.inputs[0]
+        if (
+            self.transport is TransportKind.SHARED_MEMORY
+            and node.op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER)
+            and operand.name not in self.registered
+            and operand.type.rank
+        ):
+            what = f"{where}{operand.name} copied into symmetric memory"
+            seconds = self.model.memory(2 * self.nbytes(operand))
+            parts.append(Part(what, "communication", seconds))
+
     def sync(self) -> float:
         """One synchronisation of a shared-memory group (the latency of its collectives)."""
         curve = self.model.collectives.get(
@@ -352,11 +399,14 @@ class _Walk:
                     Part(f"{where}{s.node.name} ({s.node.op})", "compute", self.compute(s.node))
                 )
             elif isinstance(s, Start):
+                operand = s.node.inputs[0].name
                 in_place = (
                     self.transport is TransportKind.SHARED_MEMORY
                     and s.node.op is Op.ALL_REDUCE
-                    and s.node.inputs[0].name in self.donated
+                    and operand in self.donated
+                    and operand in self.registered
                 )
+                self.staging(s.node, parts, where)
                 parts.append(
                     Part(
                         f"{where}{s.node.name} ({s.node.op})",
@@ -387,6 +437,7 @@ class _Walk:
         seconds, _ = self.kernel(one.kernel)
         if one.reduce_scatter is not None:
             rs = one.reduce_scatter
+            self.staging(rs, parts, f"{unit.name}: ")
             extra = (self.group(rs) - 1) * self.nbytes(rs)  # the peers' rows besides the own
             seconds += self.model.memory(extra) if extra else 0.0
         parts.append(Part(f"{unit.name}: one pass ({one.kernel.name})", "compute", seconds))
@@ -442,14 +493,27 @@ def predict(
     donate: Sequence[str] = (),
     commit: CommitMode = CommitMode.COPY,
     commit_vote: bool = True,
+    registered: Sequence[str] | None = None,
 ) -> Prediction:
     """The predicted step of ``candidate`` with ``sizes`` bound (``{"N": 16777216}``) on
-    ``mesh`` (a Mesh or a world size) of ``model``'s machine."""
+    ``mesh`` (a Mesh or a world size) of ``model``'s machine.
+
+    ``registered``: the inputs passed in symmetric memory (``CompiledStep.input_buffer``);
+    None: every input a collective reads (what the tuner measures, and what ``coconet.optim``
+    does with the gradient)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.world(mesh)
     program = candidate.scheduled
     plan = lower(program, frozenset(donate))
+    if registered is None:
+        registered = collective_inputs(candidate.program)
     walk = _Walk(
-        model, mesh, sizes, candidate.transport, dict(candidate.algorithms), frozenset(donate)
+        model,
+        mesh,
+        sizes,
+        candidate.transport,
+        dict(candidate.algorithms),
+        frozenset(donate),
+        frozenset(registered),
     )
     parts: list[Part] = []
     walk.steps(plan.body, parts, "")
@@ -473,4 +537,7 @@ def predict(
     control = model.control.get(candidate.transport, 0.0)
     rounds = 1 + bool(commit_vote) if mesh.size > 1 else 0
     parts.append(Part(f"agreement ({rounds} round(s))", "control", rounds * control))
+    fixed = model.step_overhead.get(candidate.transport, 0.0)
+    if fixed:
+        parts.append(Part("the step call's fixed cost", "control", fixed))
     return Prediction(candidate, parts, dict(walk.chosen))

@@ -38,6 +38,7 @@ from coconet.options import CompileOptions
 from coconet.runtime.comm import CommOptions, Communicator
 from coconet.runtime.transport import TransportKind, TransportPolicy
 from coconet.tune.candidates import Candidate
+from coconet.tune.cost import collective_inputs
 
 __all__ = ["Communicators", "Measurement", "communicator_options", "measure"]
 
@@ -167,13 +168,12 @@ def _one(
     try:
         fn = coconet_compile(candidate.target, comm=comm, options=options)
         inputs = _inputs(candidate, sizes, comm, scalars, seed=1234)
-        for name in options.donate:  # the donated operand lives where its collective reads it
+        # An input a collective reads lives where the collective reads it (symmetric memory
+        # over shared memory), as coconet.optim's gradient buckets do.
+        for name in collective_inputs(candidate.scheduled):
             t = inputs.get(name)
             if isinstance(t, torch.Tensor) and t.dim():
-                try:
-                    buf = fn.input_buffer(name, tuple(t.shape))
-                except Exception:  # noqa: BLE001 - not read by a collective: left as it is
-                    continue
+                buf = fn.input_buffer(name, tuple(t.shape))
                 buf.copy_(t)
                 inputs[name] = buf
     except Exception as e:  # noqa: BLE001 - any failure scores the candidate, never the tuning

@@ -138,7 +138,8 @@ class TuneResult:
                 {"recipe": j.recipe, "error": j.error.message} for j in self.enumeration.rejected
             ],
             "duplicates": self.enumeration.duplicates,
-            "winner": str(self.winner),
+            "winner": str(self.winner) if any(r.measured_ms is not None for r in self.rows)
+            else None,
             "seconds": self.seconds,
         }
 
@@ -199,6 +200,8 @@ def tune(
     reps: int = 7,
     budget_s: float = 60.0,
     retune: bool = False,
+    recalibrate: bool | None = None,
+    only: Sequence[str] | None = None,
     progress: bool | Callable[[str], None] = False,
     fix_algorithms: bool = True,
 ) -> TuneResult:
@@ -209,7 +212,10 @@ def tune(
     ``commit="swap"``, ...). ``scalars``: values of the program's scalars while measuring
     (0.5 for any not given). ``state``: the inputs the schedules may store sliced (the
     optimizer's state: Adam's ``("m", "v")``; never the parameters). ``top``: how many of the
-    best predicted to measure (``measure_all``: every one). ``transports``: restrict them
+    best predicted to measure (``measure_all``: every one; ``only``: exactly the candidates with
+    these labels, for a benchmark that measures each in processes of its own). ``retune``:
+    ignore a cached result; ``recalibrate`` (default: as ``retune``): calibrate the machine
+    again. ``transports``: restrict them
     (default: shared memory and torch.distributed on one host, torch.distributed across
     hosts). ``budget_s``: a candidate
     whose warm-up takes longer scores as timed out. ``fix_algorithms``: on torch.distributed,
@@ -265,7 +271,7 @@ def tune(
         if doc is not None:
             say("tuning result read from the cache (retune=True measures again)")
             return TuneResult.from_json(program, doc, enumeration)
-    model = _machine(comms, chosen, retune, say)
+    model = _machine(comms, chosen, retune if recalibrate is None else recalibrate, say)
     rows = []
     for c in candidates:
         p = predict(
@@ -291,9 +297,13 @@ def tune(
         rows.append(Row(c, p.ms, p.parts))
     ranked = sorted(range(len(rows)), key=lambda i: rows[i].predicted_ms)
     picked = ranked if measure_all else ranked[:top]
+    if only is not None:
+        wanted = set(only)
+        picked = [i for i in ranked if rows[i].candidate.label in wanted]
     own = comm.transport_of(None)
     for i, r in enumerate(rows):  # the baseline: unscheduled, on the transport the ranks use
-        if r.candidate.schedule is None and r.candidate.transport is own and i not in picked:
+        baseline = r.candidate.schedule is None and r.candidate.transport is own
+        if baseline and i not in picked and only is None:
             picked.append(i)
     bar = _bar(len(picked), progress is True and comm.rank == 0)
 
@@ -327,6 +337,8 @@ def tune(
         cached=False,
         seconds=time.perf_counter() - began,
     )
+    if only is not None:  # a partial measurement is not a tuning result
+        return result
     store.save_result(
         comm, key, result.to_json() if any(r.measured_ms is not None for r in rows) else None
     )
