@@ -128,9 +128,11 @@ def _matmul_seconds(comm: Communicator) -> float:
     return _timed(comm, lambda: torch.mm(a, b), 5)
 
 
-def _collective_run(comm: Communicator, op: Op, numel: int, in_place: bool):
+def _collective_run(comm: Communicator, op: Op, numel: int, in_place: bool, buffers: dict):
     """One ``op`` of ``numel`` float32 elements over the world through the communicator (its
-    routing, staging and algorithm choice included: what generated code calls)."""
+    routing, staging and algorithm choice included: what generated code calls). ``buffers``:
+    the symmetric tensors made so far, by size (a group keeps each for its lifetime: one per
+    size serves every op)."""
     n = comm.world
     part = numel // n
     if op is Op.ALL_GATHER:
@@ -139,7 +141,9 @@ def _collective_run(comm: Communicator, op: Op, numel: int, in_place: bool):
     else:
         # In symmetric memory, as the tuner measures and coconet.optim runs a gradient: the
         # staging copy of an ordinary tensor is the cost model's own term.
-        x = comm.symmetric_tensor((numel,), torch.float32)
+        if numel not in buffers:
+            buffers[numel] = comm.symmetric_tensor((numel,), torch.float32)
+        x = buffers[numel]
         x.fill_(1.0)
         args = {"reduce_op": ReduceOp.SUM, "donate": in_place}
         if op is Op.REDUCE_SCATTER:
@@ -177,6 +181,7 @@ def calibrate(
     control: dict[TransportKind, float] = {}
     steps: dict[TransportKind, float] = {}
     for transport, c in comms.items():
+        buffers: dict[int, torch.Tensor] = {}
         for op in _OPS:
             variants: list[tuple] = []
             if transport is TransportKind.TORCH_DISTRIBUTED:
@@ -197,7 +202,7 @@ def calibrate(
                     if transport is TransportKind.TORCH_DISTRIBUTED and algorithm is not None:
                         run = _torch_collective_run(c, op, algorithm, numel)
                     else:
-                        run = _collective_run(c, op, numel, in_place)
+                        run = _collective_run(c, op, numel, in_place, buffers)
                     points.append((float(numel * 4), _timed(c, run, _reps(nbytes))))
                 collectives[(transport, op, algorithm, in_place)] = points
         say(f"{transport.value} agreement and step")

@@ -164,8 +164,11 @@ def _rewrites(result: TuneResult) -> list[str]:
 
 
 def _saving(what: str, before: Row, after: Row) -> str:
-    pred = before.predicted_ms - after.predicted_ms
-    text = f"  {what}: predicted {pred:+.2f} ms"
+    def said(ms: float, past: bool) -> str:
+        verb = ("saved" if ms >= 0 else "cost") if past else ("save" if ms >= 0 else "cost")
+        return f"{verb} {abs(ms):.2f} ms"
+
+    text = f"  {what}: predicted to {said(before.predicted_ms - after.predicted_ms, False)}"
     if before.measured_ms is not None and after.measured_ms is not None:
-        text += f", measured {before.measured_ms - after.measured_ms:+.2f} ms"
+        text += f", {said(before.measured_ms - after.measured_ms, True)} (measured)"
     return text

@@ -76,6 +76,7 @@ class Communicators:
     def __init__(self, base: Communicator) -> None:
         self.base = base
         self._made: dict[tuple, Communicator] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
 
     def transports(self) -> list[TransportKind]:
         """The transports the ranks can use: shared memory where they share a host."""
@@ -91,10 +92,27 @@ class Communicators:
             self._made[key] = Communicator(self.base.mesh, options)
         return self._made[key]
 
+    def buffer(self, comm: Communicator, step, name: str, shape: tuple) -> torch.Tensor:
+        """``step.input_buffer(name, shape)``, made once per communicator, input and shape and
+        reused by every candidate (a shared-memory group keeps each registered buffer for its
+        lifetime: one per candidate would add up to gigabytes at 64M parameters). Collective:
+        every rank measures the same candidates in the same order."""
+        from coconet.ir.opspec import Prop, spec
+
+        readers = [
+            u for u in step.program.users()[name] if spec(u.op).has(Prop.COMMUNICATES)
+        ]
+        axis = readers[0].attr("axis") if readers else None
+        key = (id(comm), name, shape, axis)
+        if key not in self._buffers:
+            self._buffers[key] = step.input_buffer(name, shape)
+        return self._buffers[key]
+
     def discard(self, transport: TransportKind, algorithms: tuple = ()) -> None:
         """Forget a communicator a failed step may have broken (collective: every rank does,
         so that the next ``get`` makes a fresh one everywhere)."""
-        self._made.pop((transport, algorithms), None)
+        gone = self._made.pop((transport, algorithms), None)
+        self._buffers = {k: v for k, v in self._buffers.items() if k[0] != id(gone)}
 
     def by_transport(self) -> dict[TransportKind, Communicator]:
         return {t: self.get(t) for t in self.transports()}
@@ -165,20 +183,26 @@ def _one(
     comm = comms.get(candidate.transport, candidate.algorithms)
     error: str | None = None
     fn = inputs = None
-    try:
+    try:  # local work only: a rank that fails here must not leave the others in a collective
         fn = coconet_compile(candidate.target, comm=comm, options=options)
         inputs = _inputs(candidate, sizes, comm, scalars, seed=1234)
-        # An input a collective reads lives where the collective reads it (symmetric memory
-        # over shared memory), as coconet.optim's gradient buckets do.
-        for name in collective_inputs(candidate.scheduled):
-            t = inputs.get(name)
-            if isinstance(t, torch.Tensor) and t.dim():
-                buf = fn.input_buffer(name, tuple(t.shape))
-                buf.copy_(t)
-                inputs[name] = buf
     except Exception as e:  # noqa: BLE001 - any failure scores the candidate, never the tuning
         error = f"{type(e).__name__}: {e}"
     error = _vote_failed(error is not None, error)
+    if error is None:
+        try:
+            # An input a collective reads lives where the collective reads it (symmetric
+            # memory over shared memory), as coconet.optim's gradient buckets do. Collective:
+            # only once every rank has compiled.
+            for name in collective_inputs(candidate.scheduled):
+                t = inputs.get(name)
+                if isinstance(t, torch.Tensor) and t.dim():
+                    buf = comms.buffer(comm, fn, name, tuple(t.shape))
+                    buf.copy_(t)
+                    inputs[name] = buf
+        except Exception as e:  # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"
+        error = _vote_failed(error is not None, error)
     if error is not None:
         return Measurement(candidate, None, error=error)
     originals = {
