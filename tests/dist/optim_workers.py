@@ -80,21 +80,8 @@ def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict, ste
     if scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (ours,
                                                                                         theirs)]
-    for k in range(steps):
-        x, y = batch(k)
-        ours.zero_grad()
-        xs = torch.tensor_split(x, comm.world)[comm.rank]
-        ys = torch.tensor_split(y, comm.world)[comm.rank]
-        _loss(net, xs, ys).backward()
-        ours.step()
-        _reference_grads(ref, comm.world, k)
-        theirs.step()
-        for s in scheds:
-            s.step()
-    rel = max(
-        ((a - b).abs().max() / b.abs().max()).item()
-        for a, b in zip(net.parameters(), ref.parameters(), strict=True)
-    )
+    _step_both(comm, net, ref, ours, theirs, steps, scheds)
+    rel = _worst_relative_error(net, ref)
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     rank0 = flat.clone()
     torch.distributed.broadcast(rank0, 0) if comm.world > 1 else None
@@ -364,6 +351,20 @@ def auto_schedule(comm: Communicator, name: str, kwargs: dict, steps: int) -> di
         net.parameters(), comm=comm, options=EAGER, schedule="auto", **kwargs
     )
     theirs = _reference_class(name)(ref.parameters(), **kwargs)
+    _step_both(comm, net, ref, ours, theirs, steps)
+    rel = _worst_relative_error(net, ref)
+    return {
+        "rel": rel,
+        "classes": len(ours.tuning),
+        "winners": [str(r.winner) for r in ours.tuning],
+        "explained": all("winner:" in r.explain() for r in ours.tuning),
+        "buckets": len(ours._buckets),
+    }
+
+
+def _step_both(comm, net, ref, ours, theirs, steps: int, scheds=()) -> None:
+    """``steps`` steps of ours (on this rank's share of the batch) and of the reference (on the
+    averaged gradients), with the schedulers stepped after each."""
     for k in range(steps):
         x, y = batch(k)
         ours.zero_grad()
@@ -373,14 +374,13 @@ def auto_schedule(comm: Communicator, name: str, kwargs: dict, steps: int) -> di
         ours.step()
         _reference_grads(ref, comm.world, k)
         theirs.step()
-    rel = max(
+        for sched in scheds:
+            sched.step()
+
+
+def _worst_relative_error(net, ref) -> float:
+    """max |p - ref| / max |ref| over the parameters."""
+    return max(
         ((a - b).abs().max() / b.abs().max()).item()
         for a, b in zip(net.parameters(), ref.parameters(), strict=True)
     )
-    return {
-        "rel": rel,
-        "classes": len(ours.tuning),
-        "winners": [str(r.winner) for r in ours.tuning],
-        "explained": all("winner:" in r.explain() for r in ours.tuning),
-        "buckets": len(ours._buckets),
-    }

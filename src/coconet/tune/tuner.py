@@ -272,28 +272,18 @@ def tune(
             say("tuning result read from the cache (retune=True measures again)")
             return TuneResult.from_json(program, doc, enumeration)
     model = _machine(comms, chosen, retune if recalibrate is None else recalibrate, say)
+    def predicted(c: Candidate):
+        kw = {"donate": options.donate, "commit": options.commit,
+              "commit_vote": options.commit_vote}
+        return predict(c, sizes, model, comm.mesh, **kw)
+
     rows = []
     for c in candidates:
-        p = predict(
-            c,
-            sizes,
-            model,
-            comm.mesh,
-            donate=options.donate,
-            commit=options.commit,
-            commit_vote=options.commit_vote,
-        )
+        p = predicted(c)
         if fix_algorithms and c.transport is TransportKind.TORCH_DISTRIBUTED and p.algorithms:
+            # measured with the algorithms the model chose (the prediction used the same)
             c = c.with_algorithms(p.algorithms)
-            p = predict(
-                c,
-                sizes,
-                model,
-                comm.mesh,
-                donate=options.donate,
-                commit=options.commit,
-                commit_vote=options.commit_vote,
-            )
+            p = predicted(c)
         rows.append(Row(c, p.ms, p.parts))
     ranked = sorted(range(len(rows)), key=lambda i: rows[i].predicted_ms)
     picked = ranked if measure_all else ranked[:top]
