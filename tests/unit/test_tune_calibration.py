@@ -1,0 +1,123 @@
+"""The calibration procedure on a fake transport with known costs recovers them.
+
+A fake communicator (no processes) charges every collective ``alpha + beta * bytes`` on a fake
+clock that ``coconet.tune.calibrate`` reads; the calibrated model must recover each (transport,
+op, algorithm)'s alpha and beta, key them as the cost model looks them up, and predict those
+costs at sizes it never measured.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coconet.ir.ops import Op
+from coconet.runtime.transport import Algorithm, TransportKind
+from coconet.tune import calibrate as cal
+
+SHM, TD = TransportKind.SHARED_MEMORY, TransportKind.TORCH_DISTRIBUTED
+# (alpha seconds, beta seconds per byte) of each fake collective
+COSTS = {
+    (SHM, None): (40e-6, 1 / 6e9),
+    (SHM, "in place"): (30e-6, 1 / 9e9),
+    (TD, Algorithm.NATIVE): (900e-6, 1 / 1.1e9),
+    (TD, Algorithm.ALL_TO_ALL): (300e-6, 1 / 1.6e9),
+}
+CONTROL = {SHM: 50e-6, TD: 400e-6}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-9  # local work (the memory probes) takes next to nothing here
+        return self.now
+
+
+class FakeTorch:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def algorithms(self, op: Op):
+        return (Algorithm.NATIVE, Algorithm.ALL_TO_ALL)
+
+    def run_for_measurement(self, op, algorithm, group, numel, device) -> None:
+        alpha, beta = COSTS[(TD, algorithm)]
+        self.clock.now += alpha + beta * numel * 4
+
+
+class FakeComm:
+    world, rank, backend = 2, 0, "gloo"
+    device = torch.device("cpu")
+
+    def __init__(self, transport: TransportKind, clock: Clock) -> None:
+        self.transport, self.clock = transport, clock
+        self.torch = FakeTorch(clock)
+
+    def barrier(self, label: str = "") -> None:
+        pass
+
+    def group(self, axis):
+        return None
+
+    def symmetric_tensor(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def start(self, op, x, *, label, axis, **args):
+        nbytes = x.numel() * 4 * (self.world if op is Op.ALL_GATHER else 1)
+        kind = "in place" if args.get("donate") else None
+        return COSTS[(SHM, kind)], nbytes
+
+    def wait(self, work) -> None:
+        (alpha, beta), nbytes = work
+        self.clock.now += alpha + beta * nbytes
+
+    def agree_max(self, values, label):
+        self.clock.now += CONTROL[self.transport]
+        return list(values)
+
+    def max_over_world(self, values, label):
+        return list(values)
+
+
+@pytest.fixture
+def model(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(cal, "time", clock)  # calibrate reads time.perf_counter()
+    monkeypatch.setattr(cal, "MEMORY_ELEMENTS", (1024, 4096))
+    monkeypatch.setattr(cal, "_step_seconds", lambda comm: 3 * CONTROL[comm.transport] + 1e-4)
+    comms = {t: FakeComm(t, clock) for t in (SHM, TD)}
+    return cal.calibrate(comms)
+
+
+def test_the_calibrated_curves_recover_the_fake_alpha_and_beta(model):
+    for op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER):
+        for (transport, kind), (alpha, beta) in COSTS.items():
+            if kind == "in place" and op is not Op.ALL_REDUCE:
+                continue
+            key = (transport, op, kind if isinstance(kind, Algorithm) else None,
+                   kind == "in place")
+            curve = model.collectives[key]
+            assert curve.alpha == pytest.approx(alpha, rel=1e-3), key
+            assert curve.beta == pytest.approx(beta, rel=1e-3), key
+
+
+def test_the_model_predicts_unmeasured_sizes_and_picks_the_faster_algorithm(model):
+    nbytes = 3 * 2**20  # between the calibrated sizes
+    seconds, algorithm = model.collective(Op.ALL_REDUCE, TD, nbytes, 2)
+    alpha, beta = COSTS[(TD, Algorithm.ALL_TO_ALL)]
+    assert algorithm is Algorithm.ALL_TO_ALL
+    assert seconds == pytest.approx(alpha + beta * nbytes, rel=1e-6)
+    big = 256 * 2**20  # past the largest calibrated size: the fitted per-byte cost
+    seconds, _ = model.collective(Op.ALL_GATHER, SHM, big, 2)
+    alpha, beta = COSTS[(SHM, None)]
+    assert seconds == pytest.approx(alpha + beta * big, rel=1e-3)
+    in_place, _ = model.collective(Op.ALL_REDUCE, SHM, big, 2, in_place=True)
+    assert in_place < seconds
+
+
+def test_control_and_the_step_calls_fixed_cost(model):
+    for t in (SHM, TD):
+        assert model.control[t] == pytest.approx(CONTROL[t], rel=1e-3)
+        assert model.step_overhead[t] == pytest.approx(1e-4 - model.op_overhead, abs=1e-6)
