@@ -317,6 +317,7 @@ class _Walk:
         self.transport = transport
         self.fixed = dict(algorithms)
         self.chosen: dict[Op, Algorithm] = {}
+        self.largest: dict[Op, int] = {}  # the bytes of each op's largest use so far
         self.donated = donated
         self.registered = registered
         self.rank = 0  # rank 0 holds the largest slice of an uneven split: the slowest rank
@@ -364,11 +365,10 @@ class _Walk:
             op, self.transport, nbytes, self.group(node), fixed, in_place
         )
         if algorithm is not None and self.transport is TransportKind.TORCH_DISTRIBUTED:
-            prev = self.chosen.get(op)
             # one algorithm per op (CommOptions fixes it by op): the one of its largest use
-            if prev is None or nbytes >= getattr(self, "_largest", {}).get(op, 0):
+            if nbytes >= self.largest.get(op, 0):
                 self.chosen[op] = algorithm
-                self.__dict__.setdefault("_largest", {})[op] = nbytes
+                self.largest[op] = nbytes
         return self.model.op_overhead + seconds
 
     def staging(self, node: Node, parts: list[Part], where: str) -> None:
