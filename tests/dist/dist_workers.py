@@ -294,6 +294,42 @@ def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
     return _step_expecting_fault(step, mine)
 
 
+def late_sender(comm: Communicator, delay: float) -> dict:
+    """Rank 0 sends to rank 1 ``delay`` seconds late (the pipeline's point-to-point send), then
+    every rank runs an all_reduce on the same connections. Rank 1's wait spans many of the
+    communicator's wait slices: a slice that ended inside gloo's recv would close the
+    connection (what the pipeline hit under load)."""
+    from coconet.ir.ops import Op, ReduceOp
+
+    x = torch.arange(1000, dtype=torch.float32) + 100 * comm.rank
+    start = time.monotonic()
+    try:
+        if comm.rank == 0:
+            time.sleep(delay)
+        got = comm.wait(comm.start(Op.SEND, x, label="late send", axis=None))
+        waited = time.monotonic() - start
+        total = comm.wait(
+            comm.start(
+                Op.ALL_REDUCE,
+                torch.ones(10),
+                label="after",
+                axis=None,
+                reduce_op=ReduceOp.SUM,
+                donate=False,
+            )
+        )
+    except RuntimeFault as e:
+        return {"status": "fault", "message": e.message, "seconds": time.monotonic() - start}
+    return {
+        "status": "ok",
+        "transport": comm.transport_of(None).value,
+        "received": got.tolist()
+        == (torch.arange(1000.0) if comm.rank == 1 else torch.zeros(1000)).tolist(),
+        "waited": waited,
+        "after": total.tolist() == [float(comm.world)] * 10,
+    }
+
+
 def fault_local_error(comm: Communicator, victim: int) -> dict:
     """A computation fails on ``victim`` mid-step (after the reduce_scatter). The victim gets
     its own error, every rank keeps its tensors, and the victim's exit tells the others."""

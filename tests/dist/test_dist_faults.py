@@ -86,6 +86,31 @@ def test_stalled_peer_times_out(transport):
 
 
 @pytest.mark.timeout(60)
+def test_a_late_point_to_point_send_is_waited_for_whole():
+    """A recv that waits longer than the communicator's wait slices gets its data, and the
+    connection still carries the next collective (gloo closes it if a slice ends mid-recv)."""
+    options = CommOptions(timeout=20, algorithms="exact", transport="torch.distributed")
+    results = spawn(dist_workers.late_sender, 2, 1.0, options=options, timeout=50)
+    for out in results:
+        assert out["status"] == "ok", out
+        assert out["transport"] == "torch.distributed"
+        assert out["received"] and out["after"]
+    assert results[1]["waited"] > 0.9  # it did wait through the slices
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_point_to_point_send_times_out():
+    options = CommOptions(timeout=1.5, algorithms="exact", transport="torch.distributed")
+    results = spawn(
+        dist_workers.late_sender, 2, 4.0, options=options, timeout=50, failures="return"
+    )
+    receiver = results[1]
+    assert receiver["status"] == "fault", receiver
+    assert "no answer within 1.5 s" in receiver["message"]
+    assert 1.0 < receiver["seconds"] < 4.0
+
+
+@pytest.mark.timeout(60)
 def test_local_failure_mid_step():
     results = spawn(
         dist_workers.fault_local_error, 2, 1, options=OPTIONS, timeout=50, failures="return"

@@ -49,6 +49,7 @@ from coconet.runtime.transport import (
     Transport,
     TransportKind,
     TransportPolicy,
+    WholeWait,
 )
 from coconet.runtime.tuning import (
     SIZE_CLASSES,
@@ -387,9 +388,17 @@ class Communicator:
     def _wait_work(self, work) -> None:
         """``work.wait()`` in slices, looking between them whether a peer aborted its step (a
         peer blocked in this collective with a rank that was interrupted would otherwise learn
-        only at the timeout). A slice that ends leaves the collective running (gloo)."""
+        only at the timeout). A slice that ends leaves the collective running (gloo).
+
+        A point-to-point handle (``WholeWait``) is waited for in one call of the timeout: a gloo
+        send or recv fails its connection when a slice ends first. A peer that aborts is then
+        seen when its process exits (the connection closes) or at the timeout."""
         if self._store is None:
             work.wait()
+            return
+        if isinstance(work, WholeWait):
+            self._check_peers()
+            work.wait(datetime.timedelta(seconds=self.options.timeout))
             return
         deadline = time.monotonic() + self.options.timeout
         wait_s = 0.01

@@ -228,7 +228,7 @@ class CompiledStep:
             # Collectives of this step may be half done on other ranks: this communicator
             # can no longer line up with them. KeyboardInterrupt and SystemExit too: they
             # leave the step as half done as any error.
-            comm.abort(f"rank {comm.rank} failed in a step: {type(exc).__name__}")
+            comm.abort(f"rank {comm.rank} failed in a step: {_first_line(exc)}")
             raise
         return self._commit(inputs, outputs, updates, comm)
 
@@ -609,3 +609,11 @@ def _swappable(target: torch.Tensor, value: torch.Tensor) -> bool:
         and value.storage_offset() == 0
         and target.untyped_storage().nbytes() == target.numel() * target.element_size()
     )
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, short enough for the job's store (what the peers'
+    errors quote as the reason this rank aborted)."""
+    text = str(exc).strip().splitlines()
+    head = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return head if len(head) <= limit else head[: limit - 3] + "..."

@@ -17,7 +17,14 @@ import torch.distributed as dist
 from coconet.ir.ops import Op, ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.runtime import algorithms as algos
-from coconet.runtime.transport import Algorithm, Group, Pending, TransportKind, ready
+from coconet.runtime.transport import (
+    Algorithm,
+    Group,
+    Pending,
+    TransportKind,
+    WholeWait,
+    ready,
+)
 
 __all__ = ["ALGORITHMS", "TorchDistributedTransport"]
 
@@ -146,10 +153,10 @@ class TorchDistributedTransport:
         src = x.contiguous()
         i = group.index
         if i + 1 < group.size:
-            works.append(dist.isend(src, dst=group.ranks[i + 1]))
+            works.append(WholeWait(dist.isend(src, dst=group.ranks[i + 1])))
         if i > 0:
             buf = torch.empty_like(src)
-            works.append(dist.irecv(buf, src=group.ranks[i - 1]))
+            works.append(WholeWait(dist.irecv(buf, src=group.ranks[i - 1])))
         else:
             buf = torch.zeros_like(src)
         return Pending(works, lambda: buf)

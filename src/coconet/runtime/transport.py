@@ -24,6 +24,7 @@ an ``exact`` algorithm (reductions in rank order), within rounding otherwise.
 
 from __future__ import annotations
 
+import datetime
 import enum
 import threading
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ __all__ = [
     "Transport",
     "TransportKind",
     "TransportPolicy",
+    "WholeWait",
 ]
 
 
@@ -119,6 +121,21 @@ class Pending:
             return self.finish()
         finally:
             _WAITER.fn = previous
+
+
+@dataclass(frozen=True)
+class WholeWait:
+    """A torch work handle that must be waited for in one call, never in slices.
+
+    gloo fails the connection of a point-to-point send or recv whose ``wait(timeout)`` ends
+    before the transfer does ("Application timeout caused pair closure": the peer then sees
+    "connection closed"), and such a handle's ``is_completed()`` never turns true, so it cannot
+    be polled either. Collectives' handles are futures: a slice that ends leaves them running."""
+
+    work: Any
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> Any:
+        return self.work.wait() if timeout is None else self.work.wait(timeout)
 
 
 # The waiter of the Pending being waited for on this thread (see Pending.wait).
