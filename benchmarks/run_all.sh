@@ -36,6 +36,10 @@ for opt in adam lamb; do
     | tee "$R/dp_optim_${opt}_16M.txt"
 done
 
+# coconet tune's own output at 16M (the table the README shows), measured afresh.
+"$PY" -m coconet.cli tune examples/adam.py:program --nproc 2 --size N=16777216 --commit swap \
+  --retune --json "$R/tune_adam_16M.json" | tee "$R/tune_adam_16M.txt"
+
 # The tuner: every candidate of data-parallel Adam predicted and measured at 1M, 16M, 64M
 # parameters (is the default tune's pick within 5% of the best? predictions within 25%?), and
 # coconet plan's BERT-large table on a DGX-A100-like cluster.

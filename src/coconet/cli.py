@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--top", type=int, default=4, help="measure the N best predicted (default 4)")
     tu.add_argument("--all", action="store_true", help="measure every candidate")
     tu.add_argument("--reps", type=int, default=7, help="timed steps per candidate (default 7)")
+    tu.add_argument("--rematch-within", type=float, default=0.15, metavar="FRACTION",
+                    help="time the two best again, their steps interleaved, when the runner-up "
+                    "is within this fraction of the winner (default 0.15; 0: never)")
     tu.add_argument("--donate", help="inputs the step may overwrite, comma separated (e.g. g)")
     tu.add_argument("--commit", choices=["copy", "swap"], default="copy",
                     help="how updates are committed (CompileOptions.commit; default copy)")
@@ -341,6 +344,10 @@ def _tune(args) -> int:
     obj, namespace = _load(args.target)  # errors here, before any process starts
     if not sizes:
         raise SystemExit("coconet tune: give the sizes to tune for, e.g. --size N=16777216")
+    if not 0 <= args.rematch_within < float("inf"):
+        raise SystemExit(
+            f"coconet tune: --rematch-within takes a fraction >= 0, got {args.rematch_within}"
+        )
     scalars = {}
     for item in args.scalar:
         name, _, value = item.partition("=")
@@ -361,6 +368,7 @@ def _tune(args) -> int:
         "top": args.top,
         "measure_all": args.all,
         "reps": args.reps,
+        "rematch_within": args.rematch_within,
         "retune": args.retune,
     }
     options = CommOptions(cache_dir=args.cache_dir)

@@ -42,9 +42,16 @@ def test_the_ranks_agree_on_the_fastest_measured_candidate(options):
     ran = [r for r in measured if r["measured_ms"] is not None]
     assert 2 <= len(measured) <= 4  # top=3, and the baseline if it was not among them
     assert ran and all(math.isfinite(r["measured_ms"]) and r["measured_ms"] > 0 for r in ran)
-    fastest = min(ran, key=lambda r: r["measured_ms"])
-    assert fastest["measured_ms"] == out["winner_ms"]
-    assert fastest["candidate"] == winner
+    fastest, second = sorted(ran, key=lambda r: r["measured_ms"])[:2]
+    again = out["rematch"]
+    if again is None:  # the winner is the fastest measured
+        assert fastest["measured_ms"] == out["winner_ms"]
+        assert fastest["candidate"] == winner
+        assert second["measured_ms"] > 1.15 * fastest["measured_ms"]  # too far for a rematch
+    else:  # the two fastest were close: the faster in their rematch won
+        assert (again["first"], again["second"]) == (fastest["label"], second["label"])
+        assert second["measured_ms"] <= 1.15 * fastest["measured_ms"]
+        assert out["winner_label"] == again["winner"]
     for r in ran:
         assert len(r["steps_ms"]) >= 3
     # The baseline: the unscheduled program on the transport the ranks use, always measured.
@@ -56,6 +63,30 @@ def test_the_ranks_agree_on_the_fastest_measured_candidate(options):
     # The top 3 by prediction were measured.
     by_prediction = sorted(out["rows"], key=lambda r: r["predicted_ms"])
     assert all(r["measured"] for r in by_prediction[:3])
+
+
+@pytest.mark.timeout(90)
+def test_the_two_best_meet_in_a_rematch_whose_winner_every_rank_takes(options):
+    outs = spawn(tune_workers.tune_rematch, 2, 6144, options=options, timeout=85)
+    for key in ("first", "cached", "never"):
+        _same_on_every_rank([o[key] for o in outs], "winner")
+        _same_on_every_rank([o[key] for o in outs], "rematch")
+    first = outs[0]["first"]
+    again = first["rematch"]
+    assert again is not None
+    ran = sorted(
+        (r for r in first["rows"] if r["measured_ms"] is not None), key=lambda r: r["measured_ms"]
+    )
+    assert (again["first"], again["second"]) == (ran[0]["label"], ran[1]["label"])
+    assert len(again["first_ms"]) == len(again["second_ms"]) == 3
+    assert all(math.isfinite(t) and t > 0 for t in again["first_ms"] + again["second_ms"])
+    faster = min(("first", "second"), key=lambda k: sorted(again[f"{k}_ms"])[1])  # the median of 3
+    assert first["winner_label"] == again["winner"] == again[faster]
+    assert "deciding round, their steps interleaved (3 each)" in first["explain"]
+    cached = outs[0]["cached"]
+    assert cached["cached"] and cached["rematch"] == again and cached["winner"] == first["winner"]
+    never = outs[0]["never"]
+    assert never["rematch"] is None and "deciding round" not in never["explain"]
 
 
 @pytest.mark.timeout(60)

@@ -54,6 +54,15 @@ def _summary(comm: Communicator, result, seconds: float) -> dict:
         "json_winner": result.to_json()["winner"],
         "cached": result.cached,
         "seconds": seconds,
+        "rematch": None
+        if result.rematch is None
+        else {
+            "first": result.rematch.first.label,
+            "second": result.rematch.second.label,
+            "first_ms": result.rematch.first_ms,
+            "second_ms": result.rematch.second_ms,
+            "winner": result.rematch.winner.label,
+        },
     }
 
 
@@ -61,6 +70,20 @@ def tune_adam(comm: Communicator, n: int, top: int) -> dict:
     t0 = time.perf_counter()
     result = tune(_adam(), comm, {"N": n}, options=EAGER, state=STATE, top=top, reps=3)
     return _summary(comm, result, time.perf_counter() - t0)
+
+
+def tune_rematch(comm: Communicator, n: int) -> dict:
+    """A tune whose two best always meet in a rematch (``rematch_within`` huge), then the same
+    read from the cache, then one that never rematches."""
+    kwargs = {"options": EAGER, "state": STATE, "top": 3, "reps": 3}
+    t0 = time.perf_counter()
+    first = tune(_adam(), comm, {"N": n}, rematch_within=100.0, **kwargs)
+    out = {"first": _summary(comm, first, time.perf_counter() - t0)}
+    again = tune(_adam(), comm, {"N": n}, rematch_within=100.0, **kwargs)
+    out["cached"] = _summary(comm, again, 0.0)
+    never = tune(_adam(), comm, {"N": n}, rematch_within=0.0, **kwargs)
+    out["never"] = _summary(comm, never, 0.0)
+    return out
 
 
 def tune_twice(comm: Communicator, n: int, top: int) -> dict:

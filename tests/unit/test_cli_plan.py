@@ -1,4 +1,5 @@
-"""``coconet plan``: predicted step times from a cluster description (no processes)."""
+"""``coconet plan``: predicted step times from a cluster description; ``coconet tune``'s argument
+checks (no processes)."""
 
 import json
 import pathlib
@@ -69,3 +70,9 @@ def test_the_hierarchical_all_reduce_follows_the_ring_formula():
     rs, _ = model.collective(Op.REDUCE_SCATTER, TransportKind.TORCH_DISTRIBUTED, s, 16)
     ag, _ = model.collective(Op.ALL_GATHER, TransportKind.TORCH_DISTRIBUTED, s, 16)
     assert rs + ag == pytest.approx(t, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", ["-0.1", "nan", "inf"])
+def test_tune_refuses_a_bad_rematch_fraction_before_starting_ranks(bad):
+    with pytest.raises(SystemExit, match="--rematch-within takes a fraction"):
+        main(["tune", ADAM, "--size", "N=64", "--rematch-within", bad])

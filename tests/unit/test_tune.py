@@ -35,7 +35,7 @@ from coconet.sim.exactness import reassociations
 from coconet.tune import Candidate, Curve, MachineModel, enumerate_candidates, predict
 from coconet.tune.candidates import Rejection, enumerate_schedules
 from coconet.tune.measure import Measurement
-from coconet.tune.tuner import Row, TuneResult
+from coconet.tune.tuner import Row, TuneResult, tune
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -527,8 +527,10 @@ def test_to_json_has_the_documented_keys_and_reads_back():
         "rejected",
         "duplicates",
         "winner",
+        "rematch",
         "seconds",
     }
+    assert doc["rematch"] is None
     assert doc["program"] == "adam" and doc["world_size"] == 2
     assert doc["winner"] == str(result.winner)
     assert len(doc["candidates"]) == len(result.rows)
@@ -544,6 +546,60 @@ def test_to_json_has_the_documented_keys_and_reads_back():
     timed = [r for r in back.rows if r.measured is not None and r.measured.timed_out]
     assert len(timed) == 1
     assert "(from the cache)" in back.explain()
+
+
+def _rematched(first_ms: list[float], second_ms: list[float]) -> TuneResult:
+    """``_result()`` whose two best (fuse_RS_C_AG 1.0 ms, AR_C 1.6 ms) met in a rematch."""
+    from coconet.tune.measure import Rematch
+
+    result = _result()
+    first, second = (r.candidate for r in result.measured[:2])
+    result.rematch = Rematch(first, second, first_ms, second_ms)
+    return result
+
+
+def test_a_rematch_the_runner_up_wins_overturns_the_first_round():
+    result = _rematched([2.0, 2.2, 1.9], [1.5, 1.4, 1.6])
+    assert result.rematch.overturned
+    assert result.winner.name == "AR_C" and result.winner.transport is SHM
+    text = result.explain()
+    assert f"winner: {result.winner.label}" in text
+    assert "deciding round, their steps interleaved (3 each)" in text
+    assert "1.50 ms against 2.00 ms for fuse_RS_C_AG [shared memory]" in text
+    assert "it overturned the first round" in text
+    assert "slower than fuse_RS_C_AG [shared memory] (1.00 ms) in the first round" in text
+    assert "fuse_RS_C_AG [shared memory]: legal, lost the deciding round: 2.00 ms" in text
+    assert "slower by -" not in text
+    rows = [line for line in text.splitlines() if line.lstrip().startswith("1 ")]
+    assert rows and "AR_C [shared memory]" in rows[0] and "winner" in rows[0]
+
+
+def test_a_rematch_the_first_round_winner_wins_keeps_it():
+    result = _rematched([1.0, 1.1, 0.9], [1.5, 1.4, 1.6])
+    assert not result.rematch.overturned
+    assert result.winner.name == "fuse_RS_C_AG"
+    text = result.explain()
+    assert "1.00 ms against 1.50 ms for AR_C [shared memory]" in text
+    assert "overturned" not in text
+    assert "AR_C [shared memory]: legal, lost the deciding round: 1.50 ms against 1.00" in text
+
+
+def test_a_rematch_reads_back_from_json():
+    result = _rematched([2.0, 2.2, 1.9], [1.5, 1.4, 1.6])
+    doc = json.loads(json.dumps(result.to_json()))
+    assert doc["winner"] == str(result.winner)
+    assert doc["rematch"]["first_ms"] == [2.0, 2.2, 1.9]
+    back = TuneResult.from_json(result.program, doc, result.enumeration)
+    assert back.rematch is not None and back.rematch.medians == (2.0, 1.5)
+    assert str(back.rematch.first) == str(result.rematch.first)
+    assert str(back.winner) == str(result.winner)
+
+
+def test_rematch_within_must_be_a_fraction():
+    prog = load_example("adam").program()
+    for bad in (-0.1, float("nan"), True, "0.1"):
+        with pytest.raises(cc.errors.ConfigError, match="rematch_within"):
+            tune(prog, object(), {"N": 64}, rematch_within=bad)
 
 
 def test_measurement_inputs_fit_integer_scalars():

@@ -2,7 +2,8 @@
 
 1. the candidates, best measured first, then the rest by prediction: predicted and measured
    milliseconds, prediction error, and how far each is behind the winner;
-2. the winner and its margin over the runner-up;
+2. the winner and its margin over the runner-up (and, when the two were close, the deciding
+   round that timed them again with their steps interleaved);
 3. each rewrite (split, reorder, as_slice, fuse, a fused collective, overlap, the transport):
    what it was predicted to save and what it did save, where both sides were measured;
 4. why the others lost: illegal rewrites with their ``ScheduleError``, duplicates, legal ones by
@@ -52,7 +53,7 @@ def explain(result: TuneResult) -> str:
         f"{sum(r.measured is not None for r in rows)} measured",
         "",
     ]
-    order = sorted(rows, key=lambda r: (r.score, r.predicted_ms))
+    order = sorted(rows, key=lambda r: (r is not winner, r.score, r.predicted_ms))
     table = []
     for i, r in enumerate(order, 1):
         m = r.measured
@@ -63,7 +64,7 @@ def explain(result: TuneResult) -> str:
         else:
             err = (r.predicted_ms - m.ms) / m.ms
             status = f"{err:+.0%}"
-            behind = "winner" if r is winner else f"+{(m.ms / winner.measured_ms - 1):.0%}"
+            behind = "winner" if r is winner else f"{(m.ms / winner.measured_ms - 1):+.0%}"
         table.append(
             [str(i), r.candidate.label, _ms(r.predicted_ms), _ms(r.measured_ms), status, behind]
         )
@@ -74,15 +75,31 @@ def explain(result: TuneResult) -> str:
     steps = "; ".join(winner.candidate.steps) or "(no transformation)"
     out.append(f"winner: {winner.candidate.label}: {steps}")
     others = [r for r in measured if r is not winner]
+    again = result.rematch
     if others:
         second = others[0]
         margin = second.measured_ms - winner.measured_ms
         out.append(
             f"  {winner.measured_ms:.2f} ms measured ({winner.predicted_ms:.2f} predicted), "
-            f"{margin:.2f} ms ({margin / second.measured_ms:.0%}) faster than the runner-up "
-            f"{second.candidate.label} ({second.measured_ms:.2f} ms)"
+            + (
+                f"{margin:.2f} ms ({margin / second.measured_ms:.0%}) faster than the runner-up "
+                if margin >= 0
+                else f"{-margin:.2f} ms ({-margin / second.measured_ms:.0%}) slower than "
+            )
+            + f"{second.candidate.label} ({second.measured_ms:.2f} ms)"
+            + (" in the first round" if again is not None else "")
         )
-    else:
+    if again is not None:
+        a, b = again.medians
+        fast, slow = (b, a) if again.overturned else (a, b)
+        loser = again.first if again.overturned else again.second
+        out.append(
+            f"  deciding round, their steps interleaved ({len(again.first_ms)} each): "
+            f"{fast:.2f} ms against {slow:.2f} ms for {loser.label} "
+            f"({(slow - fast) / slow:.0%} faster)"
+            + ("; it overturned the first round" if again.overturned else "")
+        )
+    if not others:
         out.append(f"  {winner.measured_ms:.2f} ms measured; no other candidate ran")
     out.append(
         "  where its time goes (predicted): "
@@ -99,8 +116,16 @@ def explain(result: TuneResult) -> str:
         if r is winner:
             continue
         m = r.measured
+        lost_rematch = again is not None and r.candidate in (again.first, again.second)
         if m is not None and m.ms is None:
             out.append(f"  {r.candidate.label}: {m.error}")
+        elif lost_rematch:
+            a, b = again.medians
+            mine, theirs = (a, b) if r.candidate is again.first else (b, a)
+            out.append(
+                f"  {r.candidate.label}: legal, lost the deciding round: {mine:.2f} ms against "
+                f"{theirs:.2f} ({(mine - theirs) / theirs:.0%} slower, steps interleaved)"
+            )
         elif m is not None:
             d = m.ms - winner.measured_ms
             out.append(

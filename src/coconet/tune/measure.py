@@ -13,6 +13,9 @@ Collective: every rank measures the same candidates in the same order. For each 
    failing rank's error, and the tuning goes on. A communicator a failed step broke is replaced
    by a fresh one over the same ranks.
 
+``rematch`` times two candidates again, their steps interleaved: the tuner's deciding round
+between the two best when they are close.
+
 The votes go through the job's default process group (``torch.distributed``), which a broken
 coconet communicator does not affect.
 """
@@ -40,7 +43,7 @@ from coconet.runtime.transport import TransportKind, TransportPolicy
 from coconet.tune.candidates import Candidate
 from coconet.tune.cost import collective_inputs
 
-__all__ = ["Communicators", "Measurement", "communicator_options", "measure"]
+__all__ = ["Communicators", "Measurement", "Rematch", "communicator_options", "measure", "rematch"]
 
 
 @dataclass
@@ -168,16 +171,30 @@ def _max_over_world(values: Sequence[float]) -> list[float]:
     return t.tolist()
 
 
-def _one(
+@dataclass
+class _Ready:
+    """A candidate compiled on its communicator, with this rank's inputs in place."""
+
+    candidate: Candidate
+    comm: Communicator
+    fn: Any
+    inputs: dict[str, Any]
+    originals: dict[str, torch.Tensor]  # the donated inputs' values, restored before each step
+
+    def step(self) -> None:
+        _refill(self.inputs, self.originals)
+        self.fn(**self.inputs)
+
+
+def _prepare(
     candidate: Candidate,
     comms: Communicators,
     sizes: Mapping[str, int],
     options: CompileOptions,
     scalars: Mapping[str, float],
-    warmup: int,
-    reps: int,
-    budget_s: float,
-) -> Measurement:
+) -> _Ready | Measurement:
+    """Compile ``candidate`` and build its inputs; a failed ``Measurement`` if any rank could
+    not (the same on every rank: the ranks vote)."""
     from coconet.compiler import compile as coconet_compile
 
     comm = comms.get(candidate.transport, candidate.algorithms)
@@ -210,13 +227,29 @@ def _one(
         for k, v in inputs.items()
         if k in options.donate and isinstance(v, torch.Tensor)
     }
+    return _Ready(candidate, comm, fn, inputs, originals)
+
+
+def _one(
+    candidate: Candidate,
+    comms: Communicators,
+    sizes: Mapping[str, int],
+    options: CompileOptions,
+    scalars: Mapping[str, float],
+    warmup: int,
+    reps: int,
+    budget_s: float,
+) -> Measurement:
+    ready = _prepare(candidate, comms, sizes, options, scalars)
+    if isinstance(ready, Measurement):
+        return ready
+    error: str | None = None
     times: list[float] = []
     timed_out = False
     try:
         start = time.perf_counter()
         for _ in range(warmup):
-            _refill(inputs, originals)
-            fn(**inputs)
+            ready.step()
         warm_s = _max_over_world([time.perf_counter() - start])[0]
         timed_out = warm_s > budget_s
         if not timed_out:
@@ -224,11 +257,7 @@ def _one(
             n = max(3, min(reps, int(budget_s / max(per_step, 1e-6))))
             n = _max_over_world([n])[0]  # every rank times the same number of steps
             for _ in range(int(n)):
-                _refill(inputs, originals)
-                comm.barrier("tuning")
-                t0 = time.perf_counter()
-                fn(**inputs)
-                times.append(time.perf_counter() - t0)
+                times.append(_timed_step(ready))
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
     error = _vote_failed(error is not None, error)
@@ -245,6 +274,84 @@ def _one(
     slowest = _max_over_world(times)
     ms = [1e3 * t for t in slowest]
     return Measurement(candidate, statistics.median(ms), ms)
+
+
+def _timed_step(ready: _Ready) -> float:
+    """Seconds of one step on this rank, started after a barrier (the ranks start together)."""
+    _refill(ready.inputs, ready.originals)
+    ready.comm.barrier("tuning")
+    t0 = time.perf_counter()
+    ready.fn(**ready.inputs)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Rematch:
+    """The two best measured candidates timed again, step for step in turn (A B B A A B ...),
+    so that a slow spell of the machine falls on both alike: on a shared host the first round,
+    which times one candidate after the other, can rank two close ones by when each ran."""
+
+    first: Candidate  # the first round's winner
+    second: Candidate  # its runner-up
+    first_ms: list[float]  # each step, the slowest rank's
+    second_ms: list[float]
+
+    @property
+    def medians(self) -> tuple[float, float]:
+        return statistics.median(self.first_ms), statistics.median(self.second_ms)
+
+    @property
+    def overturned(self) -> bool:
+        """Whether the runner-up was the faster in the rematch."""
+        a, b = self.medians
+        return b < a
+
+    @property
+    def winner(self) -> Candidate:
+        return self.second if self.overturned else self.first
+
+    def to_json(self) -> dict[str, Any]:
+        return {"first_ms": self.first_ms, "second_ms": self.second_ms}
+
+
+def rematch(
+    first: Candidate,
+    second: Candidate,
+    comms: Communicators,
+    sizes: Mapping[str, int],
+    *,
+    options: CompileOptions | None = None,
+    scalars: Mapping[str, float] | None = None,
+    steps: int = 7,
+) -> Rematch | None:
+    """Time ``first`` and ``second`` again, ``steps`` steps each, interleaved (see ``Rematch``).
+    Collective. None if either failed on any rank (the first round's ranking then stands)."""
+    options = options or CompileOptions()
+    ready = []
+    for c in (first, second):
+        r = _prepare(c, comms, sizes, options, scalars or {})
+        if isinstance(r, Measurement):
+            return None
+        ready.append(r)
+    times: tuple[list[float], list[float]] = ([], [])
+    error = None
+    try:
+        for r in ready:
+            r.step()  # warm: its kernels compiled in the first round, its buffers not yet hot
+        for i in range(steps):
+            # A B, then B A: neither always runs right after the other's step
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            for j in order:
+                times[j].append(_timed_step(ready[j]))
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    if _vote_failed(error is not None, error) is not None:
+        for c in (first, second):
+            comms.discard(c.transport, c.algorithms)
+        return None
+    slowest = _max_over_world(times[0] + times[1])
+    ms = [1e3 * t for t in slowest]
+    return Rematch(first, second, ms[:steps], ms[steps:])
 
 
 def _trim_heap() -> None:

@@ -12,7 +12,10 @@ the program on every transport the ranks can use (``coconet.tune.candidates``). 
 (calibrated once per machine, ``coconet.tune.calibrate``) predicts each; the ``top`` best
 predicted, and always the unscheduled program (the baseline a rewrite has to beat, visibly), are
 measured on the real ranks (``coconet.tune.measure``). The winner is the fastest measured; every
-rank gets the same, since each measured time is the slowest rank's. The result is cached
+rank gets the same, since each measured time is the slowest rank's. When the runner-up is
+within ``rematch_within`` of it, the two are timed again with their steps interleaved (a
+``Rematch``), and the faster there wins: on a shared host a slow spell during one candidate's
+turn can otherwise decide between two close ones. The result is cached
 (``coconet.tune.store``): a second tune of the same case is read back, ``retune=True`` measures
 again.
 """
@@ -35,7 +38,14 @@ from coconet.tune import store
 from coconet.tune.calibrate import calibrate
 from coconet.tune.candidates import CHUNKS, Candidate, Enumeration, enumerate_candidates
 from coconet.tune.cost import MachineModel, Part, predict
-from coconet.tune.measure import Communicators, Measurement, communicator_options, measure
+from coconet.tune.measure import (
+    Communicators,
+    Measurement,
+    Rematch,
+    communicator_options,
+    measure,
+    rematch,
+)
 
 __all__ = ["Row", "TuneResult", "tune"]
 
@@ -71,6 +81,7 @@ class TuneResult:
     options: dict[str, Any] = field(default_factory=dict)
     cached: bool = False
     seconds: float = 0.0
+    rematch: Rematch | None = None  # the deciding round between the two best, if they were close
 
     @property
     def measured(self) -> list[Row]:
@@ -86,6 +97,10 @@ class TuneResult:
                 details=[f"{r.candidate.label}: {r.measured.error}" for r in self.measured][:8],
                 hint="look at the errors above; coconet.compile the program itself to debug",
             )
+        if self.rematch is not None:
+            for r in done:
+                if r.candidate is self.rematch.winner:
+                    return r
         return done[0]
 
     @property
@@ -140,8 +155,16 @@ class TuneResult:
             "duplicates": self.enumeration.duplicates,
             "winner": str(self.winner) if any(r.measured_ms is not None for r in self.rows)
             else None,
+            "rematch": None if self.rematch is None else {
+                "first": self._index(self.rematch.first),
+                "second": self._index(self.rematch.second),
+                **self.rematch.to_json(),
+            },
             "seconds": self.seconds,
         }
+
+    def _index(self, candidate: Candidate) -> int:
+        return next(i for i, r in enumerate(self.rows) if r.candidate is candidate)
 
     @classmethod
     def from_json(cls, program: Program, doc: Mapping[str, Any], enumeration: Enumeration):
@@ -159,6 +182,15 @@ class TuneResult:
                     bool(c.get("timed_out", False)),
                 )
             rows.append(Row(cand, float(c["predicted_ms"]), parts, m))
+        rm = doc.get("rematch")
+        again = None
+        if rm is not None:
+            again = Rematch(
+                rows[int(rm["first"])].candidate,
+                rows[int(rm["second"])].candidate,
+                [float(x) for x in rm["first_ms"]],
+                [float(x) for x in rm["second_ms"]],
+            )
         return cls(
             program,
             dict(doc["sizes"]),
@@ -169,6 +201,7 @@ class TuneResult:
             dict(doc.get("options", {})),
             cached=True,
             seconds=float(doc.get("seconds", 0.0)),
+            rematch=again,
         )
 
 
@@ -199,6 +232,7 @@ def tune(
     chunks: Sequence[int] = CHUNKS,
     reps: int = 7,
     budget_s: float = 60.0,
+    rematch_within: float = 0.15,
     retune: bool = False,
     recalibrate: bool | None = None,
     only: Sequence[str] | None = None,
@@ -218,7 +252,9 @@ def tune(
     again. ``transports``: restrict them
     (default: shared memory and torch.distributed on one host, torch.distributed across
     hosts). ``budget_s``: a candidate
-    whose warm-up takes longer scores as timed out. ``fix_algorithms``: on torch.distributed,
+    whose warm-up takes longer scores as timed out. ``rematch_within``: when the runner-up
+    measured within this fraction of the winner, time the two again, interleaved, and keep the
+    faster there (0: never). ``fix_algorithms``: on torch.distributed,
     measure each candidate with the collective algorithms the model chose (False: with the
     communicator's own choice, for a caller that runs the winner on its communicator as it is).
     """
@@ -227,6 +263,16 @@ def tune(
             f"tune takes a Program, got {type(program).__name__}",
             op="tune",
             hint="tune(program, comm, sizes={'N': 1 << 24})",
+        )
+    if (
+        isinstance(rematch_within, bool)
+        or not isinstance(rematch_within, (int, float))
+        or not 0 <= rematch_within < math.inf
+    ):
+        raise ConfigError(
+            f"rematch_within must be a fraction >= 0, got {rematch_within!r}",
+            op="tune",
+            hint="tune(..., rematch_within=0.15): a runner-up within 15% is timed again",
         )
     if not isinstance(comm, Communicator):
         raise ConfigError(
@@ -262,6 +308,8 @@ def tune(
         "state": list(state),
         "fix_algorithms": fix_algorithms,
         "reps": reps,
+        "budget_s": budget_s,
+        "rematch_within": rematch_within,
         "scalars": dict(scalars or {}),
         "compile options": {k: str(v) for k, v in sorted(vars(options).items())},
     }
@@ -316,6 +364,17 @@ def tune(
         bar.close()
     for i, m in zip(picked, results, strict=True):
         rows[i].measured = m
+    again = None
+    done = sorted(
+        (rows[i] for i in picked if rows[i].measured_ms is not None),
+        key=lambda r: r.measured_ms,
+    )
+    # every rank has the same times (the slowest rank's): every rank decides alike
+    close = len(done) >= 2 and done[1].measured_ms <= done[0].measured_ms * (1 + rematch_within)
+    if only is None and rematch_within > 0 and close:
+        a, b = done[0].candidate, done[1].candidate
+        say(f"rematch: {a.label} and {b.label} are within {rematch_within:.0%}: timed again")
+        again = rematch(a, b, comms, sizes, options=options, scalars=scalars, steps=reps)
     result = TuneResult(
         program,
         dict(sizes),
@@ -326,6 +385,7 @@ def tune(
         settings,
         cached=False,
         seconds=time.perf_counter() - began,
+        rematch=again,
     )
     if only is not None:  # a partial measurement is not a tuning result
         return result
