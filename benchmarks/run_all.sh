@@ -40,6 +40,11 @@ done
 "$PY" -m coconet.cli tune examples/adam.py:program --nproc 2 --size N=16777216 --commit swap \
   --retune --json "$R/tune_adam_16M.json" | tee "$R/tune_adam_16M.txt"
 
+# The tuner's first round (one candidate after the other) against its deciding round (steps
+# interleaved), six repeats each.
+"$PY" benchmarks/tune_rematch.py --size 16M --json "$R/tune_rematch_16M.json" \
+  | tee "$R/tune_rematch_16M.txt"
+
 # The tuner: every candidate of data-parallel Adam predicted and measured at 1M, 16M, 64M
 # parameters (is the default tune's pick within 5% of the best? predictions within 25%?), and
 # coconet plan's BERT-large table on a DGX-A100-like cluster.

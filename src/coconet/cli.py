@@ -113,9 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--top", type=int, default=4, help="measure the N best predicted (default 4)")
     tu.add_argument("--all", action="store_true", help="measure every candidate")
     tu.add_argument("--reps", type=int, default=7, help="timed steps per candidate (default 7)")
-    tu.add_argument("--rematch-within", type=float, default=0.15, metavar="FRACTION",
+    tu.add_argument("--rematch-within", type=float, default=0.5, metavar="FRACTION",
                     help="time the two best again, their steps interleaved, when the runner-up "
-                    "is within this fraction of the winner (default 0.15; 0: never)")
+                    "is within this fraction of the winner (default 0.5; 0: never)")
     tu.add_argument("--donate", help="inputs the step may overwrite, comma separated (e.g. g)")
     tu.add_argument("--commit", choices=["copy", "swap"], default="copy",
                     help="how updates are committed (CompileOptions.commit; default copy)")

@@ -47,10 +47,10 @@ def test_the_ranks_agree_on_the_fastest_measured_candidate(options):
     if again is None:  # the winner is the fastest measured
         assert fastest["measured_ms"] == out["winner_ms"]
         assert fastest["candidate"] == winner
-        assert second["measured_ms"] > 1.15 * fastest["measured_ms"]  # too far for a rematch
+        assert second["measured_ms"] > 1.5 * fastest["measured_ms"]  # too far for a rematch
     else:  # the two fastest were close: the faster in their rematch won
         assert (again["first"], again["second"]) == (fastest["label"], second["label"])
-        assert second["measured_ms"] <= 1.15 * fastest["measured_ms"]
+        assert second["measured_ms"] <= 1.5 * fastest["measured_ms"]
         assert out["winner_label"] == again["winner"]
     for r in ran:
         assert len(r["steps_ms"]) >= 3

@@ -14,8 +14,9 @@ predicted, and always the unscheduled program (the baseline a rewrite has to bea
 measured on the real ranks (``coconet.tune.measure``). The winner is the fastest measured; every
 rank gets the same, since each measured time is the slowest rank's. When the runner-up is
 within ``rematch_within`` of it, the two are timed again with their steps interleaved (a
-``Rematch``), and the faster there wins: on a shared host a slow spell during one candidate's
-turn can otherwise decide between two close ones. The result is cached
+``Rematch``), and the faster there wins. On a shared host the first round, one candidate after
+the other, can rank two candidates by when each ran (``benchmarks/tune_rematch.py`` compares
+the two ways). The result is cached
 (``coconet.tune.store``): a second tune of the same case is read back, ``retune=True`` measures
 again.
 """
@@ -232,7 +233,7 @@ def tune(
     chunks: Sequence[int] = CHUNKS,
     reps: int = 7,
     budget_s: float = 60.0,
-    rematch_within: float = 0.15,
+    rematch_within: float = 0.5,
     retune: bool = False,
     recalibrate: bool | None = None,
     only: Sequence[str] | None = None,
@@ -272,7 +273,7 @@ def tune(
         raise ConfigError(
             f"rematch_within must be a fraction >= 0, got {rematch_within!r}",
             op="tune",
-            hint="tune(..., rematch_within=0.15): a runner-up within 15% is timed again",
+            hint="tune(..., rematch_within=0.5): a runner-up within 50% is timed again",
         )
     if not isinstance(comm, Communicator):
         raise ConfigError(
