@@ -35,7 +35,7 @@ from coconet.sim.exactness import reassociations
 from coconet.tune import Candidate, Curve, MachineModel, enumerate_candidates, predict
 from coconet.tune.candidates import Rejection, enumerate_schedules
 from coconet.tune.measure import Measurement
-from coconet.tune.tuner import Row, TuneResult, tune
+from coconet.tune.tuner import Row, TuneResult, candidate_rows, tune
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -450,6 +450,61 @@ def test_overlap_never_predicts_slower(chunks):
     assert any(
         predict(c, sizes, machine(overlap=1.0), 2).ms < predict(c, sizes, machine(), 2).ms
         for c in overlapped
+    )
+
+
+def _all_to_all_faster() -> MachineModel:
+    """``machine()`` whose all_to_all algorithms beat the native ones on torch.distributed."""
+    model = machine()
+    for op, beta in ((Op.ALL_REDUCE, 2e-9), (Op.REDUCE_SCATTER, 1e-9), (Op.ALL_GATHER, 1e-9)):
+        model.collectives[(TD, op, Algorithm.ALL_TO_ALL, False)] = _line(20e-6, 0.5 * beta)
+    return model
+
+
+def test_torch_distributed_rows_add_the_native_algorithms_when_the_model_chose_others():
+    model = _all_to_all_faster()
+    cands = list(_adam_candidates())
+    rows = candidate_rows(cands, lambda c: predict(c, {"N": 1 << 20}, model, 2))
+    shm = [r for r in rows if r.candidate.transport is SHM]
+    td = [r for r in rows if r.candidate.transport is TD]
+    assert len(shm) == len(cands) // 2 and all(r.candidate.algorithms == () for r in shm)
+    assert len(td) == 2 * (len(cands) // 2)  # every schedule communicates: two variants each
+    by_schedule: dict = {}
+    for r in td:
+        by_schedule.setdefault(r.candidate.recipe, []).append(r)
+    for recipe, (chosen, native) in by_schedule.items():
+        assert {a for _, a in chosen.candidate.algorithms} == {Algorithm.ALL_TO_ALL}, recipe
+        assert {a for _, a in native.candidate.algorithms} == {Algorithm.NATIVE}, recipe
+        assert [op for op, _ in chosen.candidate.algorithms] == [
+            op for op, _ in native.candidate.algorithms
+        ]
+        assert chosen.predicted_ms < native.predicted_ms, recipe  # the model's choice is its best
+    assert len({r.candidate.key for r in rows}) == len(rows)  # all distinct candidates
+
+
+def test_no_native_variant_when_the_model_chose_native_or_algorithms_are_left_open():
+    cands = list(_adam_candidates())
+    model = machine()  # native is the fastest everywhere
+    rows = candidate_rows(cands, lambda c: predict(c, {"N": 1 << 20}, model, 2))
+    assert len(rows) == len(cands)
+    fast = _all_to_all_faster()
+    rows = candidate_rows(cands, lambda c: predict(c, {"N": 1 << 20}, fast, 2), False)
+    assert [r.candidate for r in rows] == cands  # the communicator chooses: one row each
+
+
+def test_explain_counts_and_compares_the_native_variants():
+    model = _all_to_all_faster()
+    prog = load_example("adam").program()
+    cands, found = enumerate_candidates(prog, [SHM, TD], state=ADAM_STATE)
+    rows = candidate_rows(cands, lambda c: predict(c, {"N": 4096}, model, 2))
+    rows[0].measured = Measurement(rows[0].candidate, 1.0, [1.0])
+    result = TuneResult(prog, {"N": 4096}, 2, rows, found, model.description)
+    text = result.explain()
+    n = len(found.schedules)
+    assert f"{len(rows)} candidates ({n} schedules x 2 transport(s), and {n} with " in text
+    assert (
+        "native algorithms instead of all_reduce=all_to_all (unscheduled, torch.distributed)"
+        in text
     )
 
 

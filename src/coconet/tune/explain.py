@@ -44,13 +44,17 @@ def explain(result: TuneResult) -> str:
     rows = result.rows
     measured = [r for r in result.measured if r.measured_ms is not None]
     winner = result.winner_row
+    extra = len(rows) - len(result.enumeration.schedules) * len(
+        {r.candidate.transport for r in rows}
+    )
     out = [
         f"coconet tune: {result.program.name} with {_sizes(result.sizes)} on {result.world} "
         f"rank(s)" + (" (from the cache)" if result.cached else f" ({result.seconds:.1f} s)"),
         f"cost model: {result.machine}",
         f"{len(rows)} candidates ({len(result.enumeration.schedules)} schedules x "
-        f"{len({r.candidate.transport for r in rows})} transport(s)), "
-        f"{sum(r.measured is not None for r in rows)} measured",
+        f"{len({r.candidate.transport for r in rows})} transport(s)"
+        + (f", and {extra} with torch.distributed's native algorithms" if extra else "")
+        + f"), {sum(r.measured is not None for r in rows)} measured",
         "",
     ]
     order = sorted(rows, key=lambda r: (r is not winner, r.score, r.predicted_ms))
@@ -161,7 +165,9 @@ def _kinds(row: Row) -> dict[str, float]:
 
 
 def _rewrites(result: TuneResult) -> list[str]:
-    by = {(r.candidate.recipe, r.candidate.transport): r for r in result.rows}
+    by: dict = {}
+    for r in result.rows:  # on torch.distributed, the row with the model's algorithms
+        by.setdefault((r.candidate.recipe, r.candidate.transport), r)
     lines = []
     for r in result.rows:
         parent = r.candidate.parent_recipe
@@ -184,6 +190,18 @@ def _rewrites(result: TuneResult) -> list[str]:
             base = by[(r.candidate.recipe, td)]
             lines.append(
                 _saving(f"shared memory instead of torch.distributed ({r.candidate.name})", base, r)
+            )
+    for r in result.rows:
+        first = by[(r.candidate.recipe, r.candidate.transport)]
+        if r is not first and r.candidate.transport is td:
+            chosen = ", ".join(f"{op.value}={a.value}" for op, a in first.candidate.algorithms)
+            lines.append(
+                _saving(
+                    f"native algorithms instead of {chosen} ({r.candidate.name}, "
+                    "torch.distributed)",
+                    first,
+                    r,
+                )
             )
     return lines or ["  (no candidate is one rewrite away from another)"]
 

@@ -34,7 +34,7 @@ from coconet.errors import ConfigError
 from coconet.ir.program import Program
 from coconet.options import CompileOptions
 from coconet.runtime.comm import Communicator
-from coconet.runtime.transport import TransportKind
+from coconet.runtime.transport import Algorithm, TransportKind
 from coconet.tune import store
 from coconet.tune.calibrate import calibrate
 from coconet.tune.candidates import CHUNKS, Candidate, Enumeration, enumerate_candidates
@@ -48,7 +48,7 @@ from coconet.tune.measure import (
     rematch,
 )
 
-__all__ = ["Row", "TuneResult", "tune"]
+__all__ = ["Row", "TuneResult", "candidate_rows", "tune"]
 
 
 @dataclass
@@ -326,24 +326,23 @@ def tune(
               "commit_vote": options.commit_vote}
         return predict(c, sizes, model, comm.mesh, **kw)
 
-    rows = []
-    for c in candidates:
-        p = predicted(c)
-        if fix_algorithms and c.transport is TransportKind.TORCH_DISTRIBUTED and p.algorithms:
-            # measured with the algorithms the model chose (the prediction used the same)
-            c = c.with_algorithms(p.algorithms)
-            p = predicted(c)
-        rows.append(Row(c, p.ms, p.parts))
+    rows = candidate_rows(candidates, predicted, fix_algorithms)
     ranked = sorted(range(len(rows)), key=lambda i: rows[i].predicted_ms)
     picked = ranked if measure_all else ranked[:top]
     if only is not None:
         wanted = set(only)
         picked = [i for i in ranked if rows[i].candidate.label in wanted]
     own = comm.transport_of(None)
-    for i, r in enumerate(rows):  # the baseline: unscheduled, on the transport the ranks use
-        baseline = r.candidate.schedule is None and r.candidate.transport is own
-        if baseline and i not in picked and only is None:
-            picked.append(i)
+    # The baseline: unscheduled, on the transport the ranks use (its first row: on
+    # torch.distributed, with the model's algorithms).
+    baselines = [
+        i
+        for i, r in enumerate(rows)
+        if r.candidate.schedule is None and r.candidate.transport is own
+    ]
+    baseline = baselines[0] if baselines else None
+    if baseline is not None and baseline not in picked and only is None:
+        picked.append(baseline)
     bar = _bar(len(picked), progress is True and comm.rank == 0)
 
     def done(c: Candidate, m: Measurement) -> None:
@@ -394,6 +393,31 @@ def tune(
         comm, key, result.to_json() if any(r.measured_ms is not None for r in rows) else None
     )
     return result
+
+
+def candidate_rows(
+    candidates: Sequence[Candidate],
+    predicted: Callable[[Candidate], Any],
+    fix_algorithms: bool = True,
+) -> list[Row]:
+    """A predicted row per candidate and, on torch.distributed (``fix_algorithms``), per choice
+    of collective algorithms: the model's fastest for each op, and the library's own (native)
+    for every op when that differs, so that measurement can overrule the model's choice as it
+    overrules its ranking of schedules. Without ``fix_algorithms`` a candidate leaves the
+    algorithms to the communicator (one row)."""
+    rows = []
+    for c in candidates:
+        p = predicted(c)
+        if not (fix_algorithms and c.transport is TransportKind.TORCH_DISTRIBUTED and p.algorithms):
+            rows.append(Row(c, p.ms, p.parts))
+            continue
+        chosen = dict(p.algorithms)
+        native = {op: Algorithm.NATIVE for op in chosen}
+        for algorithms in [chosen] + ([native] if native != chosen else []):
+            v = c.with_algorithms(algorithms)
+            pv = predicted(v)  # with these algorithms fixed
+            rows.append(Row(v, pv.ms, pv.parts))
+    return rows
 
 
 def size_class(nbytes: int) -> str:
