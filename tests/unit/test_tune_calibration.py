@@ -96,8 +96,7 @@ def test_the_calibrated_curves_recover_the_fake_alpha_and_beta(model):
         for (transport, kind), (alpha, beta) in COSTS.items():
             if kind == "in place" and op is not Op.ALL_REDUCE:
                 continue
-            key = (transport, op, kind if isinstance(kind, Algorithm) else None,
-                   kind == "in place")
+            key = (transport, op, kind if isinstance(kind, Algorithm) else None, kind == "in place")
             curve = model.collectives[key]
             assert curve.alpha == pytest.approx(alpha, rel=1e-3), key
             assert curve.beta == pytest.approx(beta, rel=1e-3), key
@@ -121,3 +120,72 @@ def test_control_and_the_step_calls_fixed_cost(model):
     for t in (SHM, TD):
         assert model.control[t] == pytest.approx(CONTROL[t], rel=1e-3)
         assert model.step_overhead[t] == pytest.approx(1e-4 - model.op_overhead, abs=1e-6)
+
+
+# -- extending the calibration to the sizes a tune needs ----------------------------------------
+
+KNEE = 1 << 20  # past this many bytes the fake torch.distributed collectives get 3x slower
+
+
+class SlowPastTheKnee(FakeTorch):
+    def run_for_measurement(self, op, algorithm, group, numel, device) -> None:
+        alpha, beta = COSTS[(TD, algorithm)]
+        nbytes = numel * 4
+        self.clock.now += alpha + beta * min(nbytes, KNEE) + 3 * beta * max(0, nbytes - KNEE)
+
+
+@pytest.fixture
+def small(monkeypatch):
+    """A model calibrated up to KNEE only, and the communicators that made it."""
+    clock = Clock()
+    monkeypatch.setattr(cal, "time", clock)
+    monkeypatch.setattr(cal, "MEMORY_ELEMENTS", (1024, 4096))
+    monkeypatch.setattr(cal, "COLLECTIVE_BYTES", (64 << 10, 256 << 10, KNEE))
+    monkeypatch.setattr(cal, "_step_seconds", lambda comm: 3 * CONTROL[comm.transport] + 1e-4)
+    # the memory probes at the extension's sizes would allocate for real: a known line instead
+    monkeypatch.setattr(
+        cal, "_memory", lambda comm, elements=(1024, 4096): [(16.0 * n, 1e-6 * n) for n in elements]
+    )
+    monkeypatch.setattr(
+        cal, "_eager", lambda comm, elements=(1024, 4096): [(20.0 * n, 2e-6 * n) for n in elements]
+    )
+    comms = {t: FakeComm(t, clock) for t in (SHM, TD)}
+    for c in comms.values():
+        c.torch = SlowPastTheKnee(clock)
+    return cal.calibrate(comms), comms
+
+
+def test_extension_sizes_leave_nothing_more_than_2x_past_a_measured_size():
+    assert cal.extension_sizes(64 << 20, 64 << 20) == []
+    assert cal.extension_sizes(64 << 20, 128 << 20) == []  # 2x: close enough
+    assert cal.extension_sizes(64 << 20, 200 << 20) == [200 << 20]
+    assert cal.extension_sizes(64 << 20, 1 << 30) == [256 << 20, 1 << 30]
+    assert cal.extension_sizes(float("inf"), 1 << 40) == []  # a cluster's formulas
+    for measured, needed in ((1 << 16, 3 << 27), (5 << 20, 7 << 30)):
+        sizes = cal.extension_sizes(measured, needed)
+        assert sizes[-1] == needed and sizes == sorted(sizes)
+        for a, b in zip([measured, *sizes], sizes, strict=False):
+            assert b <= 4 * a
+
+
+def test_extend_measures_past_the_calibrated_range_and_predicts_what_it_measured(small):
+    model, comms = small
+    assert cal.calibrated_bytes(model) == KNEE
+    needed = 16 * KNEE
+    alpha, beta = COSTS[(TD, Algorithm.NATIVE)]
+    truth = alpha + beta * KNEE + 3 * beta * (needed - KNEE)
+    guessed, _ = model.collective(Op.ALL_GATHER, TD, needed, 2, Algorithm.NATIVE)
+    assert guessed < 0.5 * truth  # the line fitted below the knee misses it
+    bigger = cal.extend(model, comms, needed)
+    assert cal.calibrated_bytes(bigger) == needed
+    for key, curve in bigger.collectives.items():
+        assert [b for b, _ in curve.points] == [64 << 10, 256 << 10, KNEE, 4 * KNEE, needed], key
+        assert curve.points[:3] == model.collectives[key].points[:3]  # the old points are kept
+    got, _ = bigger.collective(Op.ALL_GATHER, TD, needed, 2, Algorithm.NATIVE)
+    assert got == pytest.approx(truth, rel=1e-6)
+    # shared memory stays linear: the extension agrees with the old line there
+    shm, _ = bigger.collective(Op.ALL_REDUCE, SHM, needed, 2)
+    a, b = COSTS[(SHM, None)]
+    assert shm == pytest.approx(a + b * needed, rel=1e-3)
+    assert [p[0] for p in bigger.memory.points][-1] == 16.0 * (needed // 4)
+    assert cal.extend(bigger, comms, needed) is bigger  # nothing left to measure

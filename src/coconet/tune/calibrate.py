@@ -18,13 +18,18 @@ every rank ends with the same model (and would choose the same schedule). What i
 
 About 10-20 s on this kind of 2-core host; the result is cached per machine and world
 (``coconet.tune.store``), so a program's second tune reuses it.
+
+``extend`` measures the same probes at a larger size when a tune needs one: a curve is never
+trusted more than 2x past the largest size it was measured at (gloo's collectives, and eager ops
+on tensors of hundreds of MiB, slow down more than linearly there).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -33,7 +38,14 @@ from coconet.runtime.comm import Communicator
 from coconet.runtime.transport import TransportKind
 from coconet.tune.cost import Curve, MachineModel
 
-__all__ = ["COLLECTIVE_BYTES", "MEMORY_ELEMENTS", "calibrate"]
+__all__ = [
+    "COLLECTIVE_BYTES",
+    "MEMORY_ELEMENTS",
+    "calibrate",
+    "calibrated_bytes",
+    "extend",
+    "extension_sizes",
+]
 
 KiB, MiB = 1 << 10, 1 << 20
 COLLECTIVE_BYTES: tuple[int, ...] = (64 * KiB, 1 * MiB, 8 * MiB, 64 * MiB)
@@ -58,24 +70,28 @@ def _timed(comm: Communicator, run: Callable[[], None], reps: int) -> float:
     return statistics.median(times)
 
 
-def _memory(comm: Communicator) -> list[tuple[float, float]]:
+def _memory(
+    comm: Communicator, elements: Sequence[int] = MEMORY_ELEMENTS
+) -> list[tuple[float, float]]:
     """(bytes moved, seconds) of a fused kernel's kind of work: one pass that reads three
     streams and writes a new tensor (``addcmul``), as a generated kernel reads the gradient and
     the state and writes the new values."""
     points = []
-    for n in MEMORY_ELEMENTS:
+    for n in elements:
         a, b, c = (torch.rand(n, device=comm.device) for _ in range(3))
         run = lambda a=a, b=b, c=c: torch.addcmul(a, b, c)  # noqa: E731
         points.append((16.0 * n, _timed(comm, run, _reps(16 * n))))
     return points
 
 
-def _eager(comm: Communicator) -> list[tuple[float, float]]:
+def _eager(
+    comm: Communicator, elements: Sequence[int] = MEMORY_ELEMENTS
+) -> list[tuple[float, float]]:
     """(bytes moved, seconds) of eager ops as unfused generated code runs them: one op after
     the other, each allocating its result, with a 0-d scalar operand (``mul`` then ``add``;
     the temporary dies at once, as the step's do)."""
     points = []
-    for n in MEMORY_ELEMENTS:
+    for n in elements:
         a, b = (torch.rand(n, device=comm.device) for _ in range(2))
         s = torch.tensor(0.5, device=comm.device)
         run = lambda a=a, b=b, s=s: torch.add(torch.mul(a, s), b)  # noqa: E731
@@ -241,3 +257,87 @@ def calibrate(
         t: max(0.0, s - 3 * control[t] - op_s) for t, s in steps.items()
     }
     return model
+
+
+def calibrated_bytes(model: MachineModel) -> float:
+    """The largest message every collective curve of ``model`` was measured at (inf for a
+    cluster description's formulas, which hold at any size)."""
+    if model.formula is not None or not model.collectives:
+        return float("inf")
+    return min((c.points[-1][0] if c.points else 0.0) for c in model.collectives.values())
+
+
+def extension_sizes(measured: float, needed: float) -> list[int]:
+    """The message sizes to measure so that nothing up to ``needed`` bytes lies more than 2x
+    past a measured size: 4x steps up from ``measured``, the last one ``needed`` itself."""
+    if not measured * 2 < needed:
+        return []
+    sizes: list[int] = []
+    size = float(measured)
+    while size * 4 < needed:
+        size *= 4
+        sizes.append(int(size))
+    return [*sizes, int(needed)]
+
+
+def extend(
+    model: MachineModel,
+    comms: Mapping[TransportKind, Communicator],
+    needed: int,
+    progress: Callable[[str], None] | None = None,
+) -> MachineModel:
+    """``model`` with every collective curve, and the memory and eager curves, also measured
+    up to ``needed`` bytes (a tune's largest tensor; see ``extension_sizes``), each time the
+    slowest rank's. Collective: every rank calls it with the same model (rank 0's cached copy,
+    or the same calibration) and communicators."""
+    say = progress or (lambda _msg: None)
+    sizes = extension_sizes(calibrated_bytes(model), needed)
+    if not sizes:
+        return model
+    comm = next(iter(comms.values()))
+    world = comm.world
+    elements = [max(world, b // 4 - (b // 4) % world) for b in sizes]
+    say(f"memory bandwidth up to {sizes[-1] / MiB:.0f} MiB")
+    memory_new = _memory(comm, elements)
+    eager_new = _eager(comm, elements)
+    measured: dict = {}
+    for key in sorted(model.collectives, key=_key_order):
+        transport, op, algorithm, in_place = key
+        c = comms.get(transport)
+        if c is None:
+            continue  # a transport this tune does not use: its curve stays as it was
+        say(f"{transport.value} {op.value}" + (f" ({algorithm.value})" if algorithm else "")
+            + (" in place" if in_place else "") + f" up to {sizes[-1] / MiB:.0f} MiB")
+        buffers: dict[int, torch.Tensor] = {}
+        points = []
+        for numel in elements:
+            if transport is TransportKind.TORCH_DISTRIBUTED and algorithm is not None:
+                run = _torch_collective_run(c, op, algorithm, numel)
+            else:
+                run = _collective_run(c, op, numel, in_place, buffers)
+            points.append((float(numel * 4), _timed(c, run, 3)))
+        measured[key] = points
+    flat = [t for _, t in memory_new] + [t for _, t in eager_new]
+    for points in measured.values():
+        flat += [t for _, t in points]
+    agreed = iter(comm.max_over_world(flat, "cost model extension"))
+    memory_new = [(b, next(agreed)) for b, _ in memory_new]
+    eager_new = [(b, next(agreed)) for b, _ in eager_new]
+    curves = dict(model.collectives)
+    for key, points in measured.items():
+        curves[key] = Curve.fit(list(model.collectives[key].points) + [
+            (b, next(agreed)) for b, _ in points
+        ])
+    return dataclasses.replace(
+        model,
+        collectives=curves,
+        memory=Curve.fit(list(model.memory.points) + memory_new),
+        eager=Curve.fit(list(model.eager.points) + eager_new) if model.eager is not None
+        else None,
+    )
+
+
+def _key_order(key) -> tuple:
+    """Every rank measures the curves in the same order."""
+    transport, op, algorithm, in_place = key
+    return (transport.value, op.value, algorithm.value if algorithm else "", in_place)

@@ -36,7 +36,7 @@ from coconet.options import CompileOptions
 from coconet.runtime.comm import Communicator
 from coconet.runtime.transport import Algorithm, TransportKind
 from coconet.tune import store
-from coconet.tune.calibrate import calibrate
+from coconet.tune.calibrate import calibrate, calibrated_bytes, extend, extension_sizes
 from coconet.tune.candidates import CHUNKS, Candidate, Enumeration, enumerate_candidates
 from coconet.tune.cost import MachineModel, Part, predict
 from coconet.tune.measure import (
@@ -320,7 +320,13 @@ def tune(
         if doc is not None:
             say("tuning result read from the cache (retune=True measures again)")
             return TuneResult.from_json(program, doc, enumeration)
-    model = _machine(comms, chosen, retune if recalibrate is None else recalibrate, say)
+    model = _machine(
+        comms,
+        chosen,
+        retune if recalibrate is None else recalibrate,
+        say,
+        _largest_tensor(program, comm.mesh, sizes),
+    )
     def predicted(c: Candidate):
         kw = {"donate": options.donate, "commit": options.commit,
               "commit_vote": options.commit_vote}
@@ -450,17 +456,38 @@ def _say(progress, rank: int) -> Callable[[str], None]:
 
 
 def _machine(
-    comms: Communicators, transports: Sequence[TransportKind], retune: bool, say
+    comms: Communicators,
+    transports: Sequence[TransportKind],
+    retune: bool,
+    say,
+    needed: int = 0,
 ) -> MachineModel:
-    """The calibrated model of this machine: from the cache, else measured now (collective)."""
+    """The calibrated model of this machine: from the cache, else measured now; measured up to
+    ``needed`` bytes (the tune's largest tensor) if it was not yet. Collective."""
     base = comms.base
+    by_transport = {t: comms.get(t) for t in transports}
+    model = None
     if not retune:
         doc = store.load_machine(base, transports)
         if doc is not None:
-            return MachineModel.from_json(doc)
-    say("calibrating the cost model on these ranks (once per machine)")
-    model = calibrate(
-        {t: comms.get(t) for t in transports}, progress=lambda what: say(f"  calibrating {what}")
-    )
-    store.save_machine(base, transports, model.to_json())
+            model = MachineModel.from_json(doc)
+    measured = model is None
+    if model is None:
+        say("calibrating the cost model on these ranks (once per machine)")
+        model = calibrate(by_transport, progress=lambda what: say(f"  calibrating {what}"))
+    if extension_sizes(calibrated_bytes(model), needed):
+        say(f"calibrating the cost model up to {needed / (1 << 20):.0f} MiB (once per machine)")
+        model = extend(model, by_transport, needed, lambda what: say(f"  calibrating {what}"))
+        measured = True
+    if measured:
+        store.save_machine(base, transports, model.to_json())
     return model
+
+
+def _largest_tensor(program: Program, mesh, sizes: Mapping[str, int]) -> int:
+    """Bytes of the program's largest tensor with ``sizes`` bound (whole, not a rank's slice):
+    the largest message any of its collectives can move."""
+    from coconet.accounting import Counter
+
+    counter = Counter(mesh, sizes)
+    return max((counter.full_bytes(n.type) for n in program.nodes if n.type.rank), default=0)
