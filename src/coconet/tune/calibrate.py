@@ -20,8 +20,9 @@ About 10-20 s on this kind of 2-core host; the result is cached per machine and 
 (``coconet.tune.store``), so a program's second tune reuses it.
 
 ``extend`` measures the same probes at a larger size when a tune needs one: a curve is never
-trusted more than 2x past the largest size it was measured at (gloo's collectives, and eager ops
-on tensors of hundreds of MiB, slow down more than linearly there).
+trusted more than 2x past the largest size it was measured at (what a pass over memory costs
+changes with the size, past the caches and then with the page faults of fresh allocations, so
+a line fitted at 64 MiB need not hold at 1 GiB).
 """
 
 from __future__ import annotations
