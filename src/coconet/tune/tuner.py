@@ -465,7 +465,7 @@ def _machine(
     """The calibrated model of this machine: from the cache, else measured now; measured up to
     ``needed`` bytes (the tune's largest tensor) if it was not yet. Collective."""
     base = comms.base
-    by_transport = {t: comms.get(t) for t in transports}
+    progress = lambda what: say(f"  calibrating {what}")  # noqa: E731
     model = None
     if not retune:
         doc = store.load_machine(base, transports)
@@ -474,10 +474,11 @@ def _machine(
     measured = model is None
     if model is None:
         say("calibrating the cost model on these ranks (once per machine)")
-        model = calibrate(by_transport, progress=lambda what: say(f"  calibrating {what}"))
+        model = calibrate({t: comms.get(t) for t in transports}, progress=progress)
     if extension_sizes(calibrated_bytes(model), needed):
         say(f"calibrating the cost model up to {needed / (1 << 20):.0f} MiB (once per machine)")
-        model = extend(model, by_transport, needed, lambda what: say(f"  calibrating {what}"))
+        by_transport = {t: comms.get(t) for t in transports}
+        model = extend(model, by_transport, needed, progress)
         measured = True
     if measured:
         store.save_machine(base, transports, model.to_json())
