@@ -38,8 +38,7 @@ def worker(comm, n: int, names: list[str], repeats: int, reps: int, commit: str)
     sys.path.insert(0, str(ROOT / "tests"))
     from examples_loader import load_example
 
-    from coconet.options import CompileOptions
-    from coconet.runtime.transport import TransportKind
+    from coconet.options import CompileOptions, TransportKind
     from coconet.tune.candidates import enumerate_candidates
     from coconet.tune.measure import Communicators, measure, rematch
 

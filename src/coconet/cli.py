@@ -27,9 +27,9 @@ from coconet.cache import keyed_cache_dir
 from coconet.compiler import compile
 from coconet.ir.mesh import Mesh
 from coconet.ir.program import Program
+from coconet.options import TransportKind
 from coconet.runtime.calibrate import calibrate_local
 from coconet.runtime.launch import run_script
-from coconet.runtime.transport import TransportKind
 from coconet.runtime.tuning import AlgorithmTable
 from coconet.version import __version__
 
@@ -337,7 +337,7 @@ def _tune_worker(comm, target: str, sizes, settings: dict) -> tuple[str, dict] |
 def _tune(args) -> int:
     import json
 
-    from coconet.runtime.comm import CommOptions
+    from coconet.options import CommOptions
     from coconet.runtime.launch import spawn
 
     sizes = _sizes(args.size)

@@ -31,10 +31,9 @@ from coconet.errors import CodegenError, CompileOptionError
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
-from coconet.options import CompileOptions
+from coconet.options import CompileOptions, TransportKind
 from coconet.runtime.comm import Communicator
 from coconet.runtime.step import CompiledStep
-from coconet.runtime.transport import TransportKind
 from coconet.schedule import Schedule
 from coconet.version import __version__
 

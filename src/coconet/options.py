@@ -1,18 +1,35 @@
-"""``CompileOptions``: everything that changes what ``coconet.compile`` generates and how a
-compiled step runs (a module of its own: the compiler and the runtime's ``CompiledStep`` both read
-it, and nothing is read from the environment instead)."""
+"""The options and enums every layer reads: ``CompileOptions`` (what ``coconet.compile``
+generates and how a compiled step runs), ``CommOptions`` (how a communicator runs), and the names
+of transports and collective algorithms (``TransportKind``, ``TransportPolicy``, ``Algorithm``,
+``AlgorithmPolicy``).
+
+A module of its own, below codegen, runtime and tune: the compiler, the emitter (which names the
+transport a fused collective runs on), the runtime and the cost model all speak of transports and
+algorithms, and none of them may import the runtime's implementation to do so. Nothing here is
+read from the environment.
+"""
 
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
-from coconet.errors import CompileOptionError
+from coconet.errors import CompileOptionError, ConfigError
+from coconet.ir.ops import Op
 
-__all__ = ["CommitMode", "CompileOptions"]
+__all__ = [
+    "Algorithm",
+    "AlgorithmPolicy",
+    "CommOptions",
+    "CommitMode",
+    "CompileOptions",
+    "TransportKind",
+    "TransportPolicy",
+]
 
 
 class CommitMode(str, enum.Enum):
@@ -119,3 +136,150 @@ class CompileOptions:
 
 
 _DEVICES = (None, "cpu", "cuda")
+
+
+# -- transports and collective algorithms ------------------------------------------------------
+
+
+class TransportKind(str, enum.Enum):
+    """What runs a group's collectives (a ``str`` enum: ``CommOptions(transport=...)`` takes
+    either form)."""
+
+    TORCH_DISTRIBUTED = "torch.distributed"  # gloo on CPU, NCCL on GPU, across hosts
+    SHARED_MEMORY = "shared memory"  # symmetric memory among the ranks of one host
+
+
+class TransportPolicy(str, enum.Enum):
+    """Which transport a group uses (``CommOptions.transport``)."""
+
+    AUTO = "auto"  # shared memory when every rank of the group is on one host, else torch
+    SHARED_MEMORY = "shared memory"  # shared memory, or a ConfigError when the group spans hosts
+    TORCH_DISTRIBUTED = "torch.distributed"  # always torch.distributed
+
+
+class Algorithm(str, enum.Enum):
+    """How a transport runs a collective (not every op has every algorithm). A ``str`` enum:
+    ``"all_to_all"`` and ``Algorithm.ALL_TO_ALL`` are the same."""
+
+    NATIVE = "native"  # the library's own collective
+    ALL_REDUCE = "all_reduce"  # built from the library's all_reduce (fast on gloo)
+    ALL_TO_ALL = "all_to_all"  # built from all_to_all; reduces in rank order: exact
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class AlgorithmPolicy(str, enum.Enum):
+    """Which algorithm the communicator uses when a policy, not a fixed choice, is given. A
+    ``str`` enum: ``"auto"`` and ``AlgorithmPolicy.AUTO`` are the same policy."""
+
+    AUTO = "auto"  # measure once per size class and keep the fastest (the same on every rank)
+    NATIVE = "native"  # the library's own collective always
+    EXACT = "exact"  # rank-ordered reductions: results bitwise equal to the simulator's
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class _ExactAlgorithms(Protocol):
+    """What ``CommOptions.fixed_algorithm`` asks of a transport."""
+
+    def exact_algorithm(self, op: Op) -> Algorithm | None: ...
+
+
+# -- the communicator's options ----------------------------------------------------------------
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """How the communicator runs.
+
+    - ``timeout``: seconds a collective may wait for a peer before failing with ``RuntimeFault``;
+    - ``algorithms``: an ``AlgorithmPolicy`` (or its name): ``AUTO`` (measure once per size
+      class, cache the choice), ``NATIVE`` (the library's own collective always), ``EXACT`` (the
+      forms that reduce in rank order: results bitwise equal to the simulator's); or a mapping
+      that fixes an ``Algorithm`` per op, such as ``{Op.REDUCE_SCATTER: Algorithm.ALL_TO_ALL}``
+      (names are accepted too: ``{"reduce_scatter": "all_to_all"}``; other ops stay native);
+    - ``cache_dir``: the base of coconet's caches; the measured choices are kept under its
+      build-keyed subdirectory (``coconet.cache.keyed_cache_dir``);
+    - ``measure_reps``: timed repetitions per candidate when measuring (2-3x that for the small
+      size classes, whose timings are noisier);
+    - ``keep_buffers_mapped``: ``init()`` tunes glibc's malloc so that the large buffers a step
+      allocates stay mapped between steps instead of page-faulting every step (process-wide;
+      see ``coconet.runtime.allocator``). False leaves the allocator alone.
+
+    Every field is checked when the options are made: a bad one is a ``ConfigError`` there, not
+    a failure at the job's first collective.
+    """
+
+    timeout: float = 60.0
+    algorithms: AlgorithmPolicy | Mapping[Op, Algorithm] = AlgorithmPolicy.AUTO
+    cache_dir: str | Path | None = None
+    measure_reps: int = 5
+    keep_buffers_mapped: bool = True
+    transport: TransportPolicy = TransportPolicy.AUTO
+
+    def __post_init__(self) -> None:
+        # Checked here, where the options are written, not at the first collective of a job.
+        try:
+            object.__setattr__(self, "transport", TransportPolicy(self.transport))
+        except ValueError:
+            raise ConfigError(
+                f"unknown transport {self.transport!r}",
+                op="CommOptions",
+                hint=f"use one of {[p.value for p in TransportPolicy]}",
+            ) from None
+        if not _is_number(self.timeout) or not self.timeout > 0:
+            raise ConfigError(
+                f"timeout must be a positive number of seconds, got {self.timeout!r}",
+                op="CommOptions",
+                hint="CommOptions(timeout=60.0)",
+            )
+        object.__setattr__(self, "algorithms", _policy(self.algorithms))
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"cache_dir must be a path or None, got {self.cache_dir!r}",
+                op="CommOptions",
+                hint="CommOptions(cache_dir='~/.cache/coconet'); None is the default place",
+            )
+        reps = self.measure_reps
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise ConfigError(
+                f"measure_reps must be an int >= 1, got {reps!r}",
+                op="CommOptions",
+                hint="CommOptions(measure_reps=5): timed repetitions per candidate algorithm",
+            )
+        if not isinstance(self.keep_buffers_mapped, bool):
+            raise ConfigError(
+                f"keep_buffers_mapped must be True or False, got {self.keep_buffers_mapped!r}",
+                op="CommOptions",
+                hint="CommOptions(keep_buffers_mapped=False) leaves malloc alone",
+            )
+
+    def fixed_algorithm(self, op: Op, transport: _ExactAlgorithms) -> Algorithm | None:
+        """The algorithm these options fix for ``op`` (None: measure and choose)."""
+        if isinstance(self.algorithms, Mapping):
+            return self.algorithms.get(op, Algorithm.NATIVE)
+        if self.algorithms is AlgorithmPolicy.NATIVE:
+            return Algorithm.NATIVE
+        if self.algorithms is AlgorithmPolicy.EXACT:
+            return transport.exact_algorithm(op) or Algorithm.NATIVE
+        return None
+
+
+def _policy(value: Any) -> AlgorithmPolicy | dict[Op, Algorithm]:
+    try:
+        if isinstance(value, Mapping):
+            return {Op(op): Algorithm(a) for op, a in value.items()}
+        return AlgorithmPolicy(value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"unknown algorithm policy {value!r} ({exc})",
+            op="CommOptions",
+            hint=f"use one of {[p.value for p in AlgorithmPolicy]} or a mapping "
+            f"{{op: algorithm}} with algorithms from {[a.value for a in Algorithm]}",
+        ) from None

@@ -14,7 +14,7 @@ from examples_loader import load_example
 import coconet
 from coconet.options import CompileOptions
 from coconet.runtime import Communicator
-from coconet.runtime.transport import TransportKind
+from coconet.options import TransportKind
 from coconet.tune import tune
 from coconet.tune.candidates import enumerate_candidates
 from coconet.tune.measure import Communicators, measure

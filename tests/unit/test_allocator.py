@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
+from coconet.options import CommOptions
 from coconet.runtime.allocator import keep_large_buffers_mapped
-from coconet.runtime.comm import CommOptions
 
 
 @pytest.mark.skipif(

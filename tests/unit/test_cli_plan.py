@@ -57,7 +57,7 @@ def test_shipped_descriptions_load_and_a_broken_one_is_a_clear_error(tmp_path):
 
 def test_the_hierarchical_all_reduce_follows_the_ring_formula():
     from coconet.ir.ops import Op
-    from coconet.runtime.transport import TransportKind
+    from coconet.options import TransportKind
 
     d = {"ranks_per_node": 4, "intra_node": {"bandwidth_GBps": 100, "latency_us": 0},
          "inter_node": {"bandwidth_GBps": 10, "latency_us": 0},

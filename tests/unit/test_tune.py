@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import coconet as cc
 from coconet.errors import ScheduleError
 from coconet.ir.ops import Op
-from coconet.runtime.transport import Algorithm, TransportKind
+from coconet.options import Algorithm, TransportKind
 from coconet.schedule import paper
 from coconet.sim.exactness import reassociations
 from coconet.tune import Candidate, Curve, MachineModel, enumerate_candidates, predict

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from coconet.ir.ops import Op
-from coconet.runtime.transport import Algorithm, TransportKind
+from coconet.options import Algorithm, TransportKind
 from coconet.tune import calibrate as cal
 
 SHM, TD = TransportKind.SHARED_MEMORY, TransportKind.TORCH_DISTRIBUTED

@@ -11,10 +11,11 @@ From Python, ``spawn(fn, nproc, *args)`` runs ``fn(comm, *args)`` on local ranks
 that compares a distributed step with the simulator is ``coconet.testing``.
 """
 
-from coconet.runtime.comm import CommOptions, Communicator, Work
+from coconet.options import Algorithm, AlgorithmPolicy, CommOptions, TransportKind
+from coconet.runtime.comm import Communicator, Work
 from coconet.runtime.launch import RankFailure, current, init, run_script, shutdown, spawn
 from coconet.runtime.step import CompiledStep
-from coconet.runtime.transport import Algorithm, AlgorithmPolicy, Transport, TransportKind
+from coconet.runtime.transport import Transport
 from coconet.runtime.tuning import AlgorithmTable, TuningKey, default_cache_dir
 
 __all__ = [

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from coconet.ir.ops import Op
 from coconet.ir.opspec import Prop, spec
-from coconet.runtime.comm import CommOptions, Communicator
+from coconet.options import CommOptions
+from coconet.runtime.comm import Communicator
 from coconet.runtime.launch import spawn
 from coconet.runtime.transport import Transport
 from coconet.runtime.tuning import SIZE_CLASSES, AlgorithmTable, TuningKey

@@ -26,7 +26,6 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,18 +36,15 @@ from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
 from coconet.ir.opspec import Arg, Prop, spec
+from coconet.options import Algorithm, CommOptions, TransportKind, TransportPolicy
 from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup, torch_gather
 from coconet.runtime.symmem import host_identity
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import (
-    Algorithm,
-    AlgorithmPolicy,
     Group,
     Pending,
     Published,
     Transport,
-    TransportKind,
-    TransportPolicy,
     WholeWait,
 )
 from coconet.runtime.tuning import (
@@ -63,101 +59,6 @@ from coconet.runtime.tuning import (
 )
 
 __all__ = ["CommOptions", "Communicator", "Work"]
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-@dataclass(frozen=True)
-class CommOptions:
-    """How the communicator runs.
-
-    - ``timeout``: seconds a collective may wait for a peer before failing with ``RuntimeFault``;
-    - ``algorithms``: an ``AlgorithmPolicy`` (or its name): ``AUTO`` (measure once per size
-      class, cache the choice), ``NATIVE`` (the library's own collective always), ``EXACT`` (the
-      forms that reduce in rank order: results bitwise equal to the simulator's); or a mapping
-      that fixes an ``Algorithm`` per op, such as ``{Op.REDUCE_SCATTER: Algorithm.ALL_TO_ALL}``
-      (names are accepted too: ``{"reduce_scatter": "all_to_all"}``; other ops stay native);
-    - ``cache_dir``: the base of coconet's caches; the measured choices are kept under its
-      build-keyed subdirectory (``coconet.cache.keyed_cache_dir``);
-    - ``measure_reps``: timed repetitions per candidate when measuring (2-3x that for the small
-      size classes, whose timings are noisier);
-    - ``keep_buffers_mapped``: ``init()`` tunes glibc's malloc so that the large buffers a step
-      allocates stay mapped between steps instead of page-faulting every step (process-wide;
-      see ``coconet.runtime.allocator``). False leaves the allocator alone.
-
-    Every field is checked when the options are made: a bad one is a ``ConfigError`` there, not
-    a failure at the job's first collective.
-    """
-
-    timeout: float = 60.0
-    algorithms: AlgorithmPolicy | Mapping[Op, Algorithm] = AlgorithmPolicy.AUTO
-    cache_dir: str | Path | None = None
-    measure_reps: int = 5
-    keep_buffers_mapped: bool = True
-    transport: TransportPolicy = TransportPolicy.AUTO
-
-    def __post_init__(self) -> None:
-        # Checked here, where the options are written, not at the first collective of a job.
-        try:
-            object.__setattr__(self, "transport", TransportPolicy(self.transport))
-        except ValueError:
-            raise ConfigError(
-                f"unknown transport {self.transport!r}",
-                op="CommOptions",
-                hint=f"use one of {[p.value for p in TransportPolicy]}",
-            ) from None
-        if not _is_number(self.timeout) or not self.timeout > 0:
-            raise ConfigError(
-                f"timeout must be a positive number of seconds, got {self.timeout!r}",
-                op="CommOptions",
-                hint="CommOptions(timeout=60.0)",
-            )
-        object.__setattr__(self, "algorithms", _policy(self.algorithms))
-        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
-            raise ConfigError(
-                f"cache_dir must be a path or None, got {self.cache_dir!r}",
-                op="CommOptions",
-                hint="CommOptions(cache_dir='~/.cache/coconet'); None is the default place",
-            )
-        reps = self.measure_reps
-        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
-            raise ConfigError(
-                f"measure_reps must be an int >= 1, got {reps!r}",
-                op="CommOptions",
-                hint="CommOptions(measure_reps=5): timed repetitions per candidate algorithm",
-            )
-        if not isinstance(self.keep_buffers_mapped, bool):
-            raise ConfigError(
-                f"keep_buffers_mapped must be True or False, got {self.keep_buffers_mapped!r}",
-                op="CommOptions",
-                hint="CommOptions(keep_buffers_mapped=False) leaves malloc alone",
-            )
-
-    def fixed_algorithm(self, op: Op, transport: Transport) -> Algorithm | None:
-        """The algorithm these options fix for ``op`` (None: measure and choose)."""
-        if isinstance(self.algorithms, Mapping):
-            return self.algorithms.get(op, Algorithm.NATIVE)
-        if self.algorithms is AlgorithmPolicy.NATIVE:
-            return Algorithm.NATIVE
-        if self.algorithms is AlgorithmPolicy.EXACT:
-            return transport.exact_algorithm(op) or Algorithm.NATIVE
-        return None
-
-
-def _policy(value: Any) -> AlgorithmPolicy | dict[Op, Algorithm]:
-    try:
-        if isinstance(value, Mapping):
-            return {Op(op): Algorithm(a) for op, a in value.items()}
-        return AlgorithmPolicy(value)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(
-            f"unknown algorithm policy {value!r} ({exc})",
-            op="CommOptions",
-            hint=f"use one of {[p.value for p in AlgorithmPolicy]} or a mapping "
-            f"{{op: algorithm}} with algorithms from {[a.value for a in Algorithm]}",
-        ) from None
 
 
 @dataclass

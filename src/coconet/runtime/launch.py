@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
+from coconet.options import CommOptions
 from coconet.runtime.allocator import keep_large_buffers_mapped
-from coconet.runtime.comm import CommOptions, Communicator
+from coconet.runtime.comm import Communicator
 
 __all__ = ["RankFailure", "current", "free_port", "init", "run_script", "shutdown", "spawn"]
 

@@ -31,13 +31,12 @@ import torch.distributed as dist
 from coconet.ir import semantics
 from coconet.ir.ops import Op, ReduceOp
 from coconet.ir.types import slice_bounds
+from coconet.options import Algorithm, TransportKind
 from coconet.runtime.symmem import Phase, SymmetricMemory
 from coconet.runtime.transport import (
-    Algorithm,
     Group,
     Pending,
     Published,
-    TransportKind,
     ready,
 )
 

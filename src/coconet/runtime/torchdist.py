@@ -16,12 +16,11 @@ import torch.distributed as dist
 
 from coconet.ir.ops import Op, ReduceOp
 from coconet.ir.types import slice_bounds
+from coconet.options import Algorithm, TransportKind
 from coconet.runtime import algorithms as algos
 from coconet.runtime.transport import (
-    Algorithm,
     Group,
     Pending,
-    TransportKind,
     WholeWait,
     ready,
 )

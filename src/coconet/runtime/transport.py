@@ -25,7 +25,6 @@ an ``exact`` algorithm (reductions in rank order), within rounding otherwise.
 from __future__ import annotations
 
 import datetime
-import enum
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from coconet.ir.ops import Op
+from coconet.options import Algorithm, AlgorithmPolicy, TransportKind, TransportPolicy
 
 __all__ = [
     "Algorithm",
@@ -46,46 +46,6 @@ __all__ = [
     "TransportPolicy",
     "WholeWait",
 ]
-
-
-class TransportKind(str, enum.Enum):
-    """What runs a group's collectives (a ``str`` enum: ``CommOptions(transport=...)`` takes
-    either form)."""
-
-    TORCH_DISTRIBUTED = "torch.distributed"  # gloo on CPU, NCCL on GPU, across hosts
-    SHARED_MEMORY = "shared memory"  # symmetric memory among the ranks of one host
-
-
-class TransportPolicy(str, enum.Enum):
-    """Which transport a group uses (``CommOptions.transport``)."""
-
-    AUTO = "auto"  # shared memory when every rank of the group is on one host, else torch
-    SHARED_MEMORY = "shared memory"  # shared memory, or a ConfigError when the group spans hosts
-    TORCH_DISTRIBUTED = "torch.distributed"  # always torch.distributed
-
-
-class Algorithm(str, enum.Enum):
-    """How a transport runs a collective (not every op has every algorithm). A ``str`` enum:
-    ``"all_to_all"`` and ``Algorithm.ALL_TO_ALL`` are the same."""
-
-    NATIVE = "native"  # the library's own collective
-    ALL_REDUCE = "all_reduce"  # built from the library's all_reduce (fast on gloo)
-    ALL_TO_ALL = "all_to_all"  # built from all_to_all; reduces in rank order: exact
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class AlgorithmPolicy(str, enum.Enum):
-    """Which algorithm the communicator uses when a policy, not a fixed choice, is given. A
-    ``str`` enum: ``"auto"`` and ``AlgorithmPolicy.AUTO`` are the same policy."""
-
-    AUTO = "auto"  # measure once per size class and keep the fastest (the same on every rank)
-    NATIVE = "native"  # the library's own collective always
-    EXACT = "exact"  # rank-ordered reductions: results bitwise equal to the simulator's
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

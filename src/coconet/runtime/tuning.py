@@ -22,7 +22,7 @@ from pathlib import Path
 
 from coconet.cache import default_cache_dir
 from coconet.ir.ops import Op
-from coconet.runtime.transport import Algorithm
+from coconet.options import Algorithm
 
 __all__ = [
     "SIZE_CLASSES",

@@ -35,8 +35,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from coconet.ir.ops import Op, ReduceOp
+from coconet.options import TransportKind
 from coconet.runtime.comm import Communicator
-from coconet.runtime.transport import TransportKind
 from coconet.tune.cost import Curve, MachineModel
 
 __all__ = [

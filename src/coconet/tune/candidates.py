@@ -40,7 +40,7 @@ from typing import Any
 from coconet.errors import ScheduleError
 from coconet.ir.ops import COMMUNICATION, Op
 from coconet.ir.program import Program
-from coconet.runtime.transport import Algorithm, TransportKind
+from coconet.options import Algorithm, TransportKind
 from coconet.schedule import paper
 from coconet.schedule.paper import fuse_after
 from coconet.schedule.schedule import Schedule

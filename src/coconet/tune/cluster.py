@@ -32,7 +32,7 @@ from typing import Any
 
 from coconet.errors import ConfigError
 from coconet.ir.ops import Op
-from coconet.runtime.transport import TransportKind
+from coconet.options import TransportKind
 from coconet.tune.cost import Curve, MachineModel
 
 __all__ = ["SHIPPED", "cluster_model", "load_description"]

@@ -54,8 +54,7 @@ from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
 from coconet.ir.opspec import Prop, spec
-from coconet.options import CommitMode
-from coconet.runtime.transport import Algorithm, TransportKind
+from coconet.options import Algorithm, CommitMode, TransportKind
 from coconet.tune.candidates import Candidate
 
 __all__ = ["Curve", "MachineModel", "Part", "Prediction", "collective_inputs", "predict"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from coconet.runtime.transport import TransportKind
+from coconet.options import TransportKind
 
 if TYPE_CHECKING:
     from coconet.tune.tuner import Row, TuneResult

@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 
 from coconet.accounting import Counter
-from coconet.options import CompileOptions
-from coconet.runtime.comm import CommOptions, Communicator
-from coconet.runtime.transport import TransportKind, TransportPolicy
+from coconet.options import CommOptions, CompileOptions, TransportKind, TransportPolicy
+from coconet.runtime.comm import Communicator
 from coconet.tune.candidates import Candidate
 from coconet.tune.cost import collective_inputs
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coconet.ir.program import Program
-from coconet.options import CommitMode
-from coconet.runtime.transport import TransportKind
+from coconet.options import CommitMode, TransportKind
 from coconet.tune.candidates import CHUNKS, Candidate, enumerate_candidates
 from coconet.tune.cluster import cluster_model
 from coconet.tune.cost import Prediction, predict

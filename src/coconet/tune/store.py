@@ -22,8 +22,8 @@ import torch
 
 from coconet.cache import keyed_cache_dir
 from coconet.ir.program import Program
+from coconet.options import TransportKind
 from coconet.runtime.comm import Communicator
-from coconet.runtime.transport import TransportKind
 from coconet.version import __version__
 
 __all__ = ["load_machine", "load_result", "result_key", "save_machine", "save_result"]

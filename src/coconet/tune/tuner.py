@@ -32,9 +32,8 @@ from typing import Any
 
 from coconet.errors import ConfigError
 from coconet.ir.program import Program
-from coconet.options import CompileOptions
+from coconet.options import Algorithm, CompileOptions, TransportKind
 from coconet.runtime.comm import Communicator
-from coconet.runtime.transport import Algorithm, TransportKind
 from coconet.tune import store
 from coconet.tune.calibrate import calibrate, calibrated_bytes, extend, extension_sizes
 from coconet.tune.candidates import CHUNKS, Candidate, Enumeration, enumerate_candidates
