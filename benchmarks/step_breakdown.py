@@ -57,6 +57,7 @@ PHASES = [
 
 def worker(comm, cfg):
     import coconet
+    from coconet.options import TransportKind
     from coconet.runtime import handshake
     from coconet.testing import rank_inputs
 
@@ -92,11 +93,14 @@ def worker(comm, cfg):
     for op in ("all_reduce", "reduce_scatter", "all_gather"):
         wrap(comm, f"{op}_start", "collective start")
     wrap(comm, "wait", "collective wait")
-    # the shared-memory transport's one-pass units and in-place all_reduce
-    for attr in ("fused_reduce_scatter_start", "fused_all_gather_start", "all_reduce_parts_start"):
-        wrap(comm, attr, "collective start")
-    for attr in ("fused_reduce_scatter_finish", "fused_all_gather_finish"):
-        wrap(comm, attr, "collective wait")
+    # the shared-memory transport's one-pass units and in-place all_reduce (its channel is made
+    # once per axis: the generated code calls this object)
+    if comm.transport_of(None) is TransportKind.SHARED_MEMORY:
+        channel = comm.one_pass(None)
+        for attr in ("begin", "slot", "reduce_in_place"):
+            wrap(channel, attr, "collective start")
+        for attr in ("end", "finish"):
+            wrap(channel, attr, "collective wait")
 
     out = {}
     targets = {"unscheduled": program, **{k: f(program) for k, f in adam.SCHEDULES.items()}}

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from coconet.cache import build_key, keyed_cache_dir, prune
-from coconet.codegen import emit, load_module, lower
+from coconet.codegen import emit, forms, load_module, lower
 from coconet.errors import CodegenError, CompileOptionError
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op
@@ -154,7 +154,7 @@ def compile(  # noqa: A001 - coconet.compile, like torch.compile
             "Collectives start as soon as their inputs are ready and are waited for just",
             "before their first use.",
         ]
-        source = emit(plan, header, {a: t.value for a, t in transports.items()})
+        source = emit(plan, header, forms(plan, transports))
         generated = keyed_cache_dir(options.cache_dir) / "generated"
         module = load_module(source, f"{program.name}_{key}", generated)
         prune(generated)  # bounded: the least recently used modules go (coconet.cache)

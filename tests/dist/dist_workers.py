@@ -18,6 +18,7 @@ from examples_loader import load_example
 
 import coconet as cc
 from coconet.errors import RuntimeFault
+from coconet.options import TransportKind
 from coconet.runtime import CommOptions, Communicator
 from coconet.testing import check_distributed
 
@@ -218,9 +219,9 @@ def run_compiled(comm: Communicator, cache_dir: str) -> dict:
 
 # (example, schedule, what its generated code calls over shared memory)
 ONE_PASS_CASES = (
-    ("adam", "AR_C", "comm.all_reduce_parts_start("),
-    ("lamb", "fuse_RS_C_AG", "comm.fused_reduce_scatter_finish("),
-    ("tensor_parallel", "ol_MM_fuse_RS_C_AG", "comm.fused_reduce_scatter_start("),
+    ("adam", "AR_C", ".reduce_in_place("),
+    ("lamb", "fuse_RS_C_AG", "_channel.end("),
+    ("tensor_parallel", "ol_MM_fuse_RS_C_AG", "_channel.begin("),
 )
 
 
@@ -264,7 +265,8 @@ def fault_peer_dies(comm: Communicator, victim: int, where: str, commit: str = "
     if comm.rank == victim:
         if where == "all_gather":  # (over shared memory, a one-pass unit's gather)
             comm.all_gather_start = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-            comm.fused_all_gather_finish = comm.all_gather_start
+            for channel in _one_pass_channels(comm):
+                channel.finish = comm.all_gather_start
         else:
             real = comm.agree_max
 
@@ -277,20 +279,29 @@ def fault_peer_dies(comm: Communicator, victim: int, where: str, commit: str = "
     return _step_expecting_fault(step, mine)
 
 
+def _one_pass_channels(comm: Communicator) -> list:
+    """The world's one-pass channel where it runs on shared memory (the one generated code gets
+    from ``comm.one_pass``: it is made once per axis)."""
+    return [comm.one_pass(None)] if comm.transport_of(None) is TransportKind.SHARED_MEMORY else []
+
+
 def fault_peer_stalls(comm: Communicator, victim: int, sleep: float) -> dict:
     """``victim`` stalls ``sleep`` seconds before its all_gather; the others must time out with a
     RuntimeFault after the communicator's timeout, their tensors unchanged."""
     schedule, mine = _adam_case(comm)
     step = cc.compile(schedule, comm=comm, fused_kernels=False)
     if comm.rank == victim:
-        for name in ("all_gather_start", "fused_all_gather_finish"):  # either form of the gather
-            real = getattr(comm, name)
+        # either form of the gather: a collective, or the end of a one-pass unit
+        for obj, name in [(comm, "all_gather_start")] + [
+            (channel, "finish") for channel in _one_pass_channels(comm)
+        ]:
+            real = getattr(obj, name)
 
             def slow(*a, real=real, **k):
                 time.sleep(sleep)
                 return real(*a, **k)
 
-            setattr(comm, name, slow)
+            setattr(obj, name, slow)
     return _step_expecting_fault(step, mine)
 
 

@@ -76,7 +76,7 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     # g_sum = all_reduce(g, reduce_op=sum)  at examples/adam.py:73
     #   over shared memory: left where each slice's owner reduced it; kernel fused_1 reads it there,
     #   slice by slice (no copy into a tensor of its own)
-    g_sum_parts = comm.all_reduce_parts_start(g, ReduceOp.SUM, axis=None, label='g_sum')
+    g_sum_parts = comm.one_pass(None).reduce_in_place(g, ReduceOp.SUM, label='g_sum')
     # pow_1 = pow(beta1, step)  at examples/adam.py:77
     pow_1 = _pow(beta1, step_)
     # sub_1 = sub(1, pow_1)  at examples/adam.py:77

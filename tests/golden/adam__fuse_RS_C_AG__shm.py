@@ -80,6 +80,7 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     #   collective; shared memory runs it as one pass: kernel fused_1 reads every peer's slice of g,
     #   reduces them in rank order, computes and writes p_new_slice where the peers read it for the
     #   gather
+    fused_collective_1_channel = comm.one_pass(None)
     # pow_1 = pow(beta1, step)  at examples/adam.py:77
     pow_1 = _pow(beta1, step_)
     # sub_1 = sub(1, pow_1)  at examples/adam.py:77
@@ -97,8 +98,8 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     # sqrt_2 = sqrt(sub_4)  at examples/adam.py:79
     sqrt_2 = _sqrt(sub_4)
     # g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at examples/adam.py:73
-    g_sum_rs_parts, p_new_slice_slot = comm.fused_reduce_scatter_start(
-        g, axis=None, gather_shape=env.shapes['p_new'], gather_dtype=torch.float32,
+    g_sum_rs_parts, p_new_slice_slot = fused_collective_1_channel.begin(
+        g, gather_shape=env.shapes['p_new'], gather_dtype=torch.float32,
         gather_parts=env.parts['p_new'], label='g_sum_rs'
     )
     m_new_slice, v_new_slice = kernels.fused_1(
@@ -106,9 +107,9 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
         p_new_slice_slot
     )
     # p_new = all_gather(p_new_slice)  at examples/adam.py:80  (published: the commit copies it)
-    p_new = comm.fused_all_gather_finish(
-        axis=None, shape=env.shapes['p_new'], dtype=torch.float32, parts=env.parts['p_new'],
-        label='p_new', published=True
+    p_new = fused_collective_1_channel.finish(
+        shape=env.shapes['p_new'], dtype=torch.float32, parts=env.parts['p_new'], label='p_new',
+        published=True
     )
     # end of fused_collective_1
     # update(p, p_new)  at examples/adam.py:84  (committed after the step succeeds)

@@ -107,6 +107,7 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     # fused_collective_1: reduce_scatter g_sum_rs, kernel fused_1 -- one fused collective; shared
     #   memory runs it as one pass: kernel fused_1 reads every peer's slice of g, reduces them in rank
     #   order, computes
+    fused_collective_1_channel = comm.one_pass(None)
     # p_norm = sqrt(p_norm_sumsq)  at examples/lamb.py:88
     p_norm = _sqrt(p_norm_sumsq)
     # gt_1 = gt(p_norm, 0)  at examples/lamb.py:92
@@ -124,11 +125,11 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     # sub_4 = sub(1, pow_2)  at examples/lamb.py:85
     sub_4 = _sub(_c2, pow_2)
     # g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at examples/lamb.py:81
-    g_sum_rs_parts, _ = comm.fused_reduce_scatter_start(g, axis=None, label='g_sum_rs')
+    g_sum_rs_parts, _ = fused_collective_1_channel.begin(g, label='g_sum_rs')
     m_new_slice, v_new_slice, direction_slice, dir_norm_partial = kernels.fused_1(
         beta1, m, sub_1, g_sum_rs_parts, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay, p_slice
     )
-    comm.fused_reduce_scatter_finish(axis=None, label='g_sum_rs')
+    fused_collective_1_channel.end(label='g_sum_rs')
     # end of fused_collective_1
     # dir_norm_sumsq = all_reduce(dir_norm_partial, reduce_op=sum)  at examples/lamb.py:89
     dir_norm_sumsq_work = comm.all_reduce_start(
@@ -138,6 +139,7 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     # fused_collective_2: kernel fused_2, all_gather p_new -- one fused collective; shared memory runs
     #   it as one pass: kernel fused_2 computes and writes p_new_slice where the peers read it for the
     #   gather
+    fused_collective_2_channel = comm.one_pass(None)
     # dir_norm = sqrt(dir_norm_sumsq)  at examples/lamb.py:89
     dir_norm = _sqrt(dir_norm_sumsq)
     # gt_2 = gt(dir_norm, 0)  at examples/lamb.py:91
@@ -148,15 +150,14 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     where_1 = _where(gt_2, div_3, _c3)
     # trust_ratio = where(gt_1, where_1, 1.0)  at examples/lamb.py:92
     trust_ratio = _where(gt_1, where_1, _c3)
-    p_new_slice_slot = comm.fused_all_gather_start(
-        axis=None, shape=env.shapes['p_new'], dtype=torch.float32, parts=env.parts['p_new'],
-        label='p_new'
+    p_new_slice_slot = fused_collective_2_channel.slot(
+        shape=env.shapes['p_new'], dtype=torch.float32, parts=env.parts['p_new'], label='p_new'
     )
     _ = kernels.fused_2(trust_ratio, direction_slice, lr, p_slice, p_new_slice_slot)
     # p_new = all_gather(p_new_slice)  at examples/lamb.py:95  (published: the commit copies it)
-    p_new = comm.fused_all_gather_finish(
-        axis=None, shape=env.shapes['p_new'], dtype=torch.float32, parts=env.parts['p_new'],
-        label='p_new', published=True
+    p_new = fused_collective_2_channel.finish(
+        shape=env.shapes['p_new'], dtype=torch.float32, parts=env.parts['p_new'], label='p_new',
+        published=True
     )
     # end of fused_collective_2
     # update(p, p_new)  at examples/lamb.py:99  (committed after the step succeeds)

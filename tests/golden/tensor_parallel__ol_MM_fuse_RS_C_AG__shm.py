@@ -50,6 +50,7 @@ def step(comm, env, kernels, x, w, b, r, seed, step_):
     # overlap(partial, out_sum_rs, biased_slice, dropped_slice, out_slice, out, chunks=4): the chain
     #   runs in 4 chunks of rows, one after the other, each as one pass over shared memory; each
     #   chunk's values live in overlap_2[c]
+    overlap_2_channel = comm.one_pass(None)
     def overlap_2_stage_0(c, v):
         """Chunk c, stage 0: partial, start out_sum_rs."""
         v['x'] = x.index_select(0, env.chunk_rows['overlap_2/x'][c])
@@ -57,8 +58,8 @@ def step(comm, env, kernels, x, w, b, r, seed, step_):
         # partial = matmul(x, w)  at examples/tensor_parallel.py:69
         v['partial'] = torch.matmul(v['x'], w)
         # out_sum_rs = reduce_scatter(partial, dim=0, reduce_op=sum)  at examples/tensor_parallel.py:70
-        v['out_sum_rs_parts'], v['out_slice_slot'] = comm.fused_reduce_scatter_start(
-            v['partial'], axis=None, gather_shape=(sum(env.chunk_parts['overlap_2/out'][c]),
+        v['out_sum_rs_parts'], v['out_slice_slot'] = overlap_2_channel.begin(
+            v['partial'], gather_shape=(sum(env.chunk_parts['overlap_2/out'][c]),
             *env.shapes['out'][1:]), gather_dtype=torch.float32,
             gather_parts=env.chunk_parts['overlap_2/out'][c], label='out_sum_rs'
         )
@@ -75,8 +76,8 @@ def step(comm, env, kernels, x, w, b, r, seed, step_):
         #   (its input is in its slot: the kernel wrote it there)
     def overlap_2_stage_2(c, v):
         """Chunk c, stage 2: wait out."""
-        v['out'] = comm.fused_all_gather_finish(
-            axis=None, shape=(sum(env.chunk_parts['overlap_2/out'][c]), *env.shapes['out'][1:]),
+        v['out'] = overlap_2_channel.finish(
+            shape=(sum(env.chunk_parts['overlap_2/out'][c]), *env.shapes['out'][1:]),
             dtype=torch.float32, parts=env.chunk_parts['overlap_2/out'][c], label='out'
         )
     # over shared memory each chunk runs as one pass (kernel overlap_2_fused_1 reads the peers' rows

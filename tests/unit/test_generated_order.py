@@ -69,17 +69,19 @@ def test_a_one_pass_gather_is_published_only_when_no_collective_follows(monkeypa
     forever (both ranks stalled until the deadline), so then the gather is copied out."""
     from pathlib import Path
 
-    from coconet.codegen import emit, lower
+    from coconet.codegen import emit, forms, lower
+    from coconet.codegen.forms import one_pass
+    from coconet.options import TransportKind
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "dist"))
     import dist_programs  # the programs tests/dist runs over shared memory
 
-    shm = {None: "shared memory"}
+    shm = {None: TransportKind.SHARED_MEMORY}
     for build, published in ((dist_programs.lion, True), (dist_programs.user_ops, False)):
         plan = lower(build().program)
-        assert all(u.one_pass is not None for u in plan.fused_collectives)
-        source = emit(plan, [], shm)
+        assert all(one_pass(u) is not None for u in plan.fused_collectives)
+        source = emit(plan, [], forms(plan, shm))
         assert ("published=True" in source) is published, build.__name__
         if not published:  # the global mean's all_reduce runs after the unit
             body = source[source.index("def step(") :]
-            assert body.index("comm.fused_all_gather_finish") < body.index("all_reduce_start")
+            assert body.index(".finish(") < body.index("all_reduce_start")

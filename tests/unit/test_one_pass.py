@@ -17,6 +17,7 @@ from examples_loader import load_example
 
 import coconet as cc
 from coconet.codegen import lower
+from coconet.codegen.forms import loop_one_pass, one_pass, reads_in_place
 from coconet.errors import CompileOptionError
 from coconet.schedule import Schedule
 
@@ -35,26 +36,26 @@ def _source(target, transport: str = SHM, world=2) -> str:
 @pytest.mark.parametrize("example", ["sgd", "adam", "adamw"])
 def test_ar_c_reads_the_reduced_gradient_in_place(example):
     plan = _plan(example, "AR_C")
-    (r,) = plan.reads_in_place
+    (r,) = reads_in_place(plan)
     assert r.all_reduce.name == "g_sum"
     mod = load_example(example)
     shm = _source(mod.SCHEDULES["AR_C"](mod.program()))
-    assert "comm.all_reduce_parts_start(" in shm and "_by_parts(" in shm
+    assert ".reduce_in_place(" in shm and "_by_parts(" in shm
     assert ".release()" in shm and "comm.all_reduce_start(" not in shm
     gloo = _source(mod.SCHEDULES["AR_C"](mod.program()), "torch.distributed")
-    assert "all_reduce_parts" not in gloo and "comm.all_reduce_start(" in gloo
+    assert "reduce_in_place" not in gloo and "comm.all_reduce_start(" in gloo
 
 
 @pytest.mark.parametrize("example", ["sgd", "adam", "adamw"])
 def test_fuse_rs_c_ag_is_one_whole_pass(example):
     (unit,) = _plan(example, "fuse_RS_C_AG").fused_collectives
-    op = unit.one_pass
+    op = one_pass(unit)
     assert op is not None and op.reduce_scatter is not None and op.all_gather is not None
 
 
 def test_lambs_unit_cut_by_its_norm_runs_as_two_halves():
     units = _plan("lamb", "fuse_RS_C_AG").fused_collectives
-    forms = [(u.one_pass.reduce_scatter is not None, u.one_pass.all_gather is not None)
+    forms = [(one_pass(u).reduce_scatter is not None, one_pass(u).all_gather is not None)
              for u in units]
     assert forms == [(True, False), (False, True)]
     mod = load_example("lamb")
@@ -62,11 +63,11 @@ def test_lambs_unit_cut_by_its_norm_runs_as_two_halves():
     rs, finish, norm, ag, gather = (
         shm.index(s)
         for s in (
-            "comm.fused_reduce_scatter_start(",
-            "comm.fused_reduce_scatter_finish(",
+            ".begin(",
+            ".end(",
             "label='dir_norm_sumsq'",
-            "comm.fused_all_gather_start(",
-            "comm.fused_all_gather_finish(",
+            ".slot(",
+            ".finish(",
         )
     )
     assert rs < finish < norm < ag < gather  # the norm's all_reduce runs between the halves
@@ -74,14 +75,14 @@ def test_lambs_unit_cut_by_its_norm_runs_as_two_halves():
 
 def test_the_overlapped_layer_runs_each_chunk_as_one_pass():
     (loop,) = _plan("tensor_parallel", "ol_MM_fuse_RS_C_AG").loops
-    assert loop.one_pass is not None
+    assert loop_one_pass(loop) is not None
     mod = load_example("tensor_parallel")
     target = mod.SCHEDULES["ol_MM_fuse_RS_C_AG"](mod.program())
     shm = _source(target)
-    assert "comm.fused_reduce_scatter_start(" in shm and "comm.fused_all_gather_finish(" in shm
+    assert ".begin(" in shm and ".finish(" in shm
     assert "for _c in range(4):" in shm  # the chunks one after the other
     gloo = _source(target, "torch.distributed")
-    assert "fused_reduce_scatter" not in gloo and "stage s works on chunk" in gloo
+    assert "comm.one_pass(" not in gloo and "stage s works on chunk" in gloo
 
 
 def _ar_then(consumer, also_output: bool = False):
@@ -102,8 +103,8 @@ def _ar_then(consumer, also_output: bool = False):
 
 def test_an_elementwise_consumer_of_a_2d_all_reduce_reads_it_in_place():
     s = _ar_then(lambda g, p, b, lr: p - lr * g * g)
-    assert len(lower(s.program, set()).reads_in_place) == 1
-    assert "comm.all_reduce_parts_start(" in _source(s)
+    assert len(reads_in_place(lower(s.program, set()))) == 1
+    assert ".reduce_in_place(" in _source(s)
 
 
 @pytest.mark.parametrize(
@@ -117,8 +118,8 @@ def test_an_elementwise_consumer_of_a_2d_all_reduce_reads_it_in_place():
 )
 def test_what_cannot_run_slice_by_slice_keeps_its_copy(why, consumer, also_output):
     s = _ar_then(consumer, also_output)
-    assert lower(s.program, set()).reads_in_place == (), why
-    assert "all_reduce_parts" not in _source(s), why
+    assert reads_in_place(lower(s.program, set())) == (), why
+    assert "reduce_in_place" not in _source(s), why
 
 
 def test_transport_names_are_checked():

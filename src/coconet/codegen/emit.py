@@ -14,21 +14,28 @@ transport operation and arguments their spec names; ``env`` holds this rank's si
 from __future__ import annotations
 
 import os
-import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
+from coconet.codegen.emit_shm import SharedMemoryEmission
+from coconet.codegen.forms import Form, Forms, forms
 from coconet.codegen.names import Namer
 from coconet.codegen.plan import (
     ChunkLoop,
     Compute,
     FusedCollective,
     Kernel,
-    OnePass,
     Plan,
-    ReadInPlace,
     Start,
     Wait,
 )
+from coconet.codegen.source import INDENT as _INDENT
+from coconet.codegen.source import GeoRef
+from coconet.codegen.source import call as _call
+from coconet.codegen.source import comment_lines as _comment_lines
+from coconet.codegen.source import dtype as _dtype
+from coconet.codegen.source import env_geo as _env_geo
+from coconet.codegen.source import env_ref as _env_ref
+from coconet.codegen.source import short as _short
 from coconet.errors import CodegenError
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
@@ -37,25 +44,25 @@ from coconet.ir.types import DType
 
 __all__ = ["emit"]
 
-_INDENT = "    "
-_SHARED_MEMORY = "shared memory"  # TransportKind.SHARED_MEMORY's value (codegen sits below runtime)
 
-GeoRef = Callable[[Node, str], str]  # (node, "shapes"|"offsets"|"bounds"|"parts") -> code
-
-
-def emit(
-    plan: Plan, header: Sequence[str], transports: Mapping[str | None, str] | None = None
-) -> str:
+def emit(plan: Plan, header: Sequence[str], unit_forms: Forms | None = None) -> str:
     """The module's source. ``header`` lines go first, as comments (program, schedule, key...);
-    ``transports`` names what runs each mesh axis's collectives (said at each fused collective;
-    default torch.distributed)."""
-    return _Emitter(plan, dict(transports or {})).module(header)
+    ``unit_forms`` (``coconet.codegen.forms.forms(plan, transports)``) says what runs each mesh
+    axis's collectives and in which form each unit runs there (default: torch.distributed, every
+    unit plainly)."""
+    return _Emitter(plan, unit_forms if unit_forms is not None else forms(plan)).module(header)
 
 
 class _Emitter:
-    def __init__(self, plan: Plan, transports: dict[str | None, str]) -> None:
+    def __init__(self, plan: Plan, unit_forms: Forms) -> None:
+        if unit_forms.plan is not plan:
+            raise CodegenError(
+                "internal: the forms were found for another plan",
+                op="emit",
+                hint="a coconet bug: call emit(plan, header, forms(plan, transports))",
+            )
         self.plan = plan
-        self.transports = transports
+        self.forms = unit_forms
         self.program = plan.program
         namer = Namer()
         self.namer = namer
@@ -79,23 +86,8 @@ class _Emitter:
         self.work = {s.node.name: namer.claim(f"{self.var[s.node.name]}_work") for s in starts}
         # per kernel: (node, geometry field, parameter name) for the sizes a kernel is passed
         self._geo_cache: dict[str, list[tuple[Node, str, str]]] = {}
-        self._one_pass_vars: dict[str, tuple[str, str]] = {}
-        # all_reduces read in place by their kernel (shared memory only): by all_reduce / kernel
-        in_place = [
-            r for r in plan.reads_in_place
-            if transports.get(r.all_reduce.attr("axis")) == _SHARED_MEMORY
-        ]
-        self._in_place_ar = {r.all_reduce.name: r for r in in_place}
-        self._in_place_kernel = {r.kernel.name: r for r in in_place}
-        self._parts_var = {
-            r.all_reduce.name: namer.claim(f"{self.var[r.all_reduce.name]}_parts")
-            for r in in_place
-        }
-        self._out_params = {
-            (r.kernel.name, n.name): namer.claim(f"{self.var[n.name]}_out")
-            for r in in_place
-            for n in r.kernel.outputs
-        }
+        # the emission of each transport that has forms of its own (coconet.codegen.forms)
+        self.shm = SharedMemoryEmission(self)
 
     # -- the module -----------------------------------------------------------------------------
 
@@ -133,16 +125,15 @@ class _Emitter:
         out.append("# the program's inputs, in the order step() takes them")
         out.append(f"INPUTS = ({names}{',' if len(self.program.inputs) == 1 else ''})")
         # a one-pass unit's kernel is written in its one-pass form only (the other is never run)
-        one_pass = {u.one_pass.kernel.name: u.one_pass for u in self._one_pass_units()}
-        loops = [self._loop_one_pass(loop) for loop in self.plan.loops]
-        one_pass.update({op.kernel.name: op for op in loops if op is not None})
+        one_pass = self.forms.one_pass_kernels
+        in_place = self.forms.kernels_in_place
         names = []
         for k in self.plan.kernels:
             if k.name in one_pass:
-                out += ["", ""] + self.one_pass_kernel_def(one_pass[k.name])
+                out += ["", ""] + self.shm.one_pass_kernel_def(one_pass[k.name])
                 names.append((k.name, f"{k.name}_one_pass"))
-            elif k.name in self._in_place_kernel:
-                out += ["", ""] + self.by_parts_kernel_def(self._in_place_kernel[k.name])
+            elif k.name in in_place:
+                out += ["", ""] + self.shm.by_parts_kernel_def(in_place[k.name])
                 names.append((k.name, f"{k.name}_by_parts"))
             else:
                 out += ["", ""] + self.kernel_def(k)
@@ -153,8 +144,8 @@ class _Emitter:
         return "\n".join(out) + "\n"
 
     def kernel_def(self, k: Kernel) -> list[str]:
-        params = [self.var[i.name] for i in k.inputs] + [p for _, _, p in self._geo_params(k)]
-        geo = {(n.name, f): p for n, f, p in self._geo_params(k)}
+        params = [self.var[i.name] for i in k.inputs] + [p for _, _, p in self.geo_params(k)]
+        geo = {(n.name, f): p for n, f, p in self.geo_params(k)}
         lines = [
             f"def _kernel_{k.name}({', '.join(params)}):",
             f'{_INDENT}"""{_short(k.group)}: one kernel (torch.compile, or eager)."""',
@@ -165,7 +156,7 @@ class _Emitter:
         lines.append(f"{_INDENT}return ({outs}{',' if len(k.outputs) == 1 else ''})")
         return lines
 
-    def _geo_params(self, k: Kernel) -> list[tuple[Node, str, str]]:
+    def geo_params(self, k: Kernel) -> list[tuple[Node, str, str]]:
         if k.name not in self._geo_cache:
             self._geo_cache[k.name] = [
                 (n, f, self.namer.claim(f"{self.var[n.name]}_{f[:-1]}"))
@@ -205,83 +196,18 @@ class _Emitter:
     def step_lines(self, s: Compute | Kernel | Start | Wait, geo: GeoRef) -> list[str]:
         if isinstance(s, Compute):
             return self.node_lines(s.node, geo)
+        in_place = self.forms.in_place
         if isinstance(s, Kernel):
-            if s.name in self._in_place_kernel:
-                return self.by_parts_call(self._in_place_kernel[s.name])
-            return self.kernel_call(s, geo)
+            read = self.forms.kernels_in_place.get(s.name)
+            return self.shm.by_parts_call(read) if read is not None else self.kernel_call(s, geo)
         if isinstance(s, Start):
-            if s.node.name in self._in_place_ar:
-                return self.parts_start_lines(self._in_place_ar[s.node.name])
+            if self.forms.of(s) is Form.READ_IN_PLACE:
+                return self.shm.reduce_in_place_lines(in_place[s.node.name])
             return self.start_lines(s, geo)
         name = s.node.name
-        if name in self._in_place_ar:
+        if name in in_place:
             return []  # complete at its start; its kernel reads it where it was reduced
         return [f"{self.var[name]} = comm.wait({self.work[name]})"]
-
-    # -- an all_reduce read in place by its kernel (shared memory) -------------------------------
-
-    def parts_start_lines(self, r: ReadInPlace) -> list[str]:
-        ar = r.all_reduce
-        lines = [self.comment(ar)]
-        lines += _comment_lines(
-            f"  over shared memory: left where each slice's owner reduced it; kernel "
-            f"{r.kernel.name} reads it there, slice by slice (no copy into a tensor of its own)",
-            "# ",
-        )
-        args = [
-            self.var[ar.inputs[0].name],
-            f"ReduceOp.{ar.attr('reduce_op').name}",
-            f"axis={ar.attr('axis')!r}",
-            f"label={ar.name!r}",
-        ]
-        return lines + _call(self._parts_var[ar.name], "comm.all_reduce_parts_start", args)
-
-    def by_parts_kernel_def(self, r: ReadInPlace) -> list[str]:
-        """The kernel on one slice of everything it reads, writing its results into the
-        matching slices of its outputs (``<output>_out``)."""
-        k = r.kernel
-        outs = [self._out_params[(k.name, n.name)] for n in k.outputs]
-        params = [self.var[i.name] for i in k.inputs] + outs
-        lines = [
-            f"def _kernel_{k.name}_by_parts({', '.join(params)}):",
-            f'{_INDENT}"""{_short(k.group)}: one kernel (torch.compile, or eager), on one slice '
-            f'of {r.all_reduce.name} where its owner reduced it."""',
-        ]
-        for n in k.nodes:
-            lines += [_INDENT + c for c in self.node_lines(n, lambda n, f: None)]
-        for n, o in zip(k.outputs, outs, strict=True):
-            lines.append(f"{_INDENT}{o}.copy_({self.var[n.name]})")
-        return lines
-
-    def by_parts_call(self, r: ReadInPlace) -> list[str]:
-        k, ar = r.kernel, r.all_reduce
-        parts = self._parts_var[ar.name]
-        lo, hi = self.namer.claim("lo"), self.namer.claim("hi")
-        shape = self.var[ar.inputs[0].name] + ".shape"
-        members = ", ".join(n.name for n in k.nodes)
-        lines = _comment_lines(
-            f"{k.group.kind.value}: {members}  (one kernel, run on each slice of {ar.name} "
-            "where its owner reduced it)",
-            "# ",
-        )
-        for n in k.outputs:
-            lines.append(f"{self.var[n.name]} = torch.empty({shape}, dtype={_dtype(n.type.dtype)})")
-        args = [
-            self.var[i.name] if i is ar or i.type.rank == 0
-            else f"{self.var[i.name]}.reshape(-1)[{lo}:{hi}]"
-            for i in k.inputs
-        ]
-        args += [f"{self.var[n.name]}.view(-1)[{lo}:{hi}]" for n in k.outputs]
-        body = _call("", f"kernels.{k.name}", args)
-        lines += [
-            f"{lo} = 0",
-            f"for {self.var[ar.name]} in {parts}.pieces:",
-            f"{_INDENT}{hi} = {lo} + {self.var[ar.name]}.numel()",
-            *[_INDENT + b for b in body],
-            f"{_INDENT}{lo} = {hi}",
-            f"{parts}.release()  # every slice read: the peers may reuse their segments",
-        ]
-        return lines
 
     def fused_collective_lines(self, unit: FusedCollective) -> list[str]:
         """A fused collective: a header naming its collectives and kernels, then its steps."""
@@ -291,250 +217,17 @@ class _Emitter:
                 parts.append(f"{s.node.op} {s.node.name}")
             elif isinstance(s, Kernel):
                 parts.append(f"kernel {s.name}")
-        axis = unit.collectives[0].attr("axis")
-        transport = self.transports.get(axis, "torch.distributed")
-        if unit in self._one_pass_units():
-            return self.one_pass_lines(unit, parts, transport)
+        op = self.forms.one_pass(unit)
+        if op is not None:
+            return self.shm.one_pass_lines(unit, op, parts)
+        transport = self.forms.transport(unit.collectives[0].attr("axis"))
         lines = _comment_lines(
-            f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport} runs "
+            f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport.value} runs "
             "its collectives and kernels one after the other",
             "# ",
         )
         for s in unit.steps:
             lines += self.step_lines(s, _env_geo)
-        return lines + [f"# end of {unit.name}"]
-
-    # -- one-pass fused collectives over shared memory -------------------------------------------
-
-    def _one_pass_units(self) -> list[FusedCollective]:
-        """Fused collectives that run as one pass: shared memory along their axis, and the
-        ``OnePass`` form."""
-        out = []
-        for unit in self.plan.fused_collectives:
-            axis = unit.collectives[0].attr("axis")
-            if self.transports.get(axis) == _SHARED_MEMORY and unit.one_pass is not None:
-                out.append(unit)
-        return out
-
-    def _communicates_after(self, unit: FusedCollective) -> bool:
-        """Whether any collective runs after ``unit`` in the step."""
-        later = self.plan.body[self.plan.body.index(unit) + 1 :]
-        return any(
-            isinstance(s, (Start, FusedCollective))
-            or (isinstance(s, ChunkLoop) and any(isinstance(t, Start) for st in s.stages
-                                                 for t in st))
-            for s in later
-        )
-
-    def _loop_one_pass(self, loop: ChunkLoop) -> OnePass | None:
-        """The loop's chunks as one-pass units: shared memory along its axis, and the form."""
-        op = loop.one_pass
-        if op is None or self.transports.get(op.reduce_scatter.attr("axis")) != _SHARED_MEMORY:
-            return None
-        return op
-
-    def loop_one_pass_lines(
-        self, s: Compute | Kernel | Start | Wait, op: OnePass, geo: GeoRef
-    ) -> list[str]:
-        """A step of a chunk loop whose chunks run as one pass (``_loop_one_pass``)."""
-        rs, ag, k = op.reduce_scatter, op.all_gather, op.kernel
-        parts, slot = (f"v[{name!r}]" for name in self._one_pass_names(op))
-        dtype = _dtype(ag.type.dtype)
-        rows = geo(ag, "parts")
-        shape = f"(sum({rows}), *{_env_ref(ag, 'shapes')}[1:])"
-        if isinstance(s, Start) and s.node is rs:
-            return [
-                self.comment(rs),
-                *_call(
-                    f"{parts}, {slot}",
-                    "comm.fused_reduce_scatter_start",
-                    [
-                        self.var[rs.inputs[0].name],
-                        f"axis={rs.attr('axis')!r}",
-                        f"gather_shape={shape}",
-                        f"gather_dtype={dtype}",
-                        f"gather_parts={rows}",
-                        f"label={rs.name!r}",
-                    ],
-                ),
-            ]
-        if isinstance(s, Kernel) and s is k:
-            args = [parts if i is rs else self.var[i.name] for i in k.inputs]
-            args += [geo(n, f) for n, f, _ in self._geo_params(k)] + [slot]
-            outs = [self.var[n.name] for n in self._one_pass_outputs(op)]
-            target = (f"({outs[0]},)" if len(outs) == 1 else ", ".join(outs)) if outs else "_"
-            members = ", ".join(n.name for n in k.nodes)
-            return [
-                *_comment_lines(
-                    f"{k.group.kind.value}: {members}  (one kernel: reads every peer's rows of "
-                    f"{rs.inputs[0].name}, reduces them, writes {ag.inputs[0].name} into its slot)",
-                    "# ",
-                ),
-                *_call(target, f"kernels.{k.name}", args),
-            ]
-        if isinstance(s, Start) and s.node is ag:
-            return [self.comment(ag), "#   (its input is in its slot: the kernel wrote it there)"]
-        if isinstance(s, Wait) and s.node is ag:
-            return _call(
-                self.var[ag.name],
-                "comm.fused_all_gather_finish",
-                [
-                    f"axis={ag.attr('axis')!r}",
-                    f"shape={shape}",
-                    f"dtype={dtype}",
-                    f"parts={rows}",
-                    f"label={ag.name!r}",
-                ],
-            )
-        if isinstance(s, Wait) and s.node is rs:
-            return []  # read by the kernel from the peers' rows
-        return self.step_lines(s, geo)
-
-    def _one_pass_names(self, op: OnePass) -> tuple[str | None, str | None]:
-        """(the peers' slices parameter, the gather slot parameter) of a one-pass kernel (None
-        for the half it does not have)."""
-        key = op.kernel.name
-        if key not in self._one_pass_vars:
-            rs, ag = op.reduce_scatter, op.all_gather
-            self._one_pass_vars[key] = (
-                self.namer.claim(f"{self.var[rs.name]}_parts") if rs is not None else None,
-                self.namer.claim(f"{self.var[ag.inputs[0].name]}_slot") if ag is not None else None,
-            )
-        return self._one_pass_vars[key]
-
-    def _one_pass_outputs(self, op: OnePass) -> list[Node]:
-        """The kernel's outputs, less the gather's input when only the gather reads it (the
-        kernel writes it into the slot instead)."""
-        if op.all_gather is None:
-            return list(op.kernel.outputs)
-        returned = {n.name for n in self.program.outputs} | {
-            u.inputs[1].name for u in self.program.updates
-        }
-        given = op.all_gather.inputs[0]
-        users = self.program.users()[given.name]
-        only_gathered = given.name not in returned and all(u is op.all_gather for u in users)
-        return [n for n in op.kernel.outputs if not (only_gathered and n is given)]
-
-    def one_pass_kernel_def(self, op: OnePass) -> list[str]:
-        """The kernel, reading every peer's slice of the reduce_scatter's input (it reduces them
-        in rank order, as the simulator does) and/or writing the gather's input into its slot."""
-        k = op.kernel
-        parts, slot = self._one_pass_names(op)
-        rs, ag = op.reduce_scatter, op.all_gather
-        params = [parts if i is rs else self.var[i.name] for i in k.inputs]
-        params += [p for _, _, p in self._geo_params(k)] + ([slot] if slot else [])
-        geo = {(n.name, f): p for n, f, p in self._geo_params(k)}
-        lines = [
-            f"def _kernel_{k.name}_one_pass({', '.join(params)}):",
-            f'{_INDENT}"""{_short(k.group)}: one pass over shared memory (torch.compile, or '
-            'eager)."""',
-        ]
-        if rs is not None:
-            lines += [
-                f"{_INDENT}# {rs.name}: this rank's slice, reduced from every peer's in rank order",
-                f"{_INDENT}{self.var[rs.name]} = _ops.reduce_values("
-                f"ReduceOp.{rs.attr('reduce_op').name}, {parts})",
-            ]
-        for n in k.nodes:
-            lines += [_INDENT + c for c in self.node_lines(n, lambda n, f: geo.get((n.name, f)))]
-        if ag is not None:
-            given = self.var[ag.inputs[0].name]
-            lines.append(f"{_INDENT}{slot}.copy_({given})  # where the peers read it")
-        outs = [self.var[n.name] for n in self._one_pass_outputs(op)]
-        tail = "," if len(outs) == 1 else ""
-        lines.append(f"{_INDENT}return ({', '.join(outs)}{tail})")
-        return lines
-
-    def one_pass_lines(self, unit: FusedCollective, parts: list[str], transport: str) -> list[str]:
-        op = unit.one_pass
-        rs, ag, k = op.reduce_scatter, op.all_gather, op.kernel
-        names = self._one_pass_names(op)
-        what = []
-        if rs is not None:
-            what.append(
-                f"kernel {k.name} reads every peer's slice of {rs.inputs[0].name}, reduces them "
-                "in rank order, computes"
-            )
-        else:
-            what.append(f"kernel {k.name} computes")
-        if ag is not None:
-            what.append(f"and writes {ag.inputs[0].name} where the peers read it for the gather")
-        lines = _comment_lines(
-            f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport} runs it as "
-            f"one pass: {' '.join(what)}",
-            "# ",
-        )
-        for s in op.scalars:
-            lines += self.step_lines(s, _env_geo)
-        if ag is not None:
-            dtype = _dtype(ag.type.dtype)
-            gather = [
-                f"gather_shape={_env_ref(ag, 'shapes')}",
-                f"gather_dtype={dtype}",
-                f"gather_parts={_env_ref(ag, 'parts')}",
-            ]
-        if rs is not None:
-            lines += [self.comment(rs)]
-            lines += _call(
-                f"{names[0]}, {names[1] or '_'}",
-                "comm.fused_reduce_scatter_start",
-                [
-                    self.var[rs.inputs[0].name],
-                    f"axis={rs.attr('axis')!r}",
-                    *(gather if ag is not None else []),
-                    f"label={rs.name!r}",
-                ],
-            )
-        else:
-            lines += _call(
-                names[1],
-                "comm.fused_all_gather_start",
-                [
-                    f"axis={ag.attr('axis')!r}",
-                    f"shape={_env_ref(ag, 'shapes')}",
-                    f"dtype={dtype}",
-                    f"parts={_env_ref(ag, 'parts')}",
-                    f"label={ag.name!r}",
-                ],
-            )
-        args = [names[0] if i is rs else self.var[i.name] for i in k.inputs]
-        args += [_env_geo(n, f) or "None" for n, f, _ in self._geo_params(k)]
-        args += [names[1]] if ag is not None else []
-        outs = [self.var[n.name] for n in self._one_pass_outputs(op)]
-        if outs:
-            target = f"({outs[0]},)" if len(outs) == 1 else ", ".join(outs)
-            lines += _call(target, f"kernels.{k.name}", args)
-        else:  # everything the kernel computes goes to the gather's slot
-            lines += _call("_", f"kernels.{k.name}", args)
-        if ag is None:
-            lines += _call(
-                "",
-                "comm.fused_reduce_scatter_finish",
-                [f"axis={rs.attr('axis')!r}", f"label={rs.name!r}"],
-            )
-            return lines + [f"# end of {unit.name}"]
-        # Read only by updates: the gather stays in the peers' slots and the commit copies it
-        # straight into the caller's tensor (the gather is the commit). Only when no collective
-        # follows in the step: the published slots hold the group's epoch open, and the next
-        # collective would wait for peers that wait for it.
-        published = (
-            ag.name not in {n.name for n in self.program.outputs}
-            and all(u.op is Op.UPDATE for u in self.program.users()[ag.name])
-            and not self._communicates_after(unit)
-        )
-        lines += [self.comment(ag) + ("  (published: the commit copies it)" if published else "")]
-        lines += _call(
-            self.var[ag.name],
-            "comm.fused_all_gather_finish",
-            [
-                f"axis={ag.attr('axis')!r}",
-                f"shape={_env_ref(ag, 'shapes')}",
-                f"dtype={dtype}",
-                f"parts={_env_ref(ag, 'parts')}",
-                f"label={ag.name!r}",
-                *(["published=True"] if published else []),
-            ],
-        )
         return lines + [f"# end of {unit.name}"]
 
     # -- overlapped chains ----------------------------------------------------------------------
@@ -547,7 +240,7 @@ class _Emitter:
         """
         k, name = loop.chunks, loop.name
         members = ", ".join(loop.group.members)
-        one_pass = self._loop_one_pass(loop)
+        one_pass = self.forms.one_pass(loop)
         how = (
             "one after the other, each as one pass over shared memory"
             if one_pass is not None
@@ -577,6 +270,8 @@ class _Emitter:
             return f"env.{chunk_field}[{key!r}][c]" if chunk_field else _env_ref(n, field)
 
         stage_names = [self.namer.claim(f"{name}_stage_{i}") for i in range(len(loop.stages))]
+        if one_pass is not None:
+            lines += self.shm.loop_channel_lines(loop, one_pass)
         try:
             for i, (stage, fn) in enumerate(zip(loop.stages, stage_names, strict=True)):
                 what = ", ".join(_step_label(s) for s in stage)
@@ -589,7 +284,7 @@ class _Emitter:
                         )
                 for s in stage:
                     if one_pass is not None:
-                        body += self.loop_one_pass_lines(s, one_pass, geo)
+                        body += self.shm.loop_step_lines(loop, s, one_pass, geo)
                     else:
                         body += self.step_lines(s, geo)
                 lines += [f"def {fn}(c, v):", *[_INDENT + b for b in body]]
@@ -597,22 +292,7 @@ class _Emitter:
             self.var, self.work = saved
         ticks = k + len(loop.stages) - 1
         if one_pass is not None:
-            # Over shared memory a chunk's collectives complete where they start, so there is
-            # nothing in flight to pipeline; and a one-pass chunk holds its group's epoch from
-            # its reduce_scatter to its gather: the chunks run one after the other.
-            lines += _comment_lines(
-                f"over shared memory each chunk runs as one pass (kernel {one_pass.kernel.name} "
-                f"reads the peers' rows of {one_pass.reduce_scatter.inputs[0].name} and writes "
-                f"{one_pass.all_gather.inputs[0].name} into its slot), the chunks one after the "
-                "other",
-                "# ",
-            )
-            lines += [
-                f"{name} = [{{}} for _ in range({k})]",
-                f"for _c in range({k}):",
-                f"{_INDENT}for _stage in ({', '.join(stage_names)},):",
-                f"{_INDENT * 2}_stage(_c, {name}[_c])",
-            ]
+            lines += self.shm.loop_schedule_lines(loop, one_pass, stage_names)
         else:
             lines += [
                 f"{name} = [{{}} for _ in range({k})]",
@@ -650,7 +330,7 @@ class _Emitter:
 
     def kernel_call(self, k: Kernel, geo: GeoRef) -> list[str]:
         args = [self.var[i.name] for i in k.inputs]
-        args += [geo(n, f) for n, f, _ in self._geo_params(k)]
+        args += [geo(n, f) for n, f, _ in self.geo_params(k)]
         outs = ", ".join(self.var[n.name] for n in k.outputs)
         target = f"({outs},)" if len(k.outputs) == 1 else outs
         members = ", ".join(n.name for n in k.nodes)
@@ -711,36 +391,6 @@ _ARGUMENTS: dict[Arg, Callable[[Node, Start, GeoRef], list[str]]] = {
 }
 
 
-def _call(target: str, fn: str, args: Sequence[str], width: int = 96) -> list[str]:
-    """``target = fn(args)`` (``fn(args)`` without a target) on one line, or with the arguments
-    wrapped when that is too long."""
-    head = f"{target} = {fn}(" if target else f"{fn}("
-    line = f"{head}{', '.join(args)})"
-    if len(line) <= width:
-        return [line]
-    wrapped = textwrap.wrap(", ".join(args), width - len(_INDENT), break_long_words=False)
-    return [head, *[_INDENT + w for w in wrapped], ")"]
-
-
-def _comment_lines(text: str, prefix: str, width: int = 96) -> list[str]:
-    return [prefix + w for w in textwrap.wrap(text, width, subsequent_indent="  ")] or [prefix]
-
-
-def _short(group) -> str:
-    m = group.members
-    names = ", ".join(m) if len(m) <= 6 else f"{', '.join(m[:3])}, ..., {m[-1]} ({len(m)} values)"
-    return f"{group.kind.value}([{names}])"
-
-
-def _env_ref(n: Node, field: str) -> str:
-    return f"env.{field}[{n.name!r}]"
-
-
-def _env_geo(n: Node, field: str) -> str | None:
-    """Geometry outside chunk loops: no explicit rows (blocks are contiguous)."""
-    return None if field == "rows" else _env_ref(n, field)
-
-
 def _step_label(s) -> str:
     if isinstance(s, Kernel):
         return f"kernel {s.name}"
@@ -749,10 +399,6 @@ def _step_label(s) -> str:
     if isinstance(s, Wait):
         return f"wait {s.node.name}"
     return s.node.name
-
-
-def _dtype(d: DType) -> str:
-    return f"torch.{d.torch}".replace("torch.torch.", "torch.")
 
 
 def _where(n: Node) -> str:

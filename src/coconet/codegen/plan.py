@@ -13,10 +13,11 @@ loop (overlap groups) without touching the emitter's per-step code.
 
 Fused groups with a collective inside (``fuse(reduce_scatter, update, all_gather)``) become their
 collectives plus one kernel per run of computations between them (see ``_units``), wrapped in one
-``FusedCollective`` step: the unit a transport may run as one pass (CoCoNet's fused collective:
-a shared-memory transport reads the peers' slices, reduces, computes and publishes in one kernel).
-torch.distributed runs its steps one after the other. ``Plan.body`` is the structured list;
-``Plan.steps`` the same with every fused collective flattened into its steps.
+``FusedCollective`` step: the unit a transport may run in a form of its own, such as one pass
+(CoCoNet's fused collective: a shared-memory transport reads the peers' slices, reduces, computes
+and publishes in one kernel). Which unit takes which form on which transport is decided in
+``coconet.codegen.forms``; the plan knows nothing of transports. ``Plan.body`` is the
+structured list; ``Plan.steps`` the same with every fused collective flattened into its steps.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from coconet.ir.ops import (
     LEAVES,
     Op,
 )
-from coconet.ir.opspec import Lowering, Prop, ops_with, spec
+from coconet.ir.opspec import Prop, ops_with, spec
 from coconet.ir.program import Program
 
 __all__ = [
@@ -41,15 +42,14 @@ __all__ = [
     "ChunkLoop",
     "Compute",
     "FusedCollective",
-    "OnePass",
     "Kernel",
-    "ReadInPlace",
     "Plan",
     "Start",
     "Step",
     "Wait",
     "loop_name",
     "lower",
+    "step_inputs",
 ]
 
 # Ops a fused kernel may contain: local computation with no communication and no rank geometry
@@ -102,12 +102,6 @@ class ChunkLoop:
     def kernels(self) -> tuple[Kernel, ...]:
         return tuple(s for stage in self.stages for s in stage if isinstance(s, Kernel))
 
-    @property
-    def one_pass(self) -> OnePass | None:
-        """Each chunk's ``reduce_scatter -> kernel -> all_gather`` as one pass over symmetric
-        memory (``ol_MM_fuse_RS_C_AG``), when the chain has that form (else None)."""
-        return _loop_one_pass(self)
-
 
 @dataclass(frozen=True)
 class FusedCollective:
@@ -130,41 +124,6 @@ class FusedCollective:
     @property
     def kernels(self) -> tuple[Kernel, ...]:
         return tuple(s for s in self.steps if isinstance(s, Kernel))
-
-    @property
-    def one_pass(self) -> OnePass | None:
-        """The unit as one pass over symmetric memory, when it has that form (else None)."""
-        return _one_pass(self)
-
-
-@dataclass(frozen=True)
-class OnePass:
-    """A fused collective in the form a shared-memory transport runs as one pass: a kernel that
-    reads every peer's slice of a ``reduce_scatter``'s input (along dim 0) and reduces them itself,
-    in rank order, and/or writes an ``all_gather``'s input straight into this rank's slot of the
-    gather, where the peers read it:
-
-    - ``reduce_scatter -> (scalar arithmetic) -> kernel -> all_gather`` (Adam's fuse_RS_C_AG);
-    - ``reduce_scatter -> kernel`` and ``kernel -> all_gather`` (halves: a unit that a collective
-      outside the group cuts in two, such as LAMB's all_reduce of the partial norms).
-    """
-
-    reduce_scatter: Node | None
-    kernel: Kernel
-    all_gather: Node | None
-    scalars: tuple[Compute, ...]  # arithmetic on 0-d values that runs once, before the kernel
-
-
-@dataclass(frozen=True)
-class ReadInPlace:
-    """An all_reduce whose only reader is one elementwise kernel over values of its shape (AR_C's
-    update): a shared-memory transport leaves the reduced value where each slice's owner wrote
-    it, and the kernel runs slice by slice on it there, so the result is never copied into a
-    tensor of this rank's own. Bitwise the same as one call: every op of the kernel computes
-    each element alone and rounds the same on any slice (no ``Prop.ROUNDS_PER_KERNEL`` op)."""
-
-    all_reduce: Node
-    kernel: Kernel
 
 
 Step = Compute | Start | Wait | Kernel | ChunkLoop | FusedCollective
@@ -201,12 +160,6 @@ class Plan:
     @property
     def loops(self) -> tuple[ChunkLoop, ...]:
         return tuple(s for s in self.steps if isinstance(s, ChunkLoop))
-
-    @property
-    def reads_in_place(self) -> tuple[ReadInPlace, ...]:
-        """The all_reduces whose consumer kernel may read the result where it was reduced."""
-        return _reads_in_place(self)
-
 
 def lower(program: Program, donate: frozenset[str] = frozenset()) -> Plan:
     """The per-rank steps of ``program`` in an order that respects every dependency.
@@ -607,110 +560,6 @@ def _fused_collectives(program: Program, steps: list[Step]) -> list[Step]:
     return out
 
 
-def _one_pass(unit: FusedCollective) -> OnePass | None:
-    """The unit's ``OnePass`` form: one kernel; steps Start(rs), Compute*, Wait(rs), Compute*,
-    Kernel (reading the reduce_scatter), Start(ag of a kernel output), Wait(ag), or one half of
-    that (no rs: Compute*, Kernel, Start(ag), Wait(ag); no ag: ending at the kernel); both
-    collectives along dim 0 and over one axis."""
-    starts = [s.node for s in unit.steps if isinstance(s, Start)]
-    kernels = unit.kernels
-    if len(kernels) != 1 or not 1 <= len(starts) <= 2:
-        return None
-    (kernel,) = kernels
-    rs = starts[0] if starts[0].op is Op.REDUCE_SCATTER else None
-    ag = starts[-1] if starts[-1].op is Op.ALL_GATHER else None
-    if len(starts) != (rs is not None) + (ag is not None):
-        return None
-    if rs is not None and (rs.type.layout.dim != 0 or rs not in kernel.inputs):
-        return None
-    made = {n.name for n in kernel.outputs}
-    if ag is not None and (ag.inputs[0].type.layout.dim != 0 or ag.inputs[0].name not in made):
-        return None
-    if rs is not None and ag is not None and rs.attr("axis") != ag.attr("axis"):
-        return None
-    k = unit.steps.index(kernel)
-    after = [type(s) for s in unit.steps[k + 1 :]]
-    if after != ([Start, Wait] if ag is not None else []):
-        return None
-    if not all(
-        (isinstance(s, Compute) and rs not in s.node.inputs)
-        or (isinstance(s, (Start, Wait)) and s.node is rs)
-        for s in unit.steps[:k]
-    ):
-        return None
-    scalars = tuple(s for s in unit.steps[:k] if isinstance(s, Compute))
-    return OnePass(rs, kernel, ag, scalars)
-
-
-def _loop_one_pass(loop: ChunkLoop) -> OnePass | None:
-    """A chain whose only collectives are a reduce_scatter and an all_gather along dim 0 over one
-    axis, with one kernel that alone reads the reduce_scatter and makes the gather's input:
-    each chunk runs as a ``OnePass`` (its scalars: none; the chain has no 0-d values)."""
-    steps = [s for stage in loop.stages for s in stage]
-    starts = [s.node for s in steps if isinstance(s, Start)]
-    if len(starts) != 2:
-        return None
-    rs, ag = starts
-    if rs.op is not Op.REDUCE_SCATTER or ag.op is not Op.ALL_GATHER:
-        return None
-    if rs.type.layout.dim != 0 or ag.inputs[0].type.layout.dim != 0:
-        return None
-    if rs.attr("axis") != ag.attr("axis"):
-        return None
-    readers = [
-        s for s in steps if isinstance(s, (Compute, Kernel, Start)) and rs in _step_inputs(s)
-    ]
-    if len(readers) != 1 or not isinstance(readers[0], Kernel):
-        return None
-    (kernel,) = readers
-    if ag.inputs[0] not in kernel.outputs:
-        return None
-    return OnePass(rs, kernel, ag, ())
-
-
-def _reads_in_place(plan: Plan) -> tuple[ReadInPlace, ...]:
-    """Top-level ``Start(ar) ... Wait(ar) ... Kernel`` with nothing communicating in between
-    (the transport keeps the group's epoch open until the kernel is done), the kernel the only
-    reader of ``ar``, elementwise, and every tensor it reads or writes shaped like ``ar``."""
-    out = []
-    users = plan.program.users()
-    body = plan.body
-    for i, s in enumerate(body):
-        if not isinstance(s, Start) or s.node.op is not Op.ALL_REDUCE:
-            continue
-        ar = s.node
-        k = next(
-            (j for j in range(i + 1, len(body)) if isinstance(body[j], Kernel)
-             and ar in body[j].inputs),
-            None,
-        )
-        if k is None:
-            continue
-        kernel = body[k]
-        between = body[i + 1 : k]
-        if not all(isinstance(t, Compute) or (isinstance(t, Wait) and t.node is ar)
-                   for t in between):
-            continue
-        members = {n.name for n in kernel.nodes}
-        if kernel.chunked or not all(u.name in members for u in users[ar.name]):
-            continue
-        if any(n.name == ar.name for n in plan.program.outputs):
-            continue
-        shape = ar.type.shape
-        if not all(
-            spec(n.op).lowering is Lowering.POINTWISE
-            and not spec(n.op).has(Prop.ROUNDS_PER_KERNEL)
-            for n in kernel.nodes
-        ):
-            continue
-        if not all(i.type.rank == 0 or i.type.shape == shape for i in kernel.inputs):
-            continue
-        if not all(n.type.shape == shape for n in kernel.outputs):
-            continue
-        out.append(ReadInPlace(ar, kernel))
-    return tuple(out)
-
-
 def _belongs(step: Step, group: Group, members: set[str]) -> bool:
     if isinstance(step, Kernel):
         return step.group == group
@@ -738,13 +587,13 @@ def _reads(step: Step) -> set[str]:
     if isinstance(step, ChunkLoop):
         members = set(step.group.members)
         nodes = [n for n in step.stages for n in n]
-        return {i.name for s in nodes for i in _step_inputs(s)} - members
+        return {i.name for s in nodes for i in step_inputs(s)} - members
     if isinstance(step, FusedCollective):
         return {n for s in step.steps for n in _reads(s)} - _produces(step)
     return set()  # a wait reads its own collective's buffer
 
 
-def _step_inputs(step: Step) -> tuple[Node, ...]:
+def step_inputs(step: Step) -> tuple[Node, ...]:
     if isinstance(step, Kernel):
         return step.inputs
     if isinstance(step, (Compute, Start)):

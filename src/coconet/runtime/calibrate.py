@@ -14,13 +14,13 @@ from coconet.ir.opspec import Prop, spec
 from coconet.options import CommOptions
 from coconet.runtime.comm import Communicator
 from coconet.runtime.launch import spawn
-from coconet.runtime.transport import Transport
+from coconet.runtime.transport import TunableTransport
 from coconet.runtime.tuning import SIZE_CLASSES, AlgorithmTable, TuningKey
 
 __all__ = ["calibrate", "calibrate_local"]
 
 
-def tuned_ops(transport: Transport) -> tuple[Op, ...]:
+def tuned_ops(transport: TunableTransport) -> tuple[Op, ...]:
     """The communication ops for which ``transport`` has algorithms to choose between."""
     return tuple(
         op for op in Op if spec(op).has(Prop.COMMUNICATES) and len(transport.algorithms(op)) > 1

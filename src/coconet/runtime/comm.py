@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,15 +35,14 @@ from coconet.cache import keyed_cache_dir
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
-from coconet.ir.opspec import Arg, Prop, spec
 from coconet.options import Algorithm, CommOptions, TransportKind, TransportPolicy
+from coconet.runtime.channels import OnePassChannel
 from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup, torch_gather
 from coconet.runtime.symmem import host_identity
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import (
     Group,
     Pending,
-    Published,
     Transport,
     WholeWait,
 )
@@ -123,6 +122,7 @@ class Communicator:
         # span hosts; shared memory for groups within one host (``routes``).
         self.torch = TorchDistributedTransport()
         self.shm = SharedMemoryTransport()
+        self._channels: dict[str | None, OnePassChannel] = {}  # comm.one_pass(axis), made once
         everyone = tuple(range(self.world))
         self._groups: dict[str | None, Group] = {
             None: Group(None, everyone, self.rank, self.torch.new_group(everyone, self.world))
@@ -333,124 +333,118 @@ class Communicator:
     def start(
         self, op: Op, x: torch.Tensor, *, label: str, axis: str | None, **arguments: Any
     ) -> Work:
-        """Start communication op ``op`` on ``x`` over ``axis``'s group and return at once.
+        """Start communication op ``op`` on ``x`` over ``axis``'s group and return at once: the
+        typed entry point of ``op`` (``all_reduce_start`` ...) with the op spec's ``arguments``
+        (``coconet.ir.opspec``: ``reduce_op``, ``dim``, ``parts``, ``root``, ``donate``)."""
+        return _STARTS[op](self, x, label=label, axis=axis, **arguments)
 
-        ``arguments`` are the op spec's (``coconet.ir.opspec``: ``reduce_op``, ``dim``,
-        ``parts``, ``root``, ``donate``); the transport's method named by the spec does the work,
-        with the algorithm chosen here when the transport has several. Everything the transport
-        raises becomes a ``RuntimeFault`` (``_guard``).
-        """
-        form = spec(op)
+    # -- one typed entry point per communication op: what generated code calls ------------------
+
+    def all_reduce_start(
+        self, x: torch.Tensor, reduce_op: ReduceOp, *, axis: str | None, donate: bool, label: str
+    ) -> Work:
+        return self._start(
+            Op.ALL_REDUCE, label, axis, _nbytes(x),
+            lambda t, g, a: t.all_reduce(x, g, reduce_op=reduce_op, algorithm=a, donate=donate),
+        )
+
+    def reduce_scatter_start(
+        self,
+        x: torch.Tensor,
+        reduce_op: ReduceOp,
+        *,
+        dim: int,
+        axis: str | None,
+        donate: bool,
+        label: str,
+    ) -> Work:
+        return self._start(
+            Op.REDUCE_SCATTER, label, axis, _nbytes(x),
+            lambda t, g, a: t.reduce_scatter(
+                x, g, reduce_op=reduce_op, dim=dim, algorithm=a, donate=donate
+            ),
+        )
+
+    def all_gather_start(
+        self, x: torch.Tensor, *, dim: int, parts: Sequence[int], axis: str | None, label: str
+    ) -> Work:
+        # tuned by the size of what it gathers
+        nbytes = sum(parts) * (x.numel() // max(x.shape[dim], 1)) * x.element_size()
+        return self._start(
+            Op.ALL_GATHER, label, axis, nbytes,
+            lambda t, g, a: t.all_gather(x, g, dim=dim, parts=parts, algorithm=a),
+        )
+
+    def broadcast_start(
+        self, x: torch.Tensor, *, root: int, axis: str | None, donate: bool, label: str
+    ) -> Work:
+        return self._start(
+            Op.BROADCAST, label, axis, _nbytes(x),
+            lambda t, g, a: t.broadcast(x, g, root=root, donate=donate),
+        )
+
+    def reduce_start(
+        self,
+        x: torch.Tensor,
+        reduce_op: ReduceOp,
+        *,
+        root: int,
+        axis: str | None,
+        donate: bool,
+        label: str,
+    ) -> Work:
+        return self._start(
+            Op.REDUCE, label, axis, _nbytes(x),
+            lambda t, g, a: t.reduce(
+                x, g, reduce_op=reduce_op, root=root, algorithm=a, donate=donate
+            ),
+        )
+
+    def send_start(self, x: torch.Tensor, *, axis: str | None, label: str) -> Work:
+        return self._start(Op.SEND, label, axis, _nbytes(x), lambda t, g, a: t.send(x, g))
+
+    def _start(
+        self,
+        op: Op,
+        label: str,
+        axis: str | None,
+        nbytes: int,
+        run: Callable[[Transport, Group, Algorithm | None], Pending],
+    ) -> Work:
+        """Run ``run(transport, group, algorithm)`` under the fault guard: the algorithm is
+        chosen here when the group's transport has several for ``op`` (None otherwise)."""
         transport, _ = self.route(axis)
-        run = getattr(transport, form.transport)
-        if Arg.GATHER_DIM in form.arguments:  # tuned by the size of what it gathers
-            parts, dim = arguments["parts"], arguments["dim"]
-            nbytes = sum(parts) * (x.numel() // max(x.shape[dim], 1)) * x.element_size()
-        else:
-            nbytes = x.numel() * x.element_size()
 
         def begin() -> Pending:
             group = self.route(axis)[1]
-            if transport.algorithms(op):
+            algorithm = None
+            if transport is self.torch and self.torch.algorithms(op):
                 # a group of one has nothing to choose: its collectives move no data
                 tuned = group.size > 1
-                arguments["algorithm"] = (
-                    self._algorithm(op, nbytes, group) if tuned else Algorithm.NATIVE
-                )
-            return run(x, group, **arguments)
+                algorithm = self._algorithm(op, nbytes, group) if tuned else Algorithm.NATIVE
+            return run(transport, group, algorithm)
 
         return Work(op.value, label, axis, self._guard(op.value, label, axis, begin))
 
-    # -- a fused collective as one pass over shared memory (coconet.codegen.plan.OnePass) ------
+    # -- shared memory's own forms (coconet.codegen.forms): one channel per axis ---------------
 
-    def fused_reduce_scatter_start(
-        self,
-        x: torch.Tensor,
-        *,
-        axis: str | None,
-        label: str,
-        gather_shape: Sequence[int] | None = None,
-        gather_dtype: torch.dtype | None = None,
-        gather_parts: Sequence[int] | None = None,
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """(every peer's rows of this rank's slice of ``x``, this rank's slot of the gather or
-        None): what generated code calls to open a one-pass fused collective (shared memory
-        only). Without a gather, ``fused_reduce_scatter_finish`` closes it."""
-        transport, group = self._shared_memory(axis, label)
-        return self._guard(
-            "reduce_scatter",
-            label,
-            axis,
-            lambda: transport.fused_reduce_scatter(
-                x,
-                group,
-                gather_shape=gather_shape,
-                gather_dtype=gather_dtype,
-                gather_parts=gather_parts,
-            ),
-        )
-
-    def fused_reduce_scatter_finish(self, *, axis: str | None, label: str) -> None:
-        """Close a one-pass unit that has no gather (its kernel has read the peers' rows)."""
-        transport, group = self._shared_memory(axis, label)
-        end = transport.fused_reduce_scatter_end
-        self._guard("reduce_scatter", label, axis, lambda: end(group))
-
-    def fused_all_gather_start(
-        self,
-        *,
-        axis: str | None,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        parts: Sequence[int],
-        label: str,
-    ) -> torch.Tensor:
-        """This rank's slot of a gather of ``shape``: what generated code calls to open a
-        one-pass unit that has no reduce_scatter (its kernel writes there)."""
-        transport, group = self._shared_memory(axis, label)
-        return self._guard(
-            "all_gather",
-            label,
-            axis,
-            lambda: transport.fused_all_gather_begin(group, shape=shape, dtype=dtype, parts=parts),
-        )
-
-    def all_reduce_parts_start(
-        self, x: torch.Tensor, reduce_op: ReduceOp, *, axis: str | None, label: str
-    ) -> Published:
-        """All-reduce ``x`` over shared memory and leave the result where each slice's owner
-        reduced it (a ``Published`` of flat slices, in order): what generated code calls when
-        the consumer kernel reads the result in place (``coconet.codegen.plan.ReadInPlace``).
-        Nothing else may communicate on the group until the caller releases it."""
-        transport, group = self._shared_memory(axis, label)
-        return self._guard(
-            "all_reduce",
-            label,
-            axis,
-            lambda: transport.all_reduce_parts(x, group, reduce_op=reduce_op),
-        )
-
-    def fused_all_gather_finish(
-        self,
-        *,
-        axis: str | None,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        parts: Sequence[int],
-        label: str,
-        published: bool = False,
-    ) -> torch.Tensor | Published:
-        """The gathered result of a one-pass fused collective, once every slot is written
-        (``published``: left in the peers' slots for the commit to copy, see ``Published``)."""
-        transport, group = self._shared_memory(axis, label)
-        return self._guard(
-            "all_gather",
-            label,
-            axis,
-            lambda: transport.fused_all_gather(
-                group, shape=shape, dtype=dtype, parts=parts, published=published
-            ),
-        )
+    def one_pass(self, axis: str | None) -> OnePassChannel:
+        """The shared-memory channel of ``axis``'s group: what generated code calls to run a
+        fused collective as one pass, or an all_reduce read in place (see ``OnePassChannel``).
+        A ``ConfigError`` when that group does not run on shared memory."""
+        channel = self._channels.get(axis)
+        if channel is None:
+            transport, group = self.route(axis)
+            if transport is not self.shm:
+                raise ConfigError(
+                    f"the step was compiled for shared memory along axis {axis!r}, but this "
+                    f"communicator runs it on {transport.kind.value}",
+                    op="fused collective",
+                    hint="compile the step with the communicator that runs it (comm=...)",
+                )
+            channel = OnePassChannel(self.shm, group, self._guard)
+            self._channels[axis] = channel
+        return channel
 
     def symmetric_tensor(
         self, shape: Sequence[int], dtype: torch.dtype, *, axis: str | None = None
@@ -472,17 +466,6 @@ class Communicator:
             axis,
             lambda: self.shm.symmetric_tensor(group, shape, dtype),
         )
-
-    def _shared_memory(self, axis: str | None, label: str) -> tuple[SharedMemoryTransport, Group]:
-        transport, group = self.route(axis)
-        if transport is not self.shm:
-            raise ConfigError(
-                f"{label}: the step was compiled for shared memory along axis {axis!r}, but "
-                f"this communicator runs it on {transport.kind.value}",
-                op="fused collective",
-                hint="compile the step with the communicator that runs it (comm=...)",
-            )
-        return self.shm, group
 
     # -- algorithm choice -----------------------------------------------------------------------
 
@@ -665,22 +648,16 @@ def _alive(pid: int) -> bool:
         return True  # no procfs or not ours to signal: no evidence that it died
 
 
-def _named_start(op: Op):
-    """``comm.<transport op>_start(x[, reduce_op], **arguments)``: what generated code calls
-    (``coconet.codegen.emit`` writes one per communication op, named by its spec)."""
-    takes_reduce_op = Arg.REDUCE_OP in spec(op).arguments
-
-    def start(self: Communicator, x: torch.Tensor, *reduce_op: ReduceOp, **arguments: Any):
-        if takes_reduce_op:
-            (arguments["reduce_op"],) = reduce_op
-        return self.start(op, x, **arguments)
-
-    start.__name__ = f"{spec(op).transport}_start"
-    start.__doc__ = f"Start {op} (see ``Communicator.start``)."
-    return start
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
-# One entry point per communication op, from its spec: a new collective needs no method here.
-for _op in Op:
-    if spec(_op).has(Prop.COMMUNICATES):
-        setattr(Communicator, f"{spec(_op).transport}_start", _named_start(_op))
+# The typed entry point of each communication op (``Communicator.start`` dispatches on it).
+_STARTS: dict[Op, Callable[..., Work]] = {
+    Op.ALL_REDUCE: Communicator.all_reduce_start,
+    Op.REDUCE_SCATTER: Communicator.reduce_scatter_start,
+    Op.ALL_GATHER: Communicator.all_gather_start,
+    Op.BROADCAST: Communicator.broadcast_start,
+    Op.REDUCE: Communicator.reduce_start,
+    Op.SEND: Communicator.send_start,
+}

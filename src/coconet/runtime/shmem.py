@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from coconet.ir import semantics
-from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.ops import ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.options import Algorithm, TransportKind
 from coconet.runtime.symmem import Phase, SymmetricMemory
@@ -186,15 +186,18 @@ class SharedMemoryTransport:
 
     kind = TransportKind.SHARED_MEMORY
 
-    def algorithms(self, op: Op) -> tuple[Algorithm, ...]:
-        return ()  # one way, in rank order: nothing to choose or to measure
+    # -- the communication ops (``Transport``): one way each, in rank order, so ``algorithm``
+    # (what the communicator chooses on transports that have several) is always None here -----
 
-    def exact_algorithm(self, op: Op) -> Algorithm | None:
-        return None
-
-    # -- the communication ops -------------------------------------------------------------------
-
-    def all_reduce(self, x, group: Group, *, reduce_op: ReduceOp, donate: bool) -> Pending:
+    def all_reduce(
+        self,
+        x,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        donate: bool,
+        algorithm: Algorithm | None = None,
+    ) -> Pending:
         flat = x.reshape(-1)
         st: ShmGroup = group.handle
         if donate and flat.data_ptr() == x.data_ptr() and st.peer_views(flat) is not None:
@@ -266,7 +269,14 @@ class SharedMemoryTransport:
         return Published(pieces, lambda: mem.post(Phase.CONSUMED, e), (flat.numel(),), flat.dtype)
 
     def reduce_scatter(
-        self, x, group: Group, *, reduce_op: ReduceOp, dim: int, donate: bool
+        self,
+        x,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        dim: int,
+        donate: bool,
+        algorithm: Algorithm | None = None,
     ) -> Pending:
         st: ShmGroup = group.handle
         x0 = x.movedim(dim, 0).contiguous()
@@ -284,7 +294,15 @@ class SharedMemoryTransport:
             mem.wait(Phase.CONSUMED, e)
         return ready(out.movedim(0, dim))
 
-    def all_gather(self, x, group: Group, *, dim: int, parts: Sequence[int]) -> Pending:
+    def all_gather(
+        self,
+        x,
+        group: Group,
+        *,
+        dim: int,
+        parts: Sequence[int],
+        algorithm: Algorithm | None = None,
+    ) -> Pending:
         st: ShmGroup = group.handle
         x0 = x.movedim(dim, 0).contiguous()
         n, i = st.size, st.index
@@ -318,7 +336,16 @@ class SharedMemoryTransport:
         mem.post(Phase.CONSUMED, e)
         return ready(out.view(x.shape))
 
-    def reduce(self, x, group: Group, *, reduce_op: ReduceOp, root: int, donate: bool) -> Pending:
+    def reduce(
+        self,
+        x,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        root: int,
+        donate: bool,
+        algorithm: Algorithm | None = None,
+    ) -> Pending:
         """The group's ``root``-th rank gets the reduction; the others get zeros."""
         st: ShmGroup = group.handle
         flat = x.reshape(-1)

@@ -73,15 +73,21 @@ class TorchDistributedTransport:
         """The process group of ``ranks`` (every rank must create every group, in order)."""
         return dist.group.WORLD if len(ranks) == world else dist.new_group(list(ranks))
 
-    # -- the communication ops (their names are the op specs' ``transport``) --------------------
+    # -- the communication ops (``Transport``; ``algorithm`` None: the library's own) ----------
 
     def all_reduce(
-        self, x, group: Group, *, reduce_op: ReduceOp, algorithm: Algorithm, donate: bool
+        self,
+        x,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        donate: bool,
+        algorithm: Algorithm | None = None,
     ) -> Pending:
         if group.size == 1:
             return ready(x if donate else x.clone())
         x0, owned, parts = _flat(x, donate, group.size)
-        p = ALGORITHMS[Op.ALL_REDUCE][algorithm](
+        p = ALGORITHMS[Op.ALL_REDUCE][algorithm or Algorithm.NATIVE](
             x0, reduce_op, group.handle, parts, group.index, owned
         )
         return Pending(p.works, lambda: p.finish().view(x.shape))
@@ -93,25 +99,31 @@ class TorchDistributedTransport:
         *,
         reduce_op: ReduceOp,
         dim: int,
-        algorithm: Algorithm,
         donate: bool,
+        algorithm: Algorithm | None = None,
     ) -> Pending:
         if group.size == 1:
             return ready(x if donate else x.clone())
         parts = _parts(x.shape[dim], group.size)
         x0 = x.movedim(dim, 0).contiguous()
         owned = donate or x0.data_ptr() != x.data_ptr()
-        fn = ALGORITHMS[Op.REDUCE_SCATTER][algorithm]
+        fn = ALGORITHMS[Op.REDUCE_SCATTER][algorithm or Algorithm.NATIVE]
         p = fn(x0, reduce_op, group.handle, parts, group.index, owned)
         return Pending(p.works, lambda: p.finish().movedim(0, dim))
 
     def all_gather(
-        self, x, group: Group, *, dim: int, parts: Sequence[int], algorithm: Algorithm
+        self,
+        x,
+        group: Group,
+        *,
+        dim: int,
+        parts: Sequence[int],
+        algorithm: Algorithm | None = None,
     ) -> Pending:
         if group.size == 1:
             return ready(x)
         x0 = x.movedim(dim, 0).contiguous()
-        fn = ALGORITHMS[Op.ALL_GATHER][algorithm]
+        fn = ALGORITHMS[Op.ALL_GATHER][algorithm or Algorithm.NATIVE]
         p = fn(x0, group.handle, list(parts), group.index)
         return Pending(p.works, lambda: p.finish().movedim(0, dim))
 
@@ -134,15 +146,15 @@ class TorchDistributedTransport:
         *,
         reduce_op: ReduceOp,
         root: int,
-        algorithm: Algorithm,
         donate: bool,
+        algorithm: Algorithm | None = None,
     ) -> Pending:
         """The group's ``root``-th rank gets the reduction; the others get zeros (the program's
         meaning; gloo itself leaves them undefined)."""
         if group.size == 1:
             return ready(x if donate else x.clone())
         x0, owned, parts = _flat(x, donate, group.size)
-        fn = ALGORITHMS[Op.REDUCE][algorithm]
+        fn = ALGORITHMS[Op.REDUCE][algorithm or Algorithm.NATIVE]
         p = fn(x0, reduce_op, group.handle, parts, group.index, owned, root)
         return Pending(p.works, lambda: p.finish().view(x.shape))
 

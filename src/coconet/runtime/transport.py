@@ -1,22 +1,17 @@
 """The transport seam: what runs a collective over a group of ranks.
 
-A ``Transport`` starts each communication op of a program (``coconet.ir.opspec`` names the op's
-transport operation and arguments) over a ``Group`` and returns a ``Pending``: the work in flight
-and how to finish it. It does nothing else: the ``Communicator`` beside it builds the groups,
-chooses algorithms, enforces deadlines, translates failures into ``RuntimeFault`` and carries the
-control messages (handshake, commit vote). Today's transport is torch.distributed
-(``coconet.runtime.torchdist``: gloo on CPU, NCCL on GPU); an intra-node shared-memory transport
-goes behind the same protocol.
+A ``Transport`` runs each communication op of a program over a ``Group`` and returns a
+``Pending``: the work in flight and how to finish it. It does nothing else: the ``Communicator``
+beside it routes each group to its transport, chooses algorithms, enforces deadlines, translates
+failures into ``RuntimeFault`` and carries the control messages (handshake, commit vote). Two
+transports exist: torch.distributed (``coconet.runtime.torchdist``: gloo on CPU, NCCL on GPU,
+across hosts) and shared memory among the ranks of one host (``coconet.runtime.shmem``).
 
-A transport implements, for each communication op it supports, one method named by the op's
-spec (``transport`` + ``"_start"`` is what generated code calls on the communicator)::
-
-    all_reduce(x, group, *, reduce_op, algorithm, donate) -> Pending
-    reduce_scatter(x, group, *, reduce_op, dim, algorithm, donate) -> Pending
-    all_gather(x, group, *, dim, parts, algorithm) -> Pending
-    broadcast(x, group, *, root, donate) -> Pending
-    reduce(x, group, *, reduce_op, root, algorithm, donate) -> Pending
-    send(x, group) -> Pending
+Every transport implements ``Transport``: one method per communication op, with one signature
+(the communicator calls them by name, typed; the op spec's ``transport`` names them). What only
+torch.distributed has — several algorithms per op, their measurement, process groups — is the
+second protocol, ``TunableTransport``. Forms only one transport runs (shared memory's one pass)
+are reached through its own channel (``coconet.runtime.channels``).
 
 Results must equal the op's group meaning (``coconet.ir.semantics.COLLECTIVES``): bitwise with
 an ``exact`` algorithm (reductions in rank order), within rounding otherwise.
@@ -32,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from coconet.ir.ops import Op
+from coconet.ir.ops import Op, ReduceOp
 from coconet.options import Algorithm, AlgorithmPolicy, TransportKind, TransportPolicy
 
 __all__ = [
@@ -44,6 +39,7 @@ __all__ = [
     "Transport",
     "TransportKind",
     "TransportPolicy",
+    "TunableTransport",
     "WholeWait",
 ]
 
@@ -150,9 +146,64 @@ def ready(value: torch.Tensor) -> Pending:
 
 
 class Transport(Protocol):
-    """Runs communication ops over groups of ranks (see the module docstring)."""
+    """Runs communication ops over groups of ranks (see the module docstring). ``algorithm``:
+    the communicator's choice where the transport has several (``TunableTransport``), else
+    None (the transport's one way)."""
 
     kind: TransportKind
+
+    def all_reduce(
+        self,
+        x: torch.Tensor,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        donate: bool,
+        algorithm: Algorithm | None = None,
+    ) -> Pending: ...
+
+    def reduce_scatter(
+        self,
+        x: torch.Tensor,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        dim: int,
+        donate: bool,
+        algorithm: Algorithm | None = None,
+    ) -> Pending: ...
+
+    def all_gather(
+        self,
+        x: torch.Tensor,
+        group: Group,
+        *,
+        dim: int,
+        parts: Sequence[int],
+        algorithm: Algorithm | None = None,
+    ) -> Pending: ...
+
+    def broadcast(self, x: torch.Tensor, group: Group, *, root: int, donate: bool) -> Pending: ...
+
+    def reduce(
+        self,
+        x: torch.Tensor,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        root: int,
+        donate: bool,
+        algorithm: Algorithm | None = None,
+    ) -> Pending: ...
+
+    def send(self, x: torch.Tensor, group: Group) -> Pending:
+        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros."""
+        ...
+
+
+class TunableTransport(Transport, Protocol):
+    """A transport with several algorithms per op, which the communicator measures and
+    chooses among, and groups of its own (torch.distributed)."""
 
     def algorithms(self, op: Op) -> tuple[Algorithm, ...]:
         """The algorithms this transport has for ``op`` (empty: it has just one way)."""

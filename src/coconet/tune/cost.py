@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coconet.accounting import Counter
+from coconet.codegen.forms import Form, Forms, forms
 from coconet.codegen.plan import (
     ChunkLoop,
     Compute,
@@ -279,10 +280,6 @@ class Prediction:
             out[p.kind] = out.get(p.kind, 0.0) + p.seconds
         return out
 
-    def summary(self) -> str:
-        kinds = self.by_kind()
-        return ", ".join(f"{k} {1e3 * s:.2f}" for k, s in kinds.items() if s > 0)
-
 
 # -- the walk over the plan ---------------------------------------------------------------------
 
@@ -309,8 +306,10 @@ class _Walk:
         algorithms: Mapping[Op, Algorithm],
         donated: frozenset[str],
         registered: frozenset[str],
+        unit_forms: Forms,
     ) -> None:
         self.model = model
+        self.forms = unit_forms  # the forms the emitter writes (coconet.codegen.forms)
         self.mesh = mesh
         self.counter = Counter(mesh, sizes)
         self.transport = transport
@@ -397,6 +396,8 @@ class _Walk:
                 parts.append(
                     Part(f"{where}{s.node.name} ({s.node.op})", "compute", self.compute(s.node))
                 )
+            elif isinstance(s, Start) and self.forms.of(s) is Form.READ_IN_PLACE:
+                self.read_in_place(s.node, parts, where)
             elif isinstance(s, Start):
                 operand = s.node.inputs[0].name
                 in_place = (
@@ -424,8 +425,19 @@ class _Walk:
             elif isinstance(s, ChunkLoop):
                 self.loop(s, parts)
 
+    def read_in_place(self, node: Node, parts: list[Part], where: str) -> None:
+        """An all_reduce whose consumer reads it where each slice's owner reduced it: the
+        collective less its last pass, the copy of every owner's slice into this rank's tensor
+        (read and written: twice the tensor's bytes), which the consumer kernel skips."""
+        self.staging(node, parts, where)
+        whole = self.collective(node)
+        copy = self.model.memory(2 * self.full_bytes(node))
+        seconds = max(whole - copy, self.model.op_overhead + 2 * self.sync())
+        parts.append(Part(f"{where}{node.name} ({node.op}, read in place)", "communication",
+                          seconds))
+
     def fused(self, unit: FusedCollective, parts: list[Part]) -> None:
-        one = unit.one_pass if self.transport is TransportKind.SHARED_MEMORY else None
+        one = self.forms.one_pass(unit)
         if one is None:
             self.steps(unit.steps, parts, f"{unit.name}: ")
             return
@@ -503,6 +515,7 @@ def predict(
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.world(mesh)
     program = candidate.scheduled
     plan = lower(program, frozenset(donate))
+    unit_forms = forms(plan, candidate.transport)
     if registered is None:
         registered = collective_inputs(candidate.program)
     walk = _Walk(
@@ -513,17 +526,13 @@ def predict(
         dict(candidate.algorithms),
         frozenset(donate),
         frozenset(registered),
+        unit_forms,
     )
     parts: list[Part] = []
     walk.steps(plan.body, parts, "")
     # The commit: a copy of each updated input's new value (swap: a published gather only,
     # the rest takes the new storage).
-    published = set()
-    if candidate.transport is TransportKind.SHARED_MEMORY:
-        for unit in plan.fused_collectives:
-            one = unit.one_pass
-            if one is not None and one.all_gather is not None:
-                published.add(one.all_gather.name)
+    published = unit_forms.published
     for u in program.updates:
         target, value = u.inputs
         if commit is CommitMode.SWAP and value.name not in published:

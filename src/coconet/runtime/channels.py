@@ -1,0 +1,111 @@
+"""``OnePassChannel``: shared memory's own entry points along one axis, as one object.
+
+A transport's collectives go through the ``Transport`` protocol (start, then wait). Shared memory
+also runs forms no other transport has (``coconet.codegen.forms``): a fused collective as one
+pass, whose kernel reads the peers' rows of its slice and writes its slot of the gather, and an
+all_reduce whose consumer reads the result where each slice's owner reduced it. Generated code
+reaches them through ``comm.one_pass(axis)``, which returns this channel; every call runs under the
+communicator's fault guard, so a dead or stalled peer is a ``RuntimeFault`` as for any collective.
+
+One unit's calls, in order::
+
+    parts, slot = channel.begin(x, gather_shape=..., gather_dtype=..., gather_parts=..., label=)
+    ... the kernel reads ``parts``, writes ``slot`` ...
+    y = channel.finish(shape=..., dtype=..., parts=..., label=..., published=False)
+
+or ``channel.begin(x, label=)`` ... ``channel.end(label=)`` (no gather), or
+``slot = channel.slot(shape=..., dtype=..., parts=..., label=)`` ... ``channel.finish(...)`` (no
+reduce_scatter). ``channel.reduce_in_place(x, reduce_op, label=)`` is the all_reduce read in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from coconet.ir.ops import ReduceOp
+from coconet.runtime.shmem import SharedMemoryTransport
+from coconet.runtime.transport import Group, Published
+
+__all__ = ["OnePassChannel"]
+
+# (op, label, axis, fn, *args) -> fn(*args), a transport failure turned into a RuntimeFault
+Guard = Callable[..., Any]
+
+
+class OnePassChannel:
+    """The one-pass entry points of shared memory on one group (see the module docstring)."""
+
+    def __init__(self, transport: SharedMemoryTransport, group: Group, guard: Guard) -> None:
+        self._transport, self._group, self._guard = transport, group, guard
+
+    @property
+    def axis(self) -> str | None:
+        return self._group.axis
+
+    def begin(
+        self,
+        x: torch.Tensor,
+        *,
+        label: str,
+        gather_shape: Sequence[int] | None = None,
+        gather_dtype: torch.dtype | None = None,
+        gather_parts: Sequence[int] | None = None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Open a unit with a reduce_scatter of ``x``: (every peer's rows of this rank's slice,
+        this rank's slot of the gather, or None when the unit has none: ``end`` closes it)."""
+        return self._guard(
+            "reduce_scatter",
+            label,
+            self.axis,
+            self._transport.fused_reduce_scatter,
+            x,
+            self._group,
+            gather_shape=gather_shape,
+            gather_dtype=gather_dtype,
+            gather_parts=gather_parts,
+        )
+
+    def end(self, *, label: str) -> None:
+        """Close a unit that has no gather (its kernel has read the peers' rows)."""
+        end = self._transport.fused_reduce_scatter_end
+        self._guard("reduce_scatter", label, self.axis, end, self._group)
+
+    def slot(
+        self, *, shape: Sequence[int], dtype: torch.dtype, parts: Sequence[int], label: str
+    ) -> torch.Tensor:
+        """Open a unit that has no reduce_scatter: this rank's slot of a gather of ``shape``
+        (its kernel writes there)."""
+        begin = self._transport.fused_all_gather_begin
+        return self._guard(
+            "all_gather", label, self.axis, begin, self._group, shape=shape, dtype=dtype,
+            parts=parts,
+        )
+
+    def finish(
+        self,
+        *,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        parts: Sequence[int],
+        label: str,
+        published: bool = False,
+    ) -> torch.Tensor | Published:
+        """The gathered result, once every slot is written (``published``: left in the peers'
+        slots for the commit to copy, see ``Published``)."""
+        gather = self._transport.fused_all_gather
+        return self._guard(
+            "all_gather", label, self.axis, gather, self._group, shape=shape, dtype=dtype,
+            parts=parts, published=published,
+        )
+
+    def reduce_in_place(self, x: torch.Tensor, reduce_op: ReduceOp, *, label: str) -> Published:
+        """All-reduce ``x`` and leave the result where each slice's owner reduced it (a
+        ``Published`` of flat slices, in order), for a consumer kernel to read in place. Nothing
+        else may communicate on the group until the caller releases it."""
+        parts = self._transport.all_reduce_parts
+        return self._guard(
+            "all_reduce", label, self.axis, parts, x, self._group, reduce_op=reduce_op
+        )
