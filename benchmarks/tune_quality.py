@@ -187,7 +187,7 @@ def plot(runs: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from coconet.runtime import CommOptions
     from coconet.tune.cluster import load_description
-    from coconet.tune.plan import plan
+    from coconet.tune.cluster_plan import plan
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--examples", default="adam")

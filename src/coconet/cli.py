@@ -28,7 +28,7 @@ from coconet.compiler import compile
 from coconet.ir.mesh import Mesh
 from coconet.ir.program import Program
 from coconet.options import TransportKind
-from coconet.runtime.calibrate import calibrate_local
+from coconet.runtime.algorithm_choice import choose_all_locally
 from coconet.runtime.launch import run_script
 from coconet.runtime.tuning import AlgorithmTable
 from coconet.version import __version__
@@ -289,7 +289,7 @@ def _run(args) -> int:
 def _calibrate(args) -> int:
 
     classes = args.classes.split(",") if args.classes else None
-    print(calibrate_local(args.nproc, classes, args.cache_dir, force=args.force))
+    print(choose_all_locally(args.nproc, classes, args.cache_dir, force=args.force))
     return 0
 
 
@@ -386,7 +386,7 @@ def _plan(args) -> int:
     import json
 
     from coconet.tune.cluster import load_description
-    from coconet.tune.plan import plan
+    from coconet.tune.cluster_plan import plan
 
     obj, namespace = _load(args.target)
     sizes = _sizes(args.size)

@@ -41,10 +41,13 @@ if TYPE_CHECKING:
 __all__ = [
     "SPECS",
     "Arg",
+    "CommCost",
+    "CurveBytes",
     "Lowering",
     "OpSpec",
     "Prop",
     "Sizes",
+    "Traffic",
     "Work",
     "missing_parts",
     "ops_with",
@@ -90,6 +93,34 @@ class Arg(enum.Enum):
     DONATE = "donate"  # whether the transport may overwrite its input (a temporary)
 
 
+class CurveBytes(enum.Enum):
+    """The bytes one call of a communication op is measured and predicted by (the key of its
+    calibrated curve, ``coconet.tune.cost``)."""
+
+    INPUT = "input"  # its whole input (all_reduce, reduce_scatter, broadcast, reduce)
+    OUTPUT = "output"  # its whole result (all_gather: its input is one rank's slice)
+    OWN = "own"  # this rank's own value (send: a stage's activation)
+
+
+class Traffic(enum.Enum):
+    """How a communication op's bytes cross the links (the cluster model, ``coconet.tune``)."""
+
+    RING = "ring"  # passes of a ring over the tensor (``CommCost.ring_passes``)
+    ROOTED = "rooted"  # one pipelined pass of the whole tensor from or to a root
+    POINT_TO_POINT = "point to point"  # one message to the next rank of the axis
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """What the cost model knows of a communication op: the bytes its curve is keyed by, how
+    they travel, and whether it reads what it reduces (one memory pass)."""
+
+    curve_bytes: CurveBytes
+    traffic: Traffic
+    ring_passes: int = 0  # Traffic.RING: one for reduce_scatter and all_gather, two for all_reduce
+    reduces: bool = False
+
+
 class Sizes(Protocol):
     """Concrete sizes of a program's values on a mesh (what ``sent`` and ``work`` measure)."""
 
@@ -128,6 +159,7 @@ class OpSpec:
     transport: str | None = None  # the transport operation a communication op starts
     arguments: tuple[Arg, ...] = ()  # what it passes besides its input, in this order
     sent: Callable[[Node, Sizes, int], int] | None = None  # bytes a rank sends (communication)
+    comm_cost: CommCost | None = None  # how the cost model predicts it (communication)
     work: Callable[[Node, Sizes, int], Work] | None = None  # local bytes and flops (computation)
     # operands read whole when the op runs chunk by chunk (``overlap``): a matmul's weight,
     # dropout's seed and step; the others are chunked with the chain's rows
@@ -169,21 +201,25 @@ def _no_work(node: Node, sizes: Sizes, rank: int) -> Work:
     return Work()
 
 
-def _ring_sent(node: Node, sizes: Sizes, rank: int) -> int:
-    """Ring algorithms: reduce_scatter and all_gather send S - s, all_reduce 2 (S - s)."""
-    axis = node.attr("axis")
-    if sizes.mesh.axis_size(axis) == 1:
-        return 0
-    if node.type.rank == 0:  # a scalar all_reduce: its element out and back
-        return 2 * node.type.dtype.itemsize
-    if node.op is Op.REDUCE_SCATTER:
-        sliced = node.type.layout
-    elif node.op is Op.ALL_GATHER:
-        sliced = node.inputs[0].type.layout
-    else:
-        sliced = Sliced(0, axis)
-    once = sizes.full_bytes(node.type) - sizes.slice_bytes(node.type, sliced, rank)
-    return 2 * once if node.op is Op.ALL_REDUCE else once
+def _ring_sent(passes: int) -> Callable[[Node, Sizes, int], int]:
+    """Ring algorithms: each pass sends S - s (S the tensor's bytes, s this rank's slice):
+    reduce_scatter and all_gather one pass, all_reduce two."""
+
+    def sent(node: Node, sizes: Sizes, rank: int) -> int:
+        axis = node.attr("axis")
+        if sizes.mesh.axis_size(axis) == 1:
+            return 0
+        if node.type.rank == 0:  # a scalar all_reduce: its element out and back
+            return 2 * node.type.dtype.itemsize
+        if node.op is Op.REDUCE_SCATTER:
+            sliced = node.type.layout
+        elif node.op is Op.ALL_GATHER:
+            sliced = node.inputs[0].type.layout
+        else:
+            sliced = Sliced(0, axis)
+        return passes * (sizes.full_bytes(node.type) - sizes.slice_bytes(node.type, sliced, rank))
+
+    return sent
 
 
 def _rooted_sent(node: Node, sizes: Sizes, rank: int) -> int:
@@ -221,9 +257,10 @@ def _pointwise(op: Op) -> OpSpec:
 
 
 def _collective(
-    op: Op, *arguments: Arg, donate: bool = True, sent=_ring_sent, rowwise: bool = True
+    op: Op, *arguments: Arg, cost: CommCost, donate: bool = True, rowwise: bool = True
 ) -> OpSpec:
     props = Prop.COMMUNICATES | Prop.FRESH | (Prop.ROWWISE if rowwise else Prop.NONE)
+    sent = _ring_sent(cost.ring_passes) if cost.traffic is Traffic.RING else _rooted_sent
     return OpSpec(
         op,
         Lowering.COLLECTIVE,
@@ -231,8 +268,12 @@ def _collective(
         transport=op.value,
         arguments=(*arguments, Arg.AXIS, *((Arg.DONATE,) if donate else ())),
         sent=sent,
+        comm_cost=cost,
         work=_no_work,
     )
+
+
+_ROOTED = CommCost(CurveBytes.INPUT, Traffic.ROOTED)
 
 
 SPECS: dict[Op, OpSpec] = {
@@ -259,13 +300,23 @@ SPECS: dict[Op, OpSpec] = {
         work=_matmul_work,
         whole_operands=frozenset({1}),
     ),
-    Op.ALL_REDUCE: _collective(Op.ALL_REDUCE, Arg.REDUCE_OP),
-    Op.REDUCE_SCATTER: _collective(Op.REDUCE_SCATTER, Arg.REDUCE_OP, Arg.DIM),
+    Op.ALL_REDUCE: _collective(
+        Op.ALL_REDUCE, Arg.REDUCE_OP, cost=CommCost(CurveBytes.INPUT, Traffic.RING, 2, True)
+    ),
+    Op.REDUCE_SCATTER: _collective(
+        Op.REDUCE_SCATTER,
+        Arg.REDUCE_OP,
+        Arg.DIM,
+        cost=CommCost(CurveBytes.INPUT, Traffic.RING, 1, True),
+    ),
     # an all_gather's input is a slice it copies from: never donated
-    Op.ALL_GATHER: _collective(Op.ALL_GATHER, Arg.GATHER_DIM, donate=False),
-    Op.BROADCAST: _collective(Op.BROADCAST, Arg.ROOT, sent=_rooted_sent),
+    Op.ALL_GATHER: _collective(
+        Op.ALL_GATHER, Arg.GATHER_DIM, cost=CommCost(CurveBytes.OUTPUT, Traffic.RING, 1),
+        donate=False,
+    ),
+    Op.BROADCAST: _collective(Op.BROADCAST, Arg.ROOT, cost=_ROOTED),
     # reduce leaves zeros on the other ranks: not row-wise for overlap
-    Op.REDUCE: _collective(Op.REDUCE, Arg.REDUCE_OP, Arg.ROOT, sent=_rooted_sent, rowwise=False),
+    Op.REDUCE: _collective(Op.REDUCE, Arg.REDUCE_OP, Arg.ROOT, cost=_ROOTED, rowwise=False),
     Op.SEND: OpSpec(
         Op.SEND,
         Lowering.POINT_TO_POINT,
@@ -273,6 +324,7 @@ SPECS: dict[Op, OpSpec] = {
         transport="send",
         arguments=(Arg.AXIS,),
         sent=_send_sent,
+        comm_cost=CommCost(CurveBytes.OWN, Traffic.POINT_TO_POINT),
         work=_no_work,
     ),
     Op.SCATTER: OpSpec(Op.SCATTER, Lowering.SCATTER, Prop.ROWWISE, work=_no_work),
@@ -304,6 +356,11 @@ def missing_parts() -> list[str]:
             problems.append(f"{op} has no group meaning (coconet.ir.semantics.COLLECTIVES)")
         if s.has(Prop.COMMUNICATES) and (s.transport is None or s.sent is None):
             problems.append(f"{op} communicates but names no transport operation or bytes model")
+        if s.has(Prop.COMMUNICATES) and s.comm_cost is None:
+            problems.append(f"{op} communicates but has no cost model (CommCost)")
+        ring = s.comm_cost is not None and s.comm_cost.traffic is Traffic.RING
+        if ring and s.comm_cost.ring_passes < 1:
+            problems.append(f"{op} is a ring collective without its number of ring passes")
         if s.lowering not in (Lowering.LEAF, Lowering.UPDATE) and s.work is None:
             problems.append(f"{op} has no work model (bytes and flops)")
     return problems

@@ -253,9 +253,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         param groups) may get different schedules, and same-class buckets reuse the choice (a
         program's schedule does not depend on its size: N is symbolic). Collective."""
         from coconet.tune import tune
-        from coconet.tune.tuner import size_class
+        from coconet.tune.tuner import tuning_bucket
 
-        key = (program.digest(), size_class(total * 4))
+        key = (program.digest(), tuning_bucket(total * 4))
         if key not in self._auto:
             result = tune(
                 program,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.opspec import Arg, CurveBytes, spec
 from coconet.ir.types import slice_bounds
 from coconet.options import Algorithm, TransportKind
 from coconet.runtime import algorithms as algos
@@ -180,12 +181,13 @@ class TorchDistributedTransport:
         """One run of ``op`` with ``algorithm`` on ``numel`` float32 elements (a timing probe)."""
         n = group.size
         parts = [numel // n] * n
-        if op is Op.ALL_GATHER:
+        form = spec(op)
+        if form.comm_cost.curve_bytes is CurveBytes.OUTPUT:  # a gather: its input is a slice
             part = torch.ones(numel // n, device=device)
             p = ALGORITHMS[op][algorithm](part, group.handle, parts, group.index)
         else:
             full = torch.ones(numel, device=device)
-            extra = (0,) if op is Op.REDUCE else ()  # reduce's root
+            extra = (0,) if Arg.ROOT in form.arguments else ()  # the first rank as the root
             fn = ALGORITHMS[op][algorithm]
             p = fn(full, ReduceOp.SUM, group.handle, parts, group.index, False, *extra)
         p.wait()

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from coconet.ir.ops import Op, ReduceOp
+from coconet.ir.opspec import Arg, CurveBytes, spec
 from coconet.options import TransportKind
 from coconet.runtime.comm import Communicator
 from coconet.tune.cost import Curve, MachineModel
@@ -152,9 +153,9 @@ def _collective_run(comm: Communicator, op: Op, numel: int, in_place: bool, buff
     size serves every op)."""
     n = comm.world
     part = numel // n
-    if op is Op.ALL_GATHER:
-        x = torch.ones(part, device=comm.device)
-        args = {"dim": 0, "parts": [part] * n}
+    form = spec(op)
+    if form.comm_cost.curve_bytes is CurveBytes.OUTPUT:
+        x = torch.ones(part, device=comm.device)  # one rank's slice of the numel it gathers
     else:
         # In symmetric memory, as the tuner measures and coconet.optim runs a gradient: the
         # staging copy of an ordinary tensor is the cost model's own term.
@@ -162,9 +163,16 @@ def _collective_run(comm: Communicator, op: Op, numel: int, in_place: bool, buff
             buffers[numel] = comm.symmetric_tensor((numel,), torch.float32)
         x = buffers[numel]
         x.fill_(1.0)
-        args = {"reduce_op": ReduceOp.SUM, "donate": in_place}
-        if op is Op.REDUCE_SCATTER:
-            args["dim"] = 0
+    # the op spec's arguments, with the probe's values (dim 0, equal parts, the first root)
+    probe = {
+        Arg.REDUCE_OP: {"reduce_op": ReduceOp.SUM},
+        Arg.DIM: {"dim": 0},
+        Arg.GATHER_DIM: {"dim": 0, "parts": [part] * n},
+        Arg.ROOT: {"root": 0},
+        Arg.DONATE: {"donate": in_place},
+        Arg.AXIS: {},
+    }
+    args = {k: v for a in form.arguments for k, v in probe[a].items()}
 
     def run() -> None:
         comm.wait(comm.start(op, x, label="calibration", axis=None, **dict(args)))

@@ -32,6 +32,7 @@ from typing import Any
 
 from coconet.errors import ConfigError
 from coconet.ir.ops import Op
+from coconet.ir.opspec import Traffic, spec
 from coconet.options import TransportKind
 from coconet.tune.cost import Curve, MachineModel
 
@@ -104,17 +105,14 @@ def cluster_model(description: Mapping[str, Any], world: int) -> MachineModel:
         # one ring pass (reduce_scatter or all_gather) inside the node and across the nodes
         inside = (g - 1) / g * nbytes * b_in + (g - 1) * a_in
         across = (n - 1) / n * (nbytes / g) * b_out + (n - 1) * a_out
-        gamma = nbytes * mem_b  # reading what is reduced
-        if op is Op.ALL_REDUCE:
-            return 2 * inside + 2 * across + gamma
-        if op is Op.REDUCE_SCATTER:
-            return inside + across + gamma
-        if op is Op.ALL_GATHER:
-            return inside + across
-        if op is Op.SEND:
+        cost = spec(op).comm_cost
+        gamma = nbytes * mem_b if cost.reduces else 0.0  # reading what is reduced
+        if cost.traffic is Traffic.RING:
+            return cost.ring_passes * (inside + across) + gamma
+        if cost.traffic is Traffic.POINT_TO_POINT:
             return a_out + nbytes * b_out
-        # broadcast / reduce: one pipelined pass of the whole tensor
-        return nbytes * (b_out if n > 1 else b_in) + (a_out if n > 1 else a_in)
+        # rooted (broadcast, reduce): one pipelined pass of the whole tensor
+        return nbytes * (b_out if n > 1 else b_in) + (a_out if n > 1 else a_in) + gamma
 
     launch = float(description.get("kernel_launch_us", 5.0)) * 1e-6
     return MachineModel(

@@ -54,7 +54,7 @@ from coconet.errors import ConfigError
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
-from coconet.ir.opspec import Prop, spec
+from coconet.ir.opspec import CurveBytes, Prop, Traffic, spec
 from coconet.options import Algorithm, CommitMode, TransportKind
 from coconet.tune.candidates import Candidate
 
@@ -200,8 +200,9 @@ class MachineModel:
         ]
         if not options and in_place:
             return self.collective(op, transport, nbytes, group, algorithm, in_place=False)
-        if not options and op in (Op.BROADCAST, Op.REDUCE, Op.SEND):
-            # not calibrated: like an all_gather of the whole tensor (one copy of each byte)
+        if not options and spec(op).comm_cost.traffic is not Traffic.RING:
+            # not calibrated (rooted, point to point): like an all_gather of the whole tensor
+            # (one copy of each byte)
             return self.collective(Op.ALL_GATHER, transport, nbytes, group)
         if not options:
             raise ConfigError(
@@ -352,9 +353,10 @@ class _Walk:
 
     def collective(self, node: Node, in_place: bool = False) -> float:
         op = node.op
-        if op is Op.ALL_GATHER:
+        keyed = spec(op).comm_cost.curve_bytes  # what the op's curve is measured by
+        if keyed is CurveBytes.OUTPUT:
             nbytes = self.full_bytes(node)
-        elif op is Op.SEND:
+        elif keyed is CurveBytes.OWN:
             nbytes = self.nbytes(node.inputs[0])
         else:
             nbytes = self.full_bytes(node.inputs[0]) if node.inputs[0].type.rank else 8

@@ -425,7 +425,7 @@ def candidate_rows(
     return rows
 
 
-def size_class(nbytes: int) -> str:
+def tuning_bucket(nbytes: int) -> str:
     """Buckets this close in size (a factor of 4 apart at most) share one tuning."""
     if nbytes <= 0:
         return "empty"

@@ -17,7 +17,7 @@ from coconet.runtime.launch import spawn
 from coconet.runtime.transport import TunableTransport
 from coconet.runtime.tuning import SIZE_CLASSES, AlgorithmTable, TuningKey
 
-__all__ = ["calibrate", "calibrate_local"]
+__all__ = ["choose_all", "choose_all_locally"]
 
 
 def tuned_ops(transport: TunableTransport) -> tuple[Op, ...]:
@@ -27,7 +27,7 @@ def tuned_ops(transport: TunableTransport) -> tuple[Op, ...]:
     )
 
 
-def calibrate(
+def choose_all(
     comm: Communicator,
     classes: Sequence[str] | None = None,
     axis: str | None = None,
@@ -47,10 +47,10 @@ def calibrate(
 
 
 def _worker(comm: Communicator, classes, force) -> str:
-    return calibrate(comm, classes, force=force).format(comm.backend, comm.world)
+    return choose_all(comm, classes, force=force).format(comm.backend, comm.world)
 
 
-def calibrate_local(
+def choose_all_locally(
     nproc: int,
     classes: Sequence[str] | None = None,
     cache_dir: str | Path | None = None,

@@ -1,0 +1,237 @@
+"""``ControlChannel``: a communicator's control messages, beside the data its transports move.
+
+The per-step agreement (the handshake's check, the commit vote), the exchanges made once (host
+identity, program digests), barriers, the readiness of ranks after a long compile, and the abort
+a failing rank sends its peers. Over torch.distributed's default group and store; on one host the
+agreement goes over a shared-memory group of its own (microseconds where a gloo round trip costs
+milliseconds), which must not be a data group: a vote must not wait behind a step's open epoch (a
+published gather stays open until the commit the vote allows).
+
+Waits on torch.distributed work go through ``wait_work``: in slices, looking between them at the
+job's store for a peer's abort, so that a peer blocked in a collective with a rank that failed
+learns at once instead of at the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from coconet.errors import RuntimeFault
+from coconet.ir.ops import ReduceOp
+from coconet.runtime.faults import FaultGuard
+from coconet.runtime.shmem import SharedMemoryTransport
+from coconet.runtime.transport import Group, WholeWait
+
+__all__ = ["ControlChannel"]
+
+
+class ControlChannel:
+    """The control messages of one communicator (see the module docstring)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        device: torch.device,
+        timeout: float,
+        guard: FaultGuard,
+        abort_key: str,
+    ) -> None:
+        self.rank, self.world, self.device, self.timeout = rank, world, device, timeout
+        self._guard = guard
+        # Where a rank whose step failed or was interrupted says so (``abort``); every rank makes
+        # its communicators in the same order, so the key names the same one everywhere.
+        self._abort_key = abort_key
+        self._store = dist.distributed_c10d._get_default_store() if world > 1 else None
+        self._ready_calls = 0
+        self._shm: SharedMemoryTransport | None = None
+        self._shm_group: Group | None = None  # the agreement's own group, on one host
+        self._aborts: list[Group] = []  # shared-memory groups whose abort words this rank sets
+
+    def use_shared_memory(self, transport: SharedMemoryTransport, control: Group) -> None:
+        """Agree over ``control``: a shared-memory group of the whole world, of its own."""
+        self._shm, self._shm_group = transport, control
+
+    def abort_groups(self, groups: Sequence[Group]) -> None:
+        """The shared-memory data groups whose abort words ``abort`` sets."""
+        self._aborts = list(groups)
+
+    # -- agreement and exchange -------------------------------------------------------------------
+
+    def agree_max(self, values: Sequence[int], label: str, op: str = "handshake") -> list[int]:
+        """Element-wise MAX over the world of a short int vector (the same length on every rank)."""
+        t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        if self.world == 1:
+            return t.tolist()
+        if self._shm_group is not None:
+            shm, group = self._shm, self._shm_group
+            work = self._guard(
+                op,
+                label,
+                None,
+                lambda: shm.all_reduce(t, group, reduce_op=ReduceOp.MAX, donate=True),
+            )
+            return self._guard(op, label, None, work.wait).tolist()
+        work = self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX, async_op=True)
+        self._guard(op, label, None, self.wait_work, work)
+        return t.tolist()
+
+    def max_over_world(self, values: Sequence[float], label: str) -> list[float]:
+        """Element-wise MAX over the world of a short float vector (same length everywhere)."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        if self.world > 1 and len(values):
+            self._guard("all_reduce", label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def exchange(self, obj: Any, label: str) -> list[Any]:
+        """Every rank's ``obj`` (any picklable value, of any size), in rank order."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._guard("handshake", label, None, dist.all_gather_object, out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, label: str) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        self._guard("setup", label, None, dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def barrier(self, label: str = "barrier") -> None:
+        if self.world > 1:
+            self._guard("barrier", label, None, dist.barrier)
+
+    # -- readiness after work outside any collective ----------------------------------------------
+
+    def agree_ready(self, label: str, deadline_s: float) -> None:
+        """Wait until every rank has called ``agree_ready`` with the same label, for up to
+        ``deadline_s`` seconds (not the communicator's timeout: it is for work that may take
+        long, such as compiling a step's kernels, done outside any collective). Through the
+        job's store, watching for a peer that aborted and, on one host, for one that died."""
+        if self._store is None:
+            return
+        self._ready_calls += 1
+        key = f"{self._abort_key}/ready/{self._ready_calls}"
+        everyone = [f"{key}/{r}" for r in range(self.world)]
+        pids = self.peer_pids()
+        give_up = time.monotonic() + deadline_s
+        pause = 0.001
+
+        def all_ready() -> bool:
+            try:
+                return self._store.check(everyone)
+            except (RuntimeError, OSError):
+                self.check_peers()  # the store is gone: a RuntimeFault that says so
+                raise
+
+        self._guard("readiness", label, None, self._store.set, f"{key}/{self.rank}", label)
+        while not all_ready():
+            self.check_peers()
+            dead = [r for r, pid in pids.items() if not _alive(pid)]
+            if dead or time.monotonic() > give_up:
+                self._guard.broken = f"ranks not ready: {label}"
+                late = f"not every rank was ready in {deadline_s:g} s"
+                cause = f"rank(s) {dead} died" if dead else late
+                raise RuntimeFault(
+                    f"{cause}: {label}",
+                    op="readiness",
+                    details=[f"on rank {self.rank} of {self.world}"],
+                    hint="look at the other ranks' output; this job cannot continue: end it "
+                    "(coconet.runtime.shutdown) and restart it",
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+    def peer_pids(self) -> dict[int, int]:
+        """The peers' process ids, where shared memory told them (one host), by rank."""
+        handle = self._shm_group.handle if self._shm_group is not None else None
+        mem = getattr(handle, "mem", None)
+        if mem is None:
+            return {}
+        return {r: pid for r, pid in enumerate(mem.pids) if r != self.rank}
+
+    # -- aborts ------------------------------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """Mark the communicator broken and tell every peer at once, not at their timeout: a
+        step failed or was interrupted here mid-way (peers may be inside a collective this rank
+        will never finish). Over shared memory the peers' waits see this rank's abort word; on
+        torch.distributed they look at the job's store between slices of their waits."""
+        if self._guard.broken is None:
+            self._guard.broken = reason
+        for group in self._aborts:
+            group.handle.abort()
+        if self._shm_group is not None:
+            self._shm_group.handle.abort()
+        if self._store is not None:
+            try:
+                self._store.set(self._abort_key, f"rank {self.rank}: {reason}")
+            except (RuntimeError, OSError):
+                pass  # the store is gone (its host died): the peers learn from that
+
+    def check_peers(self) -> None:
+        """A ``RuntimeFault`` if a peer aborted (see ``abort``)."""
+        if self._store is None:
+            return
+        try:
+            aborted = self._store.check([self._abort_key])
+            reason = self._store.get(self._abort_key).decode() if aborted else None
+        except (RuntimeError, OSError) as exc:
+            reason = f"the job's store is unreachable (rank 0 died?): {exc}"
+        if reason is not None:
+            self._guard.broken = f"a peer aborted: {reason}"
+            raise RuntimeFault(
+                "a peer rank aborted its step (it failed or was interrupted)",
+                op="communicator",
+                details=[f"on rank {self.rank} of {self.world}", f"the peer said: {reason}"],
+                hint="look at that rank's output for its failure; this job cannot continue: "
+                "end it (coconet.runtime.shutdown) and restart it",
+            )
+
+    def wait_work(self, work) -> None:
+        """``work.wait()`` in slices, looking between them whether a peer aborted its step (a
+        peer blocked in this collective with a rank that was interrupted would otherwise learn
+        only at the timeout). A slice that ends leaves the collective running (gloo).
+
+        A point-to-point handle (``WholeWait``) is waited for in one call of the timeout: a gloo
+        send or recv fails its connection when a slice ends first. A peer that aborts is then
+        seen when its process exits (the connection closes) or at the timeout."""
+        if self._store is None:
+            work.wait()
+            return
+        if isinstance(work, WholeWait):
+            self.check_peers()
+            work.wait(datetime.timedelta(seconds=self.timeout))
+            return
+        deadline = time.monotonic() + self.timeout
+        wait_s = 0.01
+        while True:
+            try:
+                work.wait(datetime.timedelta(seconds=wait_s))
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower() or time.monotonic() > deadline:
+                    raise
+            self.check_peers()
+            wait_s = min(2 * wait_s, 0.2)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) is running: not gone, not a zombie."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # no procfs or not ours to signal: no evidence that it died
