@@ -74,3 +74,36 @@ def test_each_transport_implements_each_communication_op(op):
     name = spec(op).transport
     assert callable(getattr(TorchDistributedTransport, name))
     assert getattr(Communicator, f"{name}_start").__name__ == f"{name}_start"
+
+
+def test_every_communication_op_has_a_typed_start_and_a_cost_shape():
+    """``Communicator.start`` dispatches through a table of typed entry points, one per
+    communication op, named by the spec; the cost model reads each op's ``CommCost``."""
+    from coconet.ir.opspec import Traffic
+    from coconet.runtime.comm import _STARTS
+
+    assert set(_STARTS) == set(COMMUNICATION)
+    for op in COMMUNICATION:
+        assert _STARTS[op].__name__ == f"{spec(op).transport}_start"
+        cost = spec(op).comm_cost
+        assert cost is not None and (cost.traffic is not Traffic.RING or cost.ring_passes >= 1)
+
+
+@pytest.mark.parametrize("transport", ["torchdist", "shmem"])
+def test_each_transport_implements_the_protocol_with_its_signatures(transport):
+    """Every transport has every method of ``Transport``, with the protocol's parameters (the
+    communicator calls them by keyword)."""
+    import inspect
+
+    from coconet.runtime import shmem, torchdist
+    from coconet.runtime.transport import Transport
+
+    cls = {
+        "torchdist": torchdist.TorchDistributedTransport,
+        "shmem": shmem.SharedMemoryTransport,
+    }[transport]
+    for op in COMMUNICATION:
+        name = spec(op).transport
+        want = list(inspect.signature(getattr(Transport, name)).parameters)
+        have = list(inspect.signature(getattr(cls, name)).parameters)
+        assert have == want, (cls.__name__, name)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from coconet.codegen.emit_shm import SharedMemoryEmission
-from coconet.codegen.forms import Form, Forms, forms
+from coconet.codegen.forms import Form, Forms, ReadInPlace, forms
 from coconet.codegen.names import Namer
 from coconet.codegen.plan import (
     ChunkLoop,
@@ -41,8 +42,16 @@ from coconet.ir.node import Node
 from coconet.ir.ops import Op
 from coconet.ir.opspec import Arg, Lowering, spec
 from coconet.ir.types import DType
+from coconet.options import TransportKind
 
 __all__ = ["emit"]
+
+
+# The emission module of each transport that has lowering forms of its own
+# (``coconet.codegen.forms.REGISTRY``); a transport whose units all run plainly needs none.
+EMISSIONS: dict[TransportKind, Callable[[Any], SharedMemoryEmission]] = {
+    TransportKind.SHARED_MEMORY: SharedMemoryEmission,
+}
 
 
 def emit(plan: Plan, header: Sequence[str], unit_forms: Forms | None = None) -> str:
@@ -87,7 +96,12 @@ class _Emitter:
         # per kernel: (node, geometry field, parameter name) for the sizes a kernel is passed
         self._geo_cache: dict[str, list[tuple[Node, str, str]]] = {}
         # the emission of each transport that has forms of its own (coconet.codegen.forms)
-        self.shm = SharedMemoryEmission(self)
+        self._emissions = {kind: make(self) for kind, make in EMISSIONS.items()}
+
+    def emission(self, axis: str | None) -> SharedMemoryEmission:
+        """The emission module of the transport that runs ``axis``'s collectives (asked only
+        for units ``forms`` gave a form of that transport's)."""
+        return self._emissions[self.forms.transport(axis)]
 
     # -- the module -----------------------------------------------------------------------------
 
@@ -130,10 +144,14 @@ class _Emitter:
         names = []
         for k in self.plan.kernels:
             if k.name in one_pass:
-                out += ["", ""] + self.shm.one_pass_kernel_def(one_pass[k.name])
+                out += ["", ""] + self.emission(one_pass[k.name].axis).one_pass_kernel_def(
+                    one_pass[k.name]
+                )
                 names.append((k.name, f"{k.name}_one_pass"))
             elif k.name in in_place:
-                out += ["", ""] + self.shm.by_parts_kernel_def(in_place[k.name])
+                out += ["", ""] + self.emission(_axis(in_place[k.name])).by_parts_kernel_def(
+                    in_place[k.name]
+                )
                 names.append((k.name, f"{k.name}_by_parts"))
             else:
                 out += ["", ""] + self.kernel_def(k)
@@ -199,10 +217,12 @@ class _Emitter:
         in_place = self.forms.in_place
         if isinstance(s, Kernel):
             read = self.forms.kernels_in_place.get(s.name)
-            return self.shm.by_parts_call(read) if read is not None else self.kernel_call(s, geo)
+            if read is not None:
+                return self.emission(_axis(read)).by_parts_call(read)
+            return self.kernel_call(s, geo)
         if isinstance(s, Start):
             if self.forms.of(s) is Form.READ_IN_PLACE:
-                return self.shm.reduce_in_place_lines(in_place[s.node.name])
+                return self.emission(_axis(s)).reduce_in_place_lines(in_place[s.node.name])
             return self.start_lines(s, geo)
         name = s.node.name
         if name in in_place:
@@ -219,7 +239,7 @@ class _Emitter:
                 parts.append(f"kernel {s.name}")
         op = self.forms.one_pass(unit)
         if op is not None:
-            return self.shm.one_pass_lines(unit, op, parts)
+            return self.emission(op.axis).one_pass_lines(unit, op, parts)
         transport = self.forms.transport(unit.collectives[0].attr("axis"))
         lines = _comment_lines(
             f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport.value} runs "
@@ -271,7 +291,7 @@ class _Emitter:
 
         stage_names = [self.namer.claim(f"{name}_stage_{i}") for i in range(len(loop.stages))]
         if one_pass is not None:
-            lines += self.shm.loop_channel_lines(loop, one_pass)
+            lines += self.emission(one_pass.axis).loop_channel_lines(loop, one_pass)
         try:
             for i, (stage, fn) in enumerate(zip(loop.stages, stage_names, strict=True)):
                 what = ", ".join(_step_label(s) for s in stage)
@@ -284,7 +304,8 @@ class _Emitter:
                         )
                 for s in stage:
                     if one_pass is not None:
-                        body += self.shm.loop_step_lines(loop, s, one_pass, geo)
+                        emission = self.emission(one_pass.axis)
+                        body += emission.loop_step_lines(loop, s, one_pass, geo)
                     else:
                         body += self.step_lines(s, geo)
                 lines += [f"def {fn}(c, v):", *[_INDENT + b for b in body]]
@@ -292,7 +313,7 @@ class _Emitter:
             self.var, self.work = saved
         ticks = k + len(loop.stages) - 1
         if one_pass is not None:
-            lines += self.shm.loop_schedule_lines(loop, one_pass, stage_names)
+            lines += self.emission(one_pass.axis).loop_schedule_lines(loop, one_pass, stage_names)
         else:
             lines += [
                 f"{name} = [{{}} for _ in range({k})]",
@@ -399,6 +420,11 @@ def _step_label(s) -> str:
     if isinstance(s, Wait):
         return f"wait {s.node.name}"
     return s.node.name
+
+
+def _axis(x: ReadInPlace | Start) -> str | None:
+    node = x.all_reduce if isinstance(x, ReadInPlace) else x.node
+    return node.attr("axis")
 
 
 def _where(n: Node) -> str:

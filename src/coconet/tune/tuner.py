@@ -258,6 +258,84 @@ def tune(
     measure each candidate with the collective algorithms the model chose (False: with the
     communicator's own choice, for a caller that runs the winner on its communicator as it is).
     """
+    _check_arguments(program, comm, sizes, top, rematch_within)
+    options = options or CompileOptions()
+    began = time.perf_counter()
+    say = _say(progress, comm.rank)
+    comms = Communicators(comm)
+    chosen = _transports(comms, transports)
+    candidates, enumeration = enumerate_candidates(program, chosen, chunks, state)
+    settings = {
+        "top": top,
+        "measure_all": measure_all,
+        "chunks": list(chunks),
+        "state": list(state),
+        "fix_algorithms": fix_algorithms,
+        "reps": reps,
+        "budget_s": budget_s,
+        "rematch_within": rematch_within,
+        "scalars": dict(scalars or {}),
+        "compile options": {k: str(v) for k, v in sorted(vars(options).items())},
+    }
+    # 1. a result cached for the same program, sizes, ranks and settings
+    key = store.result_key(program, sizes, comm, chosen, settings)
+    if not retune:
+        doc = store.load_result(comm, key)
+        if doc is not None:
+            say("tuning result read from the cache (retune=True measures again)")
+            return TuneResult.from_json(program, doc, enumeration)
+    # 2. the machine's model (calibrated once per machine), and every candidate predicted
+    model = _machine(
+        comms,
+        chosen,
+        retune if recalibrate is None else recalibrate,
+        say,
+        _largest_tensor(program, comm.mesh, sizes),
+    )
+
+    def predicted(c: Candidate):
+        kw = {"donate": options.donate, "commit": options.commit,
+              "commit_vote": options.commit_vote}
+        return predict(c, sizes, model, comm.mesh, **kw)
+
+    rows = candidate_rows(candidates, predicted, fix_algorithms)
+    # 3. the ones to measure: the best predicted, and always the baseline
+    picked = _pick(rows, top, measure_all, only, comm.transport_of(None))
+    # 4. measured on the ranks (every rank gets the slowest rank's times)
+    _measure_rows(
+        rows, picked, comms, sizes, options, scalars, reps, budget_s,
+        progress is True and comm.rank == 0,
+    )
+    # 5. a deciding round when the two best measured close together
+    again = None
+    if only is None:
+        again = _deciding_round(rows, picked, rematch_within, comms, sizes, options, scalars,
+                                reps, say)
+    result = TuneResult(
+        program,
+        dict(sizes),
+        comm.world,
+        rows,
+        enumeration,
+        model.description,
+        settings,
+        cached=False,
+        seconds=time.perf_counter() - began,
+        rematch=again,
+    )
+    if only is not None:  # a partial measurement is not a tuning result
+        return result
+    # 6. cached for the next tune of the same program
+    store.save_result(
+        comm, key, result.to_json() if any(r.measured_ms is not None for r in rows) else None
+    )
+    return result
+
+
+def _check_arguments(
+    program: Program, comm: Communicator, sizes: Mapping[str, int], top: int,
+    rematch_within: float,
+) -> None:
     if not isinstance(program, Program):
         raise ConfigError(
             f"tune takes a Program, got {type(program).__name__}",
@@ -287,10 +365,12 @@ def tune(
             hint="tune(..., top=4): measure the 4 best predicted",
         )
     _check_sizes(program, sizes)
-    options = options or CompileOptions()
-    began = time.perf_counter()
-    say = _say(progress, comm.rank)
-    comms = Communicators(comm)
+
+
+def _transports(
+    comms: Communicators, transports: Sequence[TransportKind] | None
+) -> list[TransportKind]:
+    """The transports to tune over: those asked for, each one the ranks can use."""
     usable = comms.transports()
     chosen = list(transports) if transports is not None else usable
     bad = [t for t in chosen if t not in usable]
@@ -300,55 +380,47 @@ def tune(
             op="tune",
             hint=f"they can use {[t.value for t in usable]}",
         )
-    candidates, enumeration = enumerate_candidates(program, chosen, chunks, state)
-    settings = {
-        "top": top,
-        "measure_all": measure_all,
-        "chunks": list(chunks),
-        "state": list(state),
-        "fix_algorithms": fix_algorithms,
-        "reps": reps,
-        "budget_s": budget_s,
-        "rematch_within": rematch_within,
-        "scalars": dict(scalars or {}),
-        "compile options": {k: str(v) for k, v in sorted(vars(options).items())},
-    }
-    key = store.result_key(program, sizes, comm, chosen, settings)
-    if not retune:
-        doc = store.load_result(comm, key)
-        if doc is not None:
-            say("tuning result read from the cache (retune=True measures again)")
-            return TuneResult.from_json(program, doc, enumeration)
-    model = _machine(
-        comms,
-        chosen,
-        retune if recalibrate is None else recalibrate,
-        say,
-        _largest_tensor(program, comm.mesh, sizes),
-    )
-    def predicted(c: Candidate):
-        kw = {"donate": options.donate, "commit": options.commit,
-              "commit_vote": options.commit_vote}
-        return predict(c, sizes, model, comm.mesh, **kw)
+    return chosen
 
-    rows = candidate_rows(candidates, predicted, fix_algorithms)
+
+def _pick(
+    rows: list[Row],
+    top: int,
+    measure_all: bool,
+    only: Sequence[str] | None,
+    own: TransportKind,
+) -> list[int]:
+    """The rows to measure: the ``top`` best predicted (every one with ``measure_all``;
+    exactly the labels in ``only``), and the baseline, unscheduled on the transport the ranks
+    use (its first row: on torch.distributed, with the model's algorithms)."""
     ranked = sorted(range(len(rows)), key=lambda i: rows[i].predicted_ms)
     picked = ranked if measure_all else ranked[:top]
     if only is not None:
         wanted = set(only)
-        picked = [i for i in ranked if rows[i].candidate.label in wanted]
-    own = comm.transport_of(None)
-    # The baseline: unscheduled, on the transport the ranks use (its first row: on
-    # torch.distributed, with the model's algorithms).
+        return [i for i in ranked if rows[i].candidate.label in wanted]
     baselines = [
         i
         for i, r in enumerate(rows)
         if r.candidate.schedule is None and r.candidate.transport is own
     ]
-    baseline = baselines[0] if baselines else None
-    if baseline is not None and baseline not in picked and only is None:
-        picked.append(baseline)
-    bar = _bar(len(picked), progress is True and comm.rank == 0)
+    if baselines and baselines[0] not in picked:
+        picked.append(baselines[0])
+    return picked
+
+
+def _measure_rows(
+    rows: list[Row],
+    picked: list[int],
+    comms: Communicators,
+    sizes: Mapping[str, int],
+    options: CompileOptions,
+    scalars: Mapping[str, float] | None,
+    reps: int,
+    budget_s: float,
+    show_bar: bool,
+) -> None:
+    """Measure the picked rows on the ranks, with a progress bar on rank 0 when asked."""
+    bar = _bar(len(picked), show_bar)
 
     def done(c: Candidate, m: Measurement) -> None:
         if bar is not None:
@@ -369,35 +441,32 @@ def tune(
         bar.close()
     for i, m in zip(picked, results, strict=True):
         rows[i].measured = m
-    again = None
-    done = sorted(
+
+
+def _deciding_round(
+    rows: list[Row],
+    picked: list[int],
+    rematch_within: float,
+    comms: Communicators,
+    sizes: Mapping[str, int],
+    options: CompileOptions,
+    scalars: Mapping[str, float] | None,
+    reps: int,
+    say: Callable[[str], None],
+) -> Rematch | None:
+    """The two best measured, timed again interleaved, when the runner-up is within
+    ``rematch_within`` of the winner (every rank has the same times: every rank decides
+    alike)."""
+    ok = sorted(
         (rows[i] for i in picked if rows[i].measured_ms is not None),
         key=lambda r: r.measured_ms,
     )
-    # every rank has the same times (the slowest rank's): every rank decides alike
-    close = len(done) >= 2 and done[1].measured_ms <= done[0].measured_ms * (1 + rematch_within)
-    if only is None and rematch_within > 0 and close:
-        a, b = done[0].candidate, done[1].candidate
-        say(f"rematch: {a.label} and {b.label} are within {rematch_within:.0%}: timed again")
-        again = rematch(a, b, comms, sizes, options=options, scalars=scalars, steps=reps)
-    result = TuneResult(
-        program,
-        dict(sizes),
-        comm.world,
-        rows,
-        enumeration,
-        model.description,
-        settings,
-        cached=False,
-        seconds=time.perf_counter() - began,
-        rematch=again,
-    )
-    if only is not None:  # a partial measurement is not a tuning result
-        return result
-    store.save_result(
-        comm, key, result.to_json() if any(r.measured_ms is not None for r in rows) else None
-    )
-    return result
+    close = len(ok) >= 2 and ok[1].measured_ms <= ok[0].measured_ms * (1 + rematch_within)
+    if rematch_within <= 0 or not close:
+        return None
+    a, b = ok[0].candidate, ok[1].candidate
+    say(f"rematch: {a.label} and {b.label} are within {rematch_within:.0%}: timed again")
+    return rematch(a, b, comms, sizes, options=options, scalars=scalars, steps=reps)
 
 
 def candidate_rows(
