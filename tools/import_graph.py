@@ -2,12 +2,14 @@
 
     python tools/import_graph.py            # every edge, "a -> b", then the cycles (if any)
     python tools/import_graph.py --layers   # edges between top-level layers only
+    python tools/import_graph.py --with-type-only   # also the imports under TYPE_CHECKING
 
 Imports are read from the source (``ast``), at module level and inside functions alike, so an
 import hidden in a function to dodge a cycle still counts. ``TYPE_CHECKING`` imports are left out
-(they never run), and so are edges from a module to its own parent packages (Python runs those
-first for any importer). tests/unit/test_layers.py asserts that there are no cycles and that the
-layers point one way.
+(they never run) unless ``--with-type-only`` asks for them, and so are edges from a module to
+its own parent packages (Python runs those first for any importer). tests/unit/test_layers.py
+asserts that there are no cycles, that the type-only ones are the known few, and that the layers
+point one way.
 """
 
 from __future__ import annotations
@@ -54,15 +56,16 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> Iterator[str]:
             yield from (f"{base}.{a.name}" for a in node.names)
 
 
-def edges(src: Path = SRC) -> set[tuple[str, str]]:
-    """(importer, imported) pairs between coconet modules."""
+def edges(src: Path = SRC, type_only: bool = False) -> set[tuple[str, str]]:
+    """(importer, imported) pairs between coconet modules (``type_only``: with the imports made
+    for type checkers alone, under ``if TYPE_CHECKING:``)."""
     mods = modules(src)
     out = set()
     for name, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         # clear TYPE_CHECKING blocks first (ast.walk is breadth-first: parents before children)
         for node in ast.walk(tree):
-            if isinstance(node, ast.If) and _is_type_checking(node):
+            if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
                 node.body = []
         for target in _imports(tree, name, path.name == "__init__.py"):
             # Importing a submodule runs its parent packages first, whoever imports it: an edge
@@ -119,7 +122,7 @@ def layer(module: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    graph = edges()
+    graph = edges(type_only="--with-type-only" in argv)
     if "--layers" in argv:
         pairs = sorted({(layer(a), layer(b)) for a, b in graph if layer(a) != layer(b)})
     else:
