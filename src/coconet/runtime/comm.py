@@ -24,6 +24,7 @@ on every rank. Shared memory's own forms go through ``comm.one_pass(axis)``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +127,17 @@ class Communicator:
         self._channels: dict[str | None, OnePassChannel] = {}  # comm.one_pass(axis), made once
         self._groups = mesh_groups(self.mesh, self.rank, self.world, self.torch)
         self._check_fixed_algorithms()
-        hosts = self.exchange(host_identity(), "host identity")
+        # Every rank's host identity (routing) and process id (its peers on the same host
+        # watch it while they wait outside any collective: ControlChannel.run_watched).
+        evidence = self.exchange((host_identity(), os.getpid()), "host identity")
+        hosts = [host for host, _ in evidence]
+        self.control.set_peer_pids(
+            {
+                r: pid
+                for r, (host, pid) in enumerate(evidence)
+                if host == hosts[self.rank] and r != self.rank
+            }
+        )
         self.routes = route_groups(
             self._groups, hosts, self.device, self.options, self.torch, self.shm
         )

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ class ControlChannel:
         self._shm: SharedMemoryTransport | None = None
         self._shm_group: Group | None = None  # the agreement's own group, on one host
         self._aborts: list[Group] = []  # shared-memory groups whose abort words this rank sets
+        self._pids: dict[int, int] = {}  # the peers on this host: rank -> process id
 
     def use_shared_memory(self, transport: SharedMemoryTransport, control: Group) -> None:
         """Agree over ``control``: a shared-memory group of the whole world, of its own."""
@@ -110,21 +112,51 @@ class ControlChannel:
         if self.world > 1:
             self._guard("barrier", label, None, dist.barrier)
 
-    # -- readiness after work outside any collective ----------------------------------------------
+    # -- long work outside any collective: compiling, then readiness -----------------------------
+
+    def set_peer_pids(self, pids: dict[int, int]) -> None:
+        """The process ids of the peers on this host, by rank (watched during long waits)."""
+        self._pids = dict(pids)
+
+    def peer_pids(self) -> dict[int, int]:
+        """The process ids of the peers on this host, by rank."""
+        return dict(self._pids)
+
+    def run_watched(self, fn: Callable[[], None], label: str, deadline_s: float) -> None:
+        """Run ``fn`` (work outside any collective that may take long, such as compiling a
+        step's kernels) on a thread of its own while this one watches the peers: one that dies
+        (on this host: its process is gone; elsewhere: its heartbeat stops for the
+        communicator's timeout) or aborts is a ``RuntimeFault`` at once, not when ``fn`` is
+        done. ``fn``'s own exception is raised here. A Ctrl-C lands here, on the main thread,
+        and ends the wait at once (``fn``'s thread is a daemon: it dies with the process)."""
+        if self._store is None:
+            fn()
+            return
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the watching thread
+                failure.append(exc)
+
+        worker = threading.Thread(target=work, name=f"coconet: {label}", daemon=True)
+        worker.start()
+        self._watch(label, deadline_s, lambda: not worker.is_alive())
+        worker.join()
+        if failure:
+            raise failure[0]
 
     def agree_ready(self, label: str, deadline_s: float) -> None:
         """Wait until every rank has called ``agree_ready`` with the same label, for up to
         ``deadline_s`` seconds (not the communicator's timeout: it is for work that may take
         long, such as compiling a step's kernels, done outside any collective). Through the
-        job's store, watching for a peer that aborted and, on one host, for one that died."""
+        job's store, watching the peers as ``run_watched`` does."""
         if self._store is None:
             return
         self._ready_calls += 1
         key = f"{self._abort_key}/ready/{self._ready_calls}"
         everyone = [f"{key}/{r}" for r in range(self.world)]
-        pids = self.peer_pids()
-        give_up = time.monotonic() + deadline_s
-        pause = 0.001
 
         def all_ready() -> bool:
             try:
@@ -134,13 +166,31 @@ class ControlChannel:
                 raise
 
         self._guard("readiness", label, None, self._store.set, f"{key}/{self.rank}", label)
-        while not all_ready():
+        self._watch(label, deadline_s, all_ready)
+
+    def _watch(self, label: str, deadline_s: float, done: Callable[[], bool]) -> None:
+        """Wait until ``done()``, for up to ``deadline_s`` seconds, beating this rank's heart in
+        the store and looking at the peers between looks: a peer that aborted, died on this host,
+        or whose heartbeat stood still for the communicator's timeout is a ``RuntimeFault``."""
+        pids = self.peer_pids()
+        started = time.monotonic()
+        give_up = started + deadline_s
+        beats = _Heartbeats(self._store, self._abort_key, self.rank, self.world, started)
+        pause = 0.001
+        while not done():
+            beats.beat()
             self.check_peers()
+            now = time.monotonic()
             dead = [r for r, pid in pids.items() if not _alive(pid)]
-            if dead or time.monotonic() > give_up:
+            silent = [] if dead else beats.silent_for(self.timeout, now)
+            if dead or silent or now > give_up:
                 self._guard.broken = f"ranks not ready: {label}"
-                late = f"not every rank was ready in {deadline_s:g} s"
-                cause = f"rank(s) {dead} died" if dead else late
+                if dead:
+                    cause = f"rank(s) {dead} died"
+                elif silent:
+                    cause = f"rank(s) {silent} gave no sign of life for {self.timeout:g} s"
+                else:
+                    cause = f"not every rank was ready in {deadline_s:g} s"
                 raise RuntimeFault(
                     f"{cause}: {label}",
                     op="readiness",
@@ -150,14 +200,6 @@ class ControlChannel:
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
-
-    def peer_pids(self) -> dict[int, int]:
-        """The peers' process ids, where shared memory told them (one host), by rank."""
-        handle = self._shm_group.handle if self._shm_group is not None else None
-        mem = getattr(handle, "mem", None)
-        if mem is None:
-            return {}
-        return {r: pid for r, pid in enumerate(mem.pids) if r != self.rank}
 
     # -- aborts ------------------------------------------------------------------------------------
 
@@ -235,3 +277,44 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:
         return True  # no procfs or not ours to signal: no evidence that it died
+
+
+class _Heartbeats:
+    """Each rank's heartbeat in the job's store during a long wait (``ControlChannel._watch``):
+    a counter it raises at every look; a peer whose counter stands still, or never appears, for
+    the communicator's timeout is silent (dead or frozen on another host, where its process
+    cannot be watched)."""
+
+    def __init__(self, store, prefix: str, rank: int, world: int, started: float) -> None:
+        self._store, self._rank = store, rank
+        self._keys = {r: f"{prefix}/beat/{r}" for r in range(world)}
+        self._count = 0
+        self._seen: dict[int, tuple[bytes | None, float]] = {
+            r: (None, started) for r in range(world) if r != rank
+        }
+        self._next_look = started
+
+    def beat(self) -> None:
+        self._count += 1
+        try:
+            self._store.set(self._keys[self._rank], str(self._count))
+        except (RuntimeError, OSError):
+            pass  # the store is gone: check_peers says so
+
+    def silent_for(self, seconds: float, now: float) -> list[int]:
+        """The peers whose heartbeat has not moved for ``seconds`` (looked at every 0.5 s)."""
+        if now < self._next_look:
+            return []
+        self._next_look = now + 0.5
+        silent = []
+        for r, (last, since) in self._seen.items():
+            try:
+                key = self._keys[r]
+                value = self._store.get(key) if self._store.check([key]) else None
+            except (RuntimeError, OSError):
+                return []  # the store is gone: check_peers says so
+            if value != last:
+                self._seen[r] = (value, now)
+            elif now - since > seconds:
+                silent.append(r)
+        return silent

@@ -21,7 +21,7 @@ the difference, raised on every rank.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coconet.codegen.geometry import bind_sizes
@@ -76,8 +76,16 @@ def settle(comm, report: RankReport, need_exchange: bool) -> list[RankReport] | 
     return comm.exchange(report, "input shapes")
 
 
-def verdict(reports: Sequence[RankReport], program: Program, mesh: Mesh) -> dict[str, int]:
-    """The global Dim sizes, or a ``RuntimeFault`` (the same on every rank) naming the problem."""
+def verdict(
+    reports: Sequence[RankReport],
+    program: Program,
+    mesh: Mesh,
+    sources: Mapping[str, str] | None = None,
+) -> dict[str, int]:
+    """The global Dim sizes, or a ``RuntimeFault`` (the same on every rank) naming the problem.
+    ``sources``: what the user set that an input is made from (``{"step_size": "lr"}``), named
+    first when that input differs across ranks."""
+    sources = sources or {}
     first = reports[0]
     for r in reports[1:]:
         if r.identity != first.identity:
@@ -123,15 +131,21 @@ def verdict(reports: Sequence[RankReport], program: Program, mesh: Mesh) -> dict
             details=errors,
             hint="fix the inputs named above; nothing was communicated or updated",
         )
-    differ = [
-        f"input {name!r}: rank 0 has {first.replicated.get(name)}, rank {r.rank} has {value}"
+    differing = [
+        (r, name, value)
         for r in reports[1:]
         for name, value in r.replicated.items()
         if value != first.replicated.get(name)
     ]
+    differ = [
+        f"{_input_named(name, sources)}: rank 0 has {first.replicated.get(name)}, rank {r.rank} "
+        f"has {value}"
+        for r, name, value in differing
+    ]
     if differ:
+        named = list(dict.fromkeys(sources.get(name, name) for _, name, _ in differing))
         raise RuntimeFault(
-            "Replicated inputs differ across ranks",
+            f"Replicated inputs differ across ranks: {', '.join(named)}",
             op=f"{program.name} step",
             details=differ,
             hint="a Replicated input must be the same on every rank (a step counter that differs "
@@ -153,3 +167,10 @@ def verdict(reports: Sequence[RankReport], program: Program, mesh: Mesh) -> dict
             "input holds this rank's torch.tensor_split part along its sliced dim",
         )
     return sizes
+
+
+def _input_named(name: str, sources: Mapping[str, str]) -> str:
+    """``input 'x'``, or what the user set that it is made from, first."""
+    if name in sources:
+        return f"{sources[name]} (input {name!r}, made from it)"
+    return f"input {name!r}"

@@ -242,10 +242,22 @@ def run_script(
 def _supervise(
     procs: list[subprocess.Popen], received: list[int], grace: float, kill_after: float
 ) -> int:
-    """Wait for every rank, stopping them as ``run_script`` says; the job's exit code."""
+    """Wait for every rank, stopping them as ``run_script`` says; the job's exit code.
+
+    Which rank failed first is decided by when each exited, taken by a thread per rank that
+    waits for it (a poll every few ms would see a killed rank and the survivor that noticed
+    it ~10 ms later over shared memory as one event), and among the ranks that failed within
+    ``_SETTLE_S`` of the first, a death by signal comes first: a rank's own error exit may be
+    its reaction to a peer's death, a signal never is."""
     codes: list[int | None] = [None] * len(procs)
+    exited: dict[int, float] = {}  # rank -> when its waiter saw it exit
+    for r, p in enumerate(procs):
+        threading.Thread(
+            target=_note_exit, args=(p, r, exited), name=f"coconet run: rank {r}", daemon=True
+        ).start()
     signalled: dict[int, float] = {}  # rank -> when the launcher sent it a signal
     first: tuple[int, int] | None = None  # (rank, exit code) of the first rank that failed
+    failed_at: float | None = None  # when the first failure exited
     stop_at: float | None = None  # when to stop the ranks still running after a failure
     forwarded = 0  # how many of the received signals were forwarded
 
@@ -264,11 +276,16 @@ def _supervise(
             send(received[forwarded])
             forwarded += 1
         for r, p in enumerate(procs):
-            if codes[r] is None and p.poll() is not None:
+            if codes[r] is None and r in exited:
                 codes[r] = p.returncode
-                if p.returncode != 0 and r not in signalled and first is None:
-                    first = (r, p.returncode)
-                    stop_at = time.monotonic() + grace
+        failures = {
+            r: exited[r] for r, c in enumerate(codes) if c and r not in signalled and r in exited
+        }
+        if failures and failed_at is None:
+            failed_at = min(failures.values())
+            stop_at = time.monotonic() + grace
+        if failed_at is not None and first is None and time.monotonic() >= failed_at + _SETTLE_S:
+            first = _first_failure(failures, codes, failed_at)
         now = time.monotonic()
         if stop_at is not None and now >= stop_at:
             send(signal.SIGTERM)
@@ -276,7 +293,10 @@ def _supervise(
         for r, since in signalled.items():
             if codes[r] is None and now - since >= kill_after:
                 procs[r].kill()
-        time.sleep(0.05)
+        time.sleep(0.01)
+    if first is None and failed_at is not None:  # every rank exited within the settle time
+        failures = {r: exited[r] for r, c in enumerate(codes) if c and r not in signalled}
+        first = _first_failure(failures, codes, failed_at)
     for r, c in enumerate(codes):
         if c and r in signalled:
             stopped = f"rank {r} stopped by the launcher ({_describe(c)})"
@@ -292,6 +312,25 @@ def _supervise(
     if received:
         return 128 + received[0]
     return 0
+
+
+# Failures this close to the first are one event: among them, a death by signal is the cause.
+_SETTLE_S = 0.25
+
+
+def _first_failure(
+    failures: dict[int, float], codes: list[int | None], failed_at: float
+) -> tuple[int, int]:
+    """(rank, exit code) of the failure that caused the others: among those that exited within
+    ``_SETTLE_S`` of the first, a death by signal (a negative code), else the earliest."""
+    early = [r for r, t in failures.items() if t <= failed_at + _SETTLE_S]
+    rank = min(early, key=lambda r: (codes[r] > 0, failures[r]))
+    return rank, codes[rank]
+
+
+def _note_exit(p: subprocess.Popen, rank: int, exited: dict[int, float]) -> None:
+    p.wait()
+    exited[rank] = time.monotonic()
 
 
 def _describe(code: int) -> str:

@@ -95,6 +95,9 @@ class CompiledStep:
         self.calls = 0  # calls of this compiled step that every rank agreed on
         self._ordinal: int | None = None  # which step of this identity it is, on its communicator
         self._identity: tuple[Any, tuple, int] | None = None  # (options, identity, hash)
+        # What the user set that each input is made from, for errors that name an input (a
+        # library that derives inputs says: coconet.optim's ``step_size`` comes from ``lr``).
+        self.input_sources: dict[str, str] = {}
 
     # -- what it is -----------------------------------------------------------------------------
 
@@ -178,6 +181,44 @@ class CompiledStep:
         """Run one step on this rank. Returns the outputs by name; applies the updates in place
         to the caller's tensors once the step succeeded on every rank."""
         comm = self._communicator()
+        try:
+            args, shapes, reports, ordinal, h = self._agree(comm, inputs)
+        except BaseException as exc:
+            # The local checks or the agreement failed here (a peer died, stalled or aborted;
+            # a Ctrl-C anywhere before or inside the agreement): the control channel may be
+            # half used, and the peers must hear of it at once, not at their timeout.
+            comm.abort(f"rank {comm.rank} failed before its step: {_first_line(exc)}")
+            raise
+        if reports is not None:
+            # Raises the same RuntimeFault on every rank, or gives the sizes; a refused call is
+            # not counted (on any rank), so the ranks stay in step and the communicator usable.
+            sizes = handshake.verdict(reports, self.program, self.mesh, self.input_sources)
+            self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
+            self._exchanged = shapes
+        if self._ordinal is None:
+            self._ordinal = ordinal
+            _steps_seen(comm)[h] = ordinal + 1
+        self.calls += 1
+        try:
+            if self.calls == 1 and self._compiles_kernels(comm):
+                self._rehearse(comm, args)
+            outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
+            if self.options.commit_vote:
+                comm.agree_max([0], "every rank finished the step", op="commit vote")
+        except BaseException as exc:
+            # Collectives of this step may be half done on other ranks: this communicator
+            # can no longer line up with them. KeyboardInterrupt and SystemExit too: they
+            # leave the step as half done as any error.
+            comm.abort(f"rank {comm.rank} failed in a step: {_first_line(exc)}")
+            raise
+        # Every rank voted to commit: the step ends wholly after on every rank, and the ranks
+        # stay in step (an interrupt held back by the commit is raised after it, no abort).
+        return self._commit(inputs, outputs, updates, comm)
+
+    def _agree(self, comm: Communicator, inputs: dict[str, Any]):
+        """This rank's local checks, then the per-step agreement: (the generated step's
+        arguments, the input shapes, every rank's report or None when the agreement was
+        settled without an exchange, this step's ordinal, the identity's hash)."""
         args, shapes, dtypes, replicated, error = self._bind(inputs, comm)
         identity, h = self._identity_of(comm)
         first = self._exchanged is None
@@ -201,36 +242,7 @@ class CompiledStep:
             ordinal=ordinal,
             replicated=replicated,
         )
-        try:
-            reports = handshake.settle(comm, report, changed)
-        except BaseException as exc:
-            # The agreement itself failed (a peer died, stalled or aborted; Ctrl-C here): the
-            # control channel may be half used, and the other peers must hear of it.
-            comm.abort(f"rank {comm.rank} failed in the handshake: {type(exc).__name__}")
-            raise
-        if reports is not None:
-            # Raises the same RuntimeFault on every rank, or gives the sizes; a refused call is
-            # not counted (on any rank), so the ranks stay in step.
-            sizes = handshake.verdict(reports, self.program, self.mesh)
-            self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
-            self._exchanged = shapes
-        if self._ordinal is None:
-            self._ordinal = ordinal
-            seen[h] = ordinal + 1
-        self.calls += 1
-        try:
-            if self.calls == 1 and self._compiles_kernels(comm):
-                self._rehearse(comm, args)
-            outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
-            if self.options.commit_vote:
-                comm.agree_max([0], "every rank finished the step", op="commit vote")
-        except BaseException as exc:
-            # Collectives of this step may be half done on other ranks: this communicator
-            # can no longer line up with them. KeyboardInterrupt and SystemExit too: they
-            # leave the step as half done as any error.
-            comm.abort(f"rank {comm.rank} failed in a step: {_first_line(exc)}")
-            raise
-        return self._commit(inputs, outputs, updates, comm)
+        return args, shapes, handshake.settle(comm, report, changed), ordinal, h
 
     def _compiles_kernels(self, comm: Communicator) -> bool:
         return self.options.fused_kernels and comm.world > 1 and len(self.kernels) > 0
@@ -252,10 +264,11 @@ class CompiledStep:
             if isinstance(value, Published):
                 value.release()  # the peers may reuse their slots
         del outputs, updates, rehearsal
-        self.kernels.compile_recorded()
-        comm.agree_ready(
-            f"{self.program.name}'s fused kernels are compiled", self.options.compile_timeout
-        )
+        # Compiled while this rank watches its peers: one that dies or aborts meanwhile is
+        # reported within the communicator's timeout, not after this rank's compile.
+        what = f"{self.program.name}'s fused kernels are compiled"
+        comm.control.run_watched(self.kernels.compile_recorded, what, self.options.compile_timeout)
+        comm.agree_ready(what, self.options.compile_timeout)
 
     def _communicator(self):
         comm = self._comm
