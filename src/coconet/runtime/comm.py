@@ -433,6 +433,17 @@ class Communicator:
         """Mark the communicator broken and tell every peer at once (``ControlChannel.abort``)."""
         self.control.abort(reason)
 
+    def close(self) -> None:
+        """Hand back this communicator's shared memory (every group's segments): when it is
+        broken, or no longer used (a new one replaces it). Further calls are refused. The
+        torch.distributed groups stay: they belong to the job (``coconet.runtime.shutdown``)."""
+        if self.broken is None:
+            self.broken = "closed"
+        for route in self.routes.values():
+            if route.transport is self.shm:
+                route.group.handle.close()
+        self.control.close()
+
     def __repr__(self) -> str:
         state = f", broken: {self.broken}" if self.broken else ""
         return f"Communicator(rank {self.rank} of {self.mesh}, {self.backend}{state})"

@@ -65,6 +65,11 @@ class ControlChannel:
         """The shared-memory data groups whose abort words ``abort`` sets."""
         self._aborts = list(groups)
 
+    def close(self) -> None:
+        """Hand back the agreement's shared memory (``Communicator.close``)."""
+        if self._shm_group is not None:
+            self._shm_group.handle.close()
+
     # -- agreement and exchange -------------------------------------------------------------------
 
     def agree_max(self, values: Sequence[int], label: str, op: str = "handshake") -> list[int]:
