@@ -234,6 +234,22 @@ RANK_SCRIPT = textwrap.dedent(
     elif behaviour.startswith("exit"):
         time.sleep(0.3)
         sys.exit(int(behaviour[4:]))
+    elif behaviour == "kill9":               # a rank killed (OOM, a node's reaper)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif behaviour.startswith("follow"):     # the survivor: it sees the peer die, and fails
+        peer = sys.argv[2] + "." + behaviour[6:]
+        while not os.path.exists(peer) or not open(peer).read():
+            time.sleep(0.001)
+        pid = int(open(peer).read())
+        def running():
+            try:
+                return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z"
+            except OSError:
+                return False
+        while running():
+            time.sleep(0.001)
+        sys.exit(1)
     while True:
         time.sleep(0.05)
     """
@@ -303,3 +319,49 @@ def test_the_launcher_exits_with_the_first_failing_ranks_code(tmp_path):
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 5, err
     assert "rank 0 failed first (exit code 5)" in err and "rank 2 stopped" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_the_killed_rank_is_named_not_the_survivor_that_failed_just_after(tmp_path):
+    """Over shared memory a survivor fails ~10 ms after its peer is killed; the launcher once
+    polled every 50 ms and named whichever it saw first in rank order. Now each rank's exit time
+    is taken as it happens, and a death by signal comes first among failures that close."""
+    for trial in range(5):
+        where = tmp_path / str(trial)
+        where.mkdir()
+        launcher = _launcher(where, "follow1,kill9", grace=0.5)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 137, err
+        assert "rank 1 failed first (killed by SIGKILL)" in err, err
+
+
+SHM_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    import coconet as cc
+    from coconet import runtime
+    comm = runtime.init(options=runtime.CommOptions(transport="shared memory", timeout=20.0))
+    N = cc.Dim("N")
+    g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    p = cc.Tensor("p", cc.float32, [N], cc.Replicated)
+    p_new = (p - cc.all_reduce(g, name="g_sum")).named("p_new")
+    step = cc.compile(cc.Program("sgd", [g, p], [cc.update(p, p_new)]), comm=comm,
+                      fused_kernels=False)
+    x, w = torch.ones(64), torch.zeros(64)
+    step(g=x, p=w)
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed between two steps
+    step(g=x, p=w)  # the survivor's RuntimeFault ends its script with exit code 1
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_real_job_over_shared_memory_names_the_killed_rank(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SHM_SCRIPT)
+    for _ in range(2):
+        out = _coconet("run", "--nproc", "2", str(script))
+        assert out.returncode == 137, out.stderr
+        assert "rank 1 failed first (killed by SIGKILL)" in out.stderr, out.stderr
