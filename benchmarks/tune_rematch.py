@@ -36,7 +36,7 @@ SIZES = {"1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
 
 def worker(comm, n: int, names: list[str], repeats: int, reps: int, commit: str) -> list[dict]:
     sys.path.insert(0, str(ROOT / "tests"))
-    from examples_loader import load_example
+    from support.examples_loader import load_example
 
     from coconet.options import CompileOptions, TransportKind
     from coconet.tune.candidates import enumerate_candidates

@@ -50,12 +50,6 @@ class Accounting:
         ranks = range(len(self.sent_bytes))
         return max(sum(w[r].flops for w in self.work_by_node.values()) for r in ranks)
 
-    @property
-    def max_bytes_moved(self) -> int:
-        """Bytes the busiest rank's local computation reads and writes in one step (unfused)."""
-        ranks = range(len(self.sent_bytes))
-        return max(sum(w[r].bytes_moved for w in self.work_by_node.values()) for r in ranks)
-
     def __str__(self) -> str:
         return (
             f"persistent {self.max_persistent_bytes} B/rank, sends "

@@ -10,9 +10,9 @@ checked to 1e-6 relative against the simulator (in practice they come out identi
 
 from __future__ import annotations
 
-import dist_workers
+from support import dist_workers
 import pytest
-from tolerances import schedule_rtol
+from support.tolerances import schedule_rtol
 
 from coconet.runtime import CommOptions, spawn
 

@@ -6,7 +6,7 @@ memory AR_C's kernel reads the sum where it was reduced (no copy at all), so the
 as it was: only the result is checked there.
 """
 
-import dist_workers
+from support import dist_workers
 import pytest
 
 from coconet.runtime import CommOptions, spawn

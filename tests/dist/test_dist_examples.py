@@ -8,20 +8,20 @@ program.
 - 4 ranks: the same in float32, then the pipeline example on a 2x2 mesh (pp x tp sub-groups) and
   a program using every mesh axis.
 
-Tolerances (``tests/tolerances.py``): with the "exact" collective algorithms every reduction runs
-in the simulator's rank order, so results are bitwise equal unless ``coconet.sim.exactness``
-finds a sum the schedule re-associates: LAMB's reorder computes the norm as the all_reduce of
-per-slice sums of squares, and ``ol_MM_fuse_RS_C_AG`` runs the matmul chunk by chunk (BLAS
-blocks a chunk of rows differently from the whole product on some CPUs). Those are checked to
-1e-5 relative in float32 and 1e-2 in 16-bit floats. With gloo's native algorithms on 4 ranks,
-reductions run in gloo's order: 1e-6 relative.
+Tolerances (``tests/support/tolerances.py``): with the "exact" collective algorithms every
+reduction runs in the simulator's rank order, so results are bitwise equal unless
+``coconet.sim.exactness`` finds a sum the schedule re-associates: LAMB's reorder computes the
+norm as the all_reduce of per-slice sums of squares, and ``ol_MM_fuse_RS_C_AG`` runs the matmul
+chunk by chunk (BLAS blocks a chunk of rows differently from the whole product on some CPUs).
+Those are checked to 1e-5 relative in float32 and 1e-2 in 16-bit floats. With gloo's native
+algorithms on 4 ranks, reductions run in gloo's order: 1e-6 relative.
 """
 
 from __future__ import annotations
 
-import dist_workers
+from support import dist_workers
 import pytest
-from tolerances import NATIVE_GLOO_RTOL, schedule_rtol
+from support.tolerances import NATIVE_GLOO_RTOL, schedule_rtol
 
 from coconet.runtime import CommOptions, spawn
 

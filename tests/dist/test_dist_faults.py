@@ -7,7 +7,7 @@ and torch.distributed/gloo).
 
 from __future__ import annotations
 
-import dist_workers
+from support import dist_workers
 import pytest
 
 from coconet.runtime import CommOptions, RankFailure, spawn

@@ -10,7 +10,7 @@ except in one compiled run.
 
 from __future__ import annotations
 
-import optim_workers
+from support import optim_workers
 import pytest
 import torch
 

@@ -11,8 +11,8 @@ they are checked to 1e-6 relative here and exactly on 2 ranks.
 
 from __future__ import annotations
 
-import dist_programs
-import dist_workers
+from support import dist_programs
+from support import dist_workers
 import pytest
 
 from coconet.runtime import CommOptions, spawn

@@ -7,7 +7,7 @@ the vote still ends wholly after the step; Ctrl-C mid-step reaches the peers at 
 from __future__ import annotations
 
 import pytest
-import safety_workers
+from support import safety_workers
 
 from coconet.runtime import CommOptions, RankFailure, spawn
 

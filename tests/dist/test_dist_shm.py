@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-import shm_workers
+from support import shm_workers
 
 from coconet.runtime import CommOptions, RankFailure, spawn
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from examples_loader import EXAMPLES
+from support.examples_loader import EXAMPLES
 
 
 @pytest.mark.timeout(240)

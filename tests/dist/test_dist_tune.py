@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import pytest
-import tune_workers
+from support import tune_workers
 
 from coconet.runtime import CommOptions, spawn
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from examples_loader import load_example
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.schedule import Schedule

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from examples_loader import EXAMPLES, load_example
+from support.examples_loader import EXAMPLES, load_example
 
 import coconet as cc
 

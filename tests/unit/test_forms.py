@@ -5,7 +5,7 @@ cannot disagree."""
 from __future__ import annotations
 
 import pytest
-from examples_loader import load_example
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.codegen import lower

@@ -1,5 +1,5 @@
 """The generated code runs its steps in an order that works: regressions found by running every
-random schedule's generated step on a world of one (``test_schedule_property.run_generated``).
+random schedule's generated step on a world of one (``support.generated.run_generated``).
 
 Both were schedules the checks accept, that ``coconet.compile`` compiled and the simulator ran
 correctly, but whose generated ``step()`` failed with a NameError on real ranks: the fused
@@ -13,7 +13,7 @@ collective's unit was cleared of interleaved steps by moving them before it, als
 from __future__ import annotations
 
 import torch
-from test_schedule_property import make_inputs, run_generated
+from support.generated import make_inputs, run_generated
 
 import coconet as cc
 from coconet.schedule import Schedule, fuse_RS_C_AG
@@ -63,18 +63,15 @@ def test_an_earlier_fused_collective_that_reads_the_unit_runs_after_it(tmp_path)
     _run_both(s, tmp_path)
 
 
-def test_a_one_pass_gather_is_published_only_when_no_collective_follows(monkeypatch):
+def test_a_one_pass_gather_is_published_only_when_no_collective_follows():
     """Over shared memory a one-pass unit whose gather only updates an input leaves it in the
     peers' slots for the commit; a collective started after it would wait for those slots
     forever (both ranks stalled until the deadline), so then the gather is copied out."""
-    from pathlib import Path
+    from support import dist_programs  # the programs tests/dist runs over shared memory
 
     from coconet.codegen import emit, forms, lower
     from coconet.codegen.forms import one_pass
     from coconet.options import TransportKind
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "dist"))
-    import dist_programs  # the programs tests/dist runs over shared memory
 
     shm = {None: TransportKind.SHARED_MEMORY}
     for build, published in ((dist_programs.lion, True), (dist_programs.user_ops, False)):

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 import pytest
-from examples_loader import EXAMPLES, load_example
+from support.examples_loader import EXAMPLES, load_example
 
 import coconet as cc
 

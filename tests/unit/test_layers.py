@@ -85,7 +85,7 @@ def test_layers_point_one_way():
 
 def test_the_simulator_and_generated_code_depend_only_on_the_ir():
     """Generated modules import ``coconet.ir`` only (op meanings, chunk geometry)."""
-    from examples_loader import load_example
+    from support.examples_loader import load_example
 
     import coconet as cc
 

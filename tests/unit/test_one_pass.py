@@ -13,7 +13,7 @@ does not, and that the generated code says so.
 from __future__ import annotations
 
 import pytest
-from examples_loader import load_example
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.codegen import lower

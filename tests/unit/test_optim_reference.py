@@ -7,7 +7,7 @@ all_reduce adds them) as ``.grad``. State is compared after every step.
 
 import pytest
 import torch
-from examples_loader import load_example
+from support.examples_loader import load_example
 
 import coconet as cc
 

@@ -1,6 +1,6 @@
 """Every paper schedule of every example equals the unscheduled program in the simulator.
 
-Tolerances (``tests/tolerances.py``): a schedule is checked bit for bit unless
+Tolerances (``tests/support/tolerances.py``): a schedule is checked bit for bit unless
 ``coconet.sim.exactness.reassociations`` names a sum it re-associates. The schedules of SGD,
 Adam and AdamW only move data and run the same elementwise maths on slices, and the simulator's
 reduce_scatter adds the ranks' values in the same order as its all_reduce, so results are
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from examples_loader import load_example
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.accounting import account

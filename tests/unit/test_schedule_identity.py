@@ -13,7 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
-from examples_loader import load_example
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.runtime import handshake
@@ -99,17 +99,16 @@ def test_the_digest_is_the_same_in_another_process():
     # Ranks are separate processes: nothing in the digest may depend on hash seeds or ids.
     code = textwrap.dedent(
         """
-        import sys
-        sys.path.insert(0, sys.argv[1])
-        from examples_loader import load_example
+        from support.examples_loader import load_example
         from coconet.schedule import fuse_RS_C_AG
         print(fuse_RS_C_AG(load_example("adam").program(), ("m", "v")).digest)
         """
     )
-    tests = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONHASHSEED": "12345"}
+    tests = str(Path(__file__).resolve().parents[1])  # where the support package is
+    path = os.pathsep.join([str(SRC), tests])
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONHASHSEED": "12345"}
     out = subprocess.run(
-        [sys.executable, "-c", code, tests], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     here = fuse_RS_C_AG(load_example("adam").program(), ("m", "v")).digest
     assert out.stdout.strip() == here

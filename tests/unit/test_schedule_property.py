@@ -55,9 +55,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
+from support.generated import make_inputs, run_generated
 
 import coconet as cc
-from coconet.codegen import KernelSet, bind_sizes, geometry
 from coconet.ir.ops import COMMUNICATION, LEAVES, Op
 from coconet.schedule import Schedule
 from coconet.sim.exactness import reassociations
@@ -442,20 +442,6 @@ def random_schedule(d, built: Built) -> Applied:
 # comparing the two programs in the simulator
 
 
-def make_inputs(program: cc.Program, world: int, n: int, k: int, seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    out: dict = {}
-    for node in program.inputs:
-        if node.name in ("g", "h"):
-            out[node.name] = [torch.randn(n, generator=gen) for _ in range(world)]
-        elif node.type.rank == 0:
-            out[node.name] = float(torch.randn((), generator=gen))
-        else:
-            shape = [n if s == N else k for s in node.type.shape]
-            out[node.name] = torch.randn(shape, generator=gen)
-    return out
-
-
 def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -487,52 +473,6 @@ def compare(
             assert torch.isfinite(values[r]).all(), (name, values[r])
             a = per_rank[r] if per_rank else got.updates[name][r]
             assert _same(a, values[r], exact), f"update {name} on rank {r}, {where}:\n{a}"
-
-
-class OneRank:
-    """The communicator of a world of one, in this process: each collective's group meaning on
-    a group of one (a copy; a send's first stage receives zeros), started and waited for as the
-    generated code does on real ranks. A wait for a collective that was never started, or a
-    collective left unwaited, fails the test."""
-
-    def __init__(self) -> None:
-        self.pending: dict[int, torch.Tensor] = {}
-
-    def __getattr__(self, name: str):
-        if not name.endswith("_start"):
-            raise AttributeError(name)
-        op = Op(name.removesuffix("_start"))
-
-        def start(x, *args, label, **kwargs):
-            result = torch.zeros_like(x) if op is Op.SEND else x.clone()
-            self.pending[id(result)] = result
-            return result
-
-        return start
-
-    def wait(self, work):
-        assert self.pending.pop(id(work), None) is work, "a wait for a collective not started"
-        return work
-
-
-def run_generated(compiled, inputs: dict) -> tuple[dict, dict]:
-    """The compiled module's step() on a world of one, eager kernels: what real ranks run."""
-    program = compiled.program
-    args = []
-    for node in program.inputs:
-        v = inputs[node.name]
-        v = v[0] if isinstance(v, list) else v
-        args.append(torch.tensor(v, dtype=node.type.dtype.torch) if isinstance(v, float) else v)
-    mesh = cc.Mesh.world(1)
-    shapes = {n.name: tuple(a.shape) for n, a in zip(program.inputs, args, strict=True)}
-    sizes, problems = bind_sizes(program, mesh, [shapes])
-    assert not problems, problems
-    env = geometry(program, mesh, 0, sizes)
-    comm = OneRank()
-    kernels = KernelSet(compiled.module.KERNELS, fused=False)
-    outputs, updates = compiled.module.step(comm, env, kernels, *args)
-    assert not comm.pending, "collectives started and never waited for"
-    return outputs, updates
 
 
 def check_one(d, log=note, tally=event) -> Applied:

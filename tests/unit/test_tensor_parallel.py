@@ -3,7 +3,7 @@ dropout mask's independence of how the tensor is sliced."""
 
 import pytest
 import torch
-from examples_loader import load_example
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.ir.types import slice_bounds

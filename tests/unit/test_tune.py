@@ -22,9 +22,9 @@ import math
 
 import pytest
 import torch
-from examples_loader import load_example
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.errors import ScheduleError

@@ -7,7 +7,7 @@ produce), and the row-parallel layer with H not divisible by the world size.
 
 import pytest
 import torch
-from examples_loader import load_example
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.ir.types import slice_bounds

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_schedule_property import run_generated
-from tolerances import schedule_rtol
+from support.generated import run_generated
+from support.tolerances import schedule_rtol
 
 import coconet as cc
 from coconet.codegen import lower

@@ -93,14 +93,6 @@ class ChunkPlan:
         self.parts = mesh.axis_size(self.axis) if sliced else 1
         self.mesh = mesh
 
-    def outside_inputs(self) -> list[Node]:
-        seen: dict[str, Node] = {}
-        for m in self.members:
-            for i in m.inputs:
-                if i.name not in self.names:
-                    seen.setdefault(i.name, i)
-        return list(seen.values())
-
     def is_chunked(self, consumer: Node, k: int, value: Node) -> bool:
         """Whether operand ``k`` of ``consumer`` is cut in chunks (else it is read whole)."""
         return read_in_chunks(consumer, k, value, self.names, self.rows)

@@ -35,9 +35,6 @@ class Node:
                 return v
         return default
 
-    def with_inputs(self, inputs: tuple[Node, ...]) -> Node:
-        return replace(self, inputs=inputs)
-
     def renamed(self, name: str | None) -> Node:
         return replace(self, name=name)
 

@@ -1,9 +1,10 @@
 """The start-of-step handshake: ranks agree on the program and their inputs before communicating.
 
 Ranks that run different programs, or pass inputs of mismatched sizes, would issue collectives
-that do not line up; on gloo a size mismatch aborts the process from C++ (MACHINE-NOTES), beyond
-any Python error handling. So before the step's first collective, at every step, every rank
-contributes a short fixed-size vector to one MAX all_reduce (which cannot mismatch):
+that do not line up; on gloo a size mismatch aborts the process from C++ (SIGABRT from
+``gloo::EnforceNotMet``), beyond any Python error handling. So before the step's first
+collective, at every step, every rank contributes a short fixed-size vector to one MAX
+all_reduce (which cannot mismatch):
 
     [identity hash, -identity hash, call, -call, "I need a full exchange", "my inputs failed"]
 

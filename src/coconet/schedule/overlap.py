@@ -138,12 +138,8 @@ def _not_rowwise(n: Node, rows) -> str | None:
         return (
             f"its rows ({ty.shape[0] if ty.rank else 'a scalar'}) differ from the chain's ({rows})"
         )
-    if (
-        ty.layout.is_sliced
-        and ty.layout.dim != 0
-        and n.op in (Op.REDUCE_SCATTER, Op.ALL_GATHER, Op.SCATTER)
-    ):
-        return "it slices a dim other than 0"
+    # reduce_scatter and scatter always give a Sliced value; all_gather a Replicated one, whose
+    # input's dim is checked below.
     if n.op in (Op.REDUCE_SCATTER, Op.SCATTER) and ty.layout.dim != 0:
         return "it slices a dim other than 0"
     if n.op is Op.ALL_GATHER and n.inputs[0].type.layout.dim != 0:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import ast
 
-import dist_programs
 import pytest
 import torch
-from examples_loader import load_example
+from support import dist_programs
+from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.cache import keyed_cache_dir

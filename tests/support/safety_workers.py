@@ -255,7 +255,7 @@ def slow_compile(comm: Communicator, victim: int, delay: float, dies: bool = Fal
     import os
     import signal
 
-    from dist_workers import _adam_case
+    from support.dist_workers import _adam_case
 
     schedule, mine = _adam_case(comm, size=64)
     step = cc.compile(schedule, comm=comm, fused_kernels=True)

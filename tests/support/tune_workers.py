@@ -9,15 +9,14 @@ from __future__ import annotations
 import time
 
 import torch
-from examples_loader import load_example
 
 import coconet
-from coconet.options import CompileOptions
+from coconet.options import CompileOptions, TransportKind
 from coconet.runtime import Communicator
-from coconet.options import TransportKind
 from coconet.tune import tune
 from coconet.tune.candidates import enumerate_candidates
 from coconet.tune.measure import Communicators, measure
+from support.examples_loader import load_example
 
 EAGER = CompileOptions(fused_kernels=False)  # the same programs, without torch.compile's cost
 STATE = ("m", "v")

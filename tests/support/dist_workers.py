@@ -14,13 +14,13 @@ import time
 import traceback
 
 import torch
-from examples_loader import load_example
 
 import coconet as cc
 from coconet.errors import RuntimeFault
 from coconet.options import TransportKind
 from coconet.runtime import CommOptions, Communicator
 from coconet.testing import check_distributed
+from support.examples_loader import load_example
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
 LAYERS = ("tensor_parallel",)
@@ -88,7 +88,7 @@ def run_examples(comm: Communicator, names, sizes, dtypes, algorithms="exact") -
 def run_world_and_mesh(comm: Communicator, sizes, mesh_axes) -> dict:
     """On 4 ranks: the optimizer and layer examples on the world, then the pipeline example and
     a mesh program on a 2-D mesh (a second communicator over the same processes)."""
-    import dist_programs as dp
+    from support import dist_programs as dp
 
     out = {"world": run_examples(comm, OPTIMIZERS + LAYERS, sizes, ["float32"])}
     # gloo's own algorithms: a communicator on torch.distributed (the default on one host is
@@ -129,7 +129,7 @@ def run_world_and_mesh(comm: Communicator, sizes, mesh_axes) -> dict:
 
 
 def run_programs(comm: Communicator, sizes, policies) -> list[dict]:
-    import dist_programs as dp
+    from support import dist_programs as dp
 
     rows = []
     for policy in policies:
@@ -163,7 +163,7 @@ def run_programs(comm: Communicator, sizes, policies) -> list[dict]:
 def run_compiled(comm: Communicator, cache_dir: str) -> dict:
     """One fused Adam step and the fused mix program compiled, against eager and the simulator;
     reports the first-call (compile) time of each kernel."""
-    import dist_programs as dp
+    from support import dist_programs as dp
 
     adam = load_example("adam")
     program = adam.program()

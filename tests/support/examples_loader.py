@@ -3,7 +3,7 @@
 The examples are scripts, not a package: each is loaded from its file on first use, as module
 ``coconet_example_<name>``, and that one module is shared by every test of the process (and by
 the ranks that ``coconet.runtime.spawn`` starts, which load it again in their own process).
-pytest finds this module through ``pythonpath`` in pyproject.toml.
+pytest finds it (package ``support``) through ``pythonpath`` in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import types
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def load_example(name: str) -> types.ModuleType:

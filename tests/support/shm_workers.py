@@ -161,7 +161,7 @@ def split_hosts(comm: Communicator, sizes) -> dict:
     """Pretend ranks 0-1 and 2-3 are two hosts: a pp x tp mesh whose tp groups stay on a host
     (shared memory) while its pp groups and the world cross hosts (torch.distributed); the
     pipeline example's schedules still equal the simulator."""
-    from examples_loader import load_example
+    from support.examples_loader import load_example
 
     os.environ["COCONET_HOST_ID"] = f"host{comm.rank // 2}"
     mesh = cc.Mesh(pp=2, tp=2)
@@ -236,7 +236,7 @@ def registered_gradient(comm: Communicator, size: int, steps: int) -> dict:
     (``input_buffer``) give bit for bit what they give with an ordinary gradient tensor (copied
     in), over many steps with random per-rank delays (the buffer is rewritten right after each
     step returns)."""
-    from examples_loader import load_example
+    from support.examples_loader import load_example
 
     rng = random.Random(comm.rank)
     out = {}
@@ -281,7 +281,7 @@ def swap_commit(comm: Communicator, size: int) -> dict:
     """Adam's fuse_RS_C_AG committed by swapping storage gives bit for bit what the copying
     commit gives; the state tensors are the same Python objects with new storage, while the
     parameters (a published gather) are written in place."""
-    from examples_loader import load_example
+    from support.examples_loader import load_example
 
     mod = load_example("adam")
     program = mod.program()
