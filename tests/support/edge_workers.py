@@ -8,12 +8,12 @@ import signal
 import time
 
 import torch
-from support.sigint_workers import _program
 
 import coconet as cc
 from coconet.errors import RuntimeFault
 from coconet.runtime import Communicator
 from coconet.schedule import fuse_RS_C_AG
+from support.sigint_workers import program
 
 N = 64
 
@@ -41,7 +41,7 @@ def _run(step, mine: dict) -> dict:
 def interrupted_in_local_checks(comm: Communicator, victim: int) -> dict:
     """Ctrl-C on ``victim`` while it checks its inputs, before the per-step agreement: the
     peers, already waiting in the agreement, are told at once (not at their timeout)."""
-    step = cc.compile(fuse_RS_C_AG(_program()), comm=comm, fused_kernels=False)
+    step = cc.compile(fuse_RS_C_AG(program()), comm=comm, fused_kernels=False)
     mine = _inputs(comm.rank)
     step(**dict(mine, p=mine["p"].clone(), m=mine["m"].clone()))  # warm
     if comm.rank == victim:
@@ -65,7 +65,7 @@ def killed_while_peer_compiles(comm: Communicator, victim: int, watch_pids: bool
     hosts: then their heartbeat in the store stops."""
     if not watch_pids:
         comm.control.set_peer_pids({})
-    step = cc.compile(fuse_RS_C_AG(_program()), comm=comm, fused_kernels=True)
+    step = cc.compile(fuse_RS_C_AG(program()), comm=comm, fused_kernels=True)
     for kernel in step.kernels._kernels.values():
         # stand-ins for torch.compile: the eager kernel, after dying (victim) or a long compile
         def compiled(*args, eager=kernel.eager, first=[True]):  # noqa: B006 - per kernel

@@ -28,7 +28,7 @@ N = 256
 STEPS = 400  # a trial's bound: far past the signal (a lost Ctrl-C runs them all)
 
 
-def _program() -> cc.Program:
+def program() -> cc.Program:
     n = cc.Dim("N")
     g = cc.Tensor("g", cc.float32, [n], cc.Local)
     p = cc.Tensor("p", cc.float32, [n], cc.Replicated)
@@ -51,8 +51,8 @@ def trials(comm: Communicator, victim: int, count: int, seed: int, schedule: str
 
     store = dist.distributed_c10d._get_default_store()
     rng = random.Random(seed)
-    program = _program()
-    target = fuse_RS_C_AG(program) if schedule == "fuse_RS_C_AG" else program
+    program_ = program()
+    target = fuse_RS_C_AG(program_) if schedule == "fuse_RS_C_AG" else program_
     options, mesh = comm.options, comm.mesh
     comm.close()  # each trial makes its own
     out = []

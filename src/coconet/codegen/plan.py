@@ -355,7 +355,8 @@ def _scalar_only(n: Node) -> bool:
     """Arithmetic on 0-d values only (``1 - beta1 ** step``): it runs once, before the kernel.
 
     Inside a compiled kernel Inductor would recompute it for every element (a ``pow`` per
-    element, for Adam's bias corrections), which MACHINE-NOTES measured as a trap.
+    element, for Adam's bias corrections): a float64 step inside the kernel made it compute in
+    double per element, 2.5-3x slower, when it was measured on the development machines.
     """
     return n.type.rank == 0 and all(i.type.rank == 0 for i in n.inputs)
 
