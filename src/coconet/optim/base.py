@@ -330,7 +330,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _scheduled(
         self, program: Program, state: tuple[str, ...], total: int = 0
     ) -> Program | Schedule:
-        choice = self._schedule if self._schedule is not None else "fuse_RS_C_AG"
+        # A world of one has nothing to fuse the update with: its default is the program as
+        # written (one no-op all_reduce instead of a reduce_scatter and an all_gather).
+        default = "fuse_RS_C_AG" if self._comm.world > 1 else "unscheduled"
+        choice = self._schedule if self._schedule is not None else default
         if callable(choice):
             return choice(program)
         if choice == "auto":
@@ -483,6 +486,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Step ``b``'s parameters that have a gradient, each at its own step count."""
         group = self.param_groups[b.group]
         steps = self.next_steps(b)
+        if all(mask) and steps.count(steps[0]) == len(steps):  # the common case: one fused step
+            self._run(b, self.scalars(group, steps[0]))
+            b.steps[:] = [s + 1 for s in b.steps]
+            return
         # parameters grouped by the scalars of their step (SGD's are the same after the first)
         plan: dict[tuple, tuple[dict[str, float], list[int]]] = {}
         of_step: dict[int, tuple[tuple, dict[str, float]]] = {}
@@ -496,7 +503,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             plan.setdefault(key, (s, []))[1].append(i)
         if not plan:
             return
-        if len(plan) == 1 and all(mask):  # the common case: one fused step
+        if len(plan) == 1 and all(mask):  # one step count's scalars after all (SGD)
             self._run(b, next(iter(plan.values()))[0])
         else:
             self._run_some(b, list(plan.values()))
