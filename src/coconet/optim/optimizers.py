@@ -67,6 +67,12 @@ def _check_lr(name: str, where: str, lr: Any) -> None:
 
 
 def _check_betas(name: str, where: str, betas: Any) -> None:
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ConfigValueError(
+            "betas must be either both floats or both Tensors" + (f" ({where})" if where else ""),
+            op=f"coconet.optim.{name}",
+            hint="betas=(0.9, 0.999)",
+        )
     for k in (0, 1):
         _check(name, where, f"beta parameter at index {k}", betas[k], 0.0 <= _f(betas[k]) < 1.0)
 
