@@ -306,6 +306,41 @@ def test_any_pattern_of_missing_gradients_matches_torch(comm, name, masks, weigh
                 assert _rel([o.state[a]["exp_avg_sq"]], [t.state[b]["exp_avg_sq"]]) <= OPTIM_RTOL
 
 
+def test_a_failed_mixed_step_leaves_the_bucket_as_it_was(comm, monkeypatch):
+    """A bucket at two step counts runs two fused steps; when the second fails, the first one's
+    results are taken back too: parameters, state and step counts as before the step."""
+    ours, theirs, o, t = _pair(comm, "Adam", {"lr": 1e-2, "weight_decay": 0.1})
+    _step_both(ours, theirs, o, t, 3, masks=[(True, False, True)])  # the bias falls behind
+    o.zero_grad()
+    _loss(ours, torch.randn(5)).backward()
+    params = [p.detach().clone() for p in ours]
+    state = {i: {k: v.clone() for k, v in o.state[p].items()} for i, p in enumerate(ours)}
+    calls = []
+    real = o._run
+
+    def second_fails(b, scalars):
+        calls.append(scalars["step_size"])
+        if len(calls) == 2:
+            raise RuntimeError("the second step failed")
+        real(b, scalars)
+
+    monkeypatch.setattr(o, "_run", second_fails)
+    with pytest.raises(RuntimeError, match="the second step failed"):
+        o.step()
+    assert len(calls) == 2 and calls[0] != calls[1]  # two step counts: two steps
+    assert all(torch.equal(p.detach(), q) for p, q in zip(ours, params, strict=True))
+    for i, p in enumerate(ours):
+        assert set(o.state[p]) == set(state[i])
+        assert all(torch.equal(o.state[p][k], v) for k, v in state[i].items())
+    monkeypatch.setattr(o, "_run", real)
+    o.step()  # and it steps as torch once it succeeds
+    t.zero_grad()
+    for p, q in zip(theirs, ours, strict=True):
+        p.grad = q.grad.clone()
+    t.step()
+    assert _rel(ours, theirs) <= OPTIM_RTOL
+
+
 def test_gradients_assigned_or_set_to_none_count_as_torch_counts_them(comm):
     ours, theirs, o, t = _pair(comm, "Adam", {"lr": 1e-2, "weight_decay": 0.1})
     gen = torch.Generator().manual_seed(5)
