@@ -36,6 +36,10 @@ for opt in adam lamb; do
     | tee "$R/dp_optim_${opt}_16M.txt"
 done
 
+# The fixed cost of a small coconet.optim step (one process, 1,000 parameters) vs torch.optim.Adam.
+"$PY" benchmarks/optim_small_step.py --params 1000 --steps 2000 \
+  --json "$R/optim_small_step_1k.json" | tee "$R/optim_small_step_1k.txt"
+
 # coconet tune's own output at 16M (the table the README shows), measured afresh.
 "$PY" -m coconet.cli tune examples/adam.py:program --nproc 2 --size N=16777216 --commit swap \
   --retune --json "$R/tune_adam_16M.json" | tee "$R/tune_adam_16M.txt"

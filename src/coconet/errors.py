@@ -13,7 +13,9 @@ The classes, by what went wrong:
 - ``ScheduleError``: a schedule primitive that does not apply; ``SimulationError``: inputs that do
   not fit ``simulate``; ``CodegenError``: a program ``compile`` cannot turn into code;
 - ``ConfigError``: a bad option or setup of the compiler or the runtime (``CompileOptionError``
-  for ``compile``'s); ``RuntimeFault``: a fault of a running job (a dead or stalled peer).
+  for ``compile``'s; ``ConfigValueError``, also a ``ValueError``, for a value out of range such as
+  an optimizer's hyper-parameter; ``GradientError``, also a ``RuntimeError``, for a gradient an
+  optimizer cannot step); ``RuntimeFault``: a fault of a running job (a dead or stalled peer).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ __all__ = [
     "CoconetError",
     "CompileOptionError",
     "ConfigError",
+    "ConfigValueError",
     "DSLError",
     "DSLTypeError",
     "DSLValueError",
     "DTypeError",
+    "GradientError",
     "LayoutError",
     "RuntimeFault",
     "ScheduleError",
@@ -201,6 +205,18 @@ class ConfigError(CoconetError):
     """
 
     locate_caller = True
+
+
+class ConfigValueError(ConfigError, ValueError):
+    """A setting of the right type but a value it cannot take: an optimizer's hyper-parameter out
+    of range (``lr=-1``, ``betas=(1.0, 0.9)``). Also a ``ValueError``, what ``torch.optim``
+    raises for the same values, so ``except ValueError`` written for torch keeps working."""
+
+
+class GradientError(ConfigError, RuntimeError):
+    """A gradient a ``coconet.optim`` optimizer cannot step (sparse, or of another shape, dtype
+    or device than its parameter). Also a ``RuntimeError``, what ``torch.optim`` raises for a
+    sparse gradient."""
 
 
 class CompileOptionError(ConfigError, CodegenError):

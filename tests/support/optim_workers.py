@@ -174,12 +174,11 @@ def from_torch(comm: Communicator, steps: int) -> float:
 def misuse(comm: Communicator) -> dict[str, str]:
     """What bad use raises (each a CoconetError's message)."""
     out = {}
-    frozen = model()
-    frozen[0].weight.requires_grad_(False)
     cases = {
-        "no comm": lambda: coconet.optim.Adam(model().parameters(), comm=None),
-        "frozen": lambda: coconet.optim.Adam(frozen.parameters(), comm=comm),
+        "no comm": lambda: coconet.optim.Adam(model().parameters(), comm="gloo"),
         "amsgrad": lambda: coconet.optim.Adam(model().parameters(), amsgrad=True, comm=comm),
+        "amsgrad group": lambda: coconet.optim.Adam(
+            [{"params": model().parameters(), "amsgrad": True}], comm=comm),
         "bad lr": lambda: coconet.optim.SGD(model().parameters(), lr=-1.0, comm=comm),
         "schedule": lambda: coconet.optim.Adam(model().parameters(), comm=comm, schedule="x"),
         "bfloat16": lambda: coconet.optim.Adam(model().bfloat16().parameters(), comm=comm),

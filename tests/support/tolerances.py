@@ -14,6 +14,7 @@ reason, and then it gets the tolerance below for its dtype.
 - gloo's own ("native") reductions on 3+ ranks vs the simulator's rank order: rtol 1e-6;
 - an example vs torch.optim / nn.Linear / a plain-torch reference: the example's ``TOLERANCE``
   (1e-6 for the optimizers, 1e-5 for the layers: another library's order of operations);
+  ``coconet.optim`` vs torch.optim / pytorch_optimizer.Lamb: ``OPTIM_RTOL`` (1e-6, the same);
 - fused (torch.compile) kernels vs the simulator: 1e-6 of the largest value (Inductor may contract
   ``a * b + c`` into FMAs).
 
@@ -33,6 +34,10 @@ REASSOCIATED_RTOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 REASSOCIATED_ATOL = 1e-6  # float32 values near 0 (a relative bound means nothing there)
 # gloo's own reductions ("native" algorithms) on 3+ ranks add in gloo's order, not rank order.
 NATIVE_GLOO_RTOL = 1e-6
+# coconet.optim against torch.optim / pytorch_optimizer.Lamb on the same (averaged) gradient,
+# normwise relative: the same maths, another library's order of operations and fused kernels
+# (the examples' TOLERANCE for the optimizers).
+OPTIM_RTOL = 1e-6
 
 
 def schedule_rtol(original: Program, scheduled: Program, dtype: str = "float32") -> float:

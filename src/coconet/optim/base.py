@@ -2,27 +2,48 @@
 
 What it does with the parameters (the contract ``coconet.optim``'s optimizers share):
 
-- **Buckets.** The parameters of each param group are packed, per dtype, into one flat bucket:
-  each parameter's ``.data`` becomes a view of the bucket's flat parameter tensor and its
+- **Buckets.** The trainable parameters of each param group are packed, per dtype, into one flat
+  bucket: each parameter's ``.data`` becomes a view of the bucket's flat parameter tensor and its
   ``.grad`` a view of the bucket's flat gradient, which lives in symmetric memory where the
   transport has it (``CompiledStep.input_buffer``). ``backward()`` accumulates straight into it;
-  ``step()`` hands the whole bucket to the program; nothing is copied per step.
+  ``step()`` hands the whole bucket to the program; nothing is copied per step. Parameters that
+  do not require grad are kept in ``param_groups`` but packed nowhere and never stepped (as
+  torch, which skips them: they never get a gradient).
 - **The step** reduces the gradients itself (the average over ranks, as DDP computes it; no DDP
   wrapper is needed) with the optimizer's schedule: by default ``fuse_RS_C_AG`` with the state
   stored sliced, so each rank keeps ``1/world`` of the state and updates only its slice, inside
   the fused collective; over shared memory as one pass.
+- **Parameters without a gradient are skipped, as torch skips them**: no update, no weight decay,
+  no change of their state or step count. A ``.grad`` is always a view of the bucket (a ``None``
+  gradient would make the next ``backward()`` allocate outside it), so "has a gradient" is kept
+  apart, per parameter: set by ``backward()`` (a post-accumulate-grad hook), by assigning
+  ``.grad``, or by a non-zero value written into the view; cleared by
+  ``zero_grad(set_to_none=True)`` (torch's default) and by ``p.grad = None``. Over several ranks
+  a parameter is stepped when any rank has a gradient for it (the others count zero, as DDP's
+  ``find_unused_parameters``): the ranks agree on it in one tiny collective per ``step()``.
+- **Step counts are per parameter** (torch's bias corrections are): a bucket whose parameters all
+  have a gradient and one step count runs one fused step (the common case); otherwise the
+  parameters are grouped by the scalars of their step (their bias corrections) and each group
+  runs the fused step over the whole bucket, the others' values put back after it: the same
+  arithmetic per element, one fused step per distinct step count.
 - **All or nothing.** A bucket's update is committed on every rank or on none (the compiled
-  step's guarantee). With several buckets (several param groups or dtypes) each is its own step:
-  a failure in a later bucket leaves the earlier ones updated (the step counts are kept per
-  bucket, so a retry does not apply them twice).
+  step's guarantee, and the mixed case above restores the bucket when a step fails). With
+  several buckets (several param groups or dtypes) each is its own step: a failure in a later
+  bucket leaves the earlier ones updated.
 - **Hyper-parameters** are read from ``param_groups`` at every step (``torch.optim.lr_scheduler``
-  works unchanged); their scalar arithmetic is done on the host in float64.
+  works unchanged), checked when a group is added or loaded; their scalar arithmetic is done on
+  the host in float64.
 - ``zero_grad()`` zeroes the buckets and keeps every ``.grad`` a view of its bucket, whatever
-  ``set_to_none`` says: a ``None`` gradient would make the next ``backward()`` allocate a new
-  tensor outside the bucket. A ``.grad`` replaced by another tensor is copied back into the
-  bucket at the next step (and made a view again).
+  ``set_to_none`` says (``set_to_none=True`` marks the parameters as without a gradient). A
+  ``.grad`` replaced by another tensor is copied into the bucket at the next step (and made a
+  view again).
 - ``state_dict()`` is torch's format, gathered from the slices (collective: every rank calls it);
-  ``load_state_dict()`` takes that format from any world size, or from the torch optimizer.
+  ``load_state_dict()`` takes that format from any world size, or from the torch optimizer. The
+  state-dict hooks (``register_state_dict_pre_hook`` and the others) run as torch runs them.
+- ``opt.state[p]`` reads the state in torch's keys (see ``_StateView``: whole tensors where this
+  rank holds them whole, this rank's slice otherwise).
+- It cannot be copied or pickled (it holds a communicator and compiled steps): save its
+  ``state_dict()`` and load it into a new one.
 
 Every rank must construct the optimizer over the same parameter shapes, in the same order
 (checked: a mismatch fails on every rank).
@@ -30,9 +51,11 @@ Every rank must construct the optimizer over the same parameter shapes, in the s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +63,7 @@ import torch
 
 from coconet import schedule as schedules
 from coconet.compiler import compile as coconet_compile
-from coconet.errors import ConfigError
+from coconet.errors import ConfigError, GradientError
 from coconet.ir.program import Program
 from coconet.ir.types import DType, slice_bounds
 from coconet.optim import checkpoint
@@ -66,15 +89,40 @@ class _Bucket:
     bounds: tuple[int, int]  # this rank's slice of the bucket (the state it keeps)
     names: dict[str, str]  # state: program input -> torch's state key
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # program name -> this slice
-    steps: int = 0
+    # Per parameter: how many times it was stepped (torch's per-parameter ``step``; 0: no state
+    # yet, as torch has none before a parameter's first step).
+    steps: list[int] = field(default_factory=list)
+    # Per parameter: whether it has a gradient (torch's ``p.grad is not None``; see step()). The
+    # list object is shared with the parameters' post-accumulate-grad hooks: mutate it in place.
+    has_grad: list[bool] = field(default_factory=list)
     # packed (not with ddp=): the parameters, flat (each param's .data a view of it), and the
     # gradients, flat (symmetric memory where the transport has it; each .grad a view of it)
     flat: torch.Tensor | None = None
     grad: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if not self.steps:
+            self.steps = [0] * len(self.params)
+        if not self.has_grad:
+            self.has_grad = [False] * len(self.params)
+
     @property
     def numel(self) -> int:
         return self.size
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Parameter ``i``'s elements in the bucket."""
+        return self.offsets[i], self.offsets[i] + self.params[i].numel()
+
+    def local(self, name: str, i: int) -> slice | None:
+        """Parameter ``i``'s part of state ``name`` as this rank stores it (whole, or this
+        rank's slice of the bucket: a parameter may straddle two ranks), None if it has none."""
+        start, stop = self.span(i)
+        if self.state[name].numel() == self.size:
+            return slice(start, stop)
+        lo, hi = self.bounds
+        a, z = max(start, lo), min(stop, hi)
+        return slice(a - lo, z - lo) if a < z else None
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -82,6 +130,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     A subclass names its DSL program (``program``), the program's state inputs and their
     ``torch.optim`` names (``state_names``), and the host scalars of one step (``scalars``).
+    ``comm`` defaults to the communicator of ``coconet.runtime.init()`` (the job of an
+    initialised ``torch.distributed``, or a world of one).
     """
 
     # One bucket per parameter tensor instead of per (group, dtype): for updates whose norms are
@@ -93,29 +143,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         defaults: dict[str, Any],
         *,
-        comm: Communicator,
+        comm: Communicator | None = None,
         schedule: str | Callable[[Program], Schedule] | None = None,
         options: CompileOptions | None = None,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
     ) -> None:
-        if not isinstance(comm, Communicator):
-            raise ConfigError(
-                f"{type(self).__name__} needs the communicator, got comm={comm!r}",
-                op=f"coconet.optim.{type(self).__name__}",
-                hint="comm = coconet.runtime.init(); opt = coconet.optim."
-                f"{type(self).__name__}(model.parameters(), comm=comm)",
-            )
-        self._comm = comm
+        self._comm = _default_comm(comm, type(self).__name__)
         self._schedule = schedule
         # State updates take the new storage (no copy); the parameters are always written in
         # place (they are views of a bucket, see step()).
         self._options = dataclasses.replace(options or CompileOptions(), commit=CommitMode.SWAP)
         self._buckets: list[_Bucket] = []
+        self._frozen: list[torch.Tensor] = []  # parameters that did not require grad: skipped
+        self._hooks: list[Any] = []  # the post-accumulate-grad hooks' handles
         self._auto: dict[tuple[str, str], Any] = {}  # schedule="auto": (program, size class)
+        self._where_key: tuple[int, ...] = ()
+        self._where: dict[int, tuple[_Bucket, int]] = {}
         self._ddp = ddp
         if ddp is not None:
             ddp_hook.check_and_register(self, ddp)
         super().__init__(params, defaults)  # calls add_param_group for each group
+        # torch's own `state` (a defaultdict) stays empty here: this one reads the buckets.
+        self.state = _StateView(self)
+        # The hooks hold only the buckets' flag lists; remove them with the optimizer.
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -133,17 +184,52 @@ class DistributedOptimizer(torch.optim.Optimizer):
         float64 on the host."""
         raise NotImplementedError
 
+    def check_group(self, group: dict[str, Any], where: str) -> None:
+        """Refuse hyper-parameters this optimizer cannot honour (a ``ConfigError``); called for
+        every group added and every group of a loaded state dict, before anything changes."""
+
+    def step_state(self, steps: int) -> dict[str, Any]:
+        """A parameter's state entries besides the tensors (Adam's ``step``), after ``steps``
+        steps of it."""
+        return {}
+
+    def step_of(self, entry: dict[str, Any]) -> int:
+        """How many steps a parameter's saved state ``entry`` (torch's format) stands for."""
+        return 1
+
+    def next_steps(self, b: _Bucket) -> list[int]:
+        """The step number each parameter of ``b`` is at in this step (1-based): its own count,
+        as torch keeps it per parameter (LAMB: its group's)."""
+        return [s + 1 for s in b.steps]
+
+    def after_step(self) -> None:
+        """Called after every bucket was stepped (LAMB counts its groups' steps here)."""
+
+    def after_load(self) -> None:
+        """Called after a state dict was loaded."""
+
     # -- buckets --------------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's, and packs the group's parameters into buckets (collective: every rank
-        adds the same group at the same point)."""
+        """As torch's, and packs the group's trainable parameters into buckets (collective:
+        every rank adds the same group at the same point). Parameters that do not require grad
+        stay in the group, unpacked: they are never stepped (torch skips them too)."""
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
+        try:
+            self.check_group(group, f"param group {index}")
+            trainable = []
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._check_param(p, index)
+                    trainable.append(p)
+        except BaseException:
+            self.param_groups.pop()  # as if never added
+            raise
+        self._frozen.extend(p for p in group["params"] if not p.requires_grad)
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in group["params"]:
-            self._check_param(p, index)
+        for p in trainable:
             by_dtype.setdefault(p.dtype, []).append(p)
         if self._ddp is not None:
             ddp_hook.check_group(self, index)
@@ -157,14 +243,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_param(self, p: torch.Tensor, index: int) -> None:
         name = f"coconet.optim.{type(self).__name__}"
-        if not p.requires_grad:
-            raise ConfigError(
-                f"param group {index}: a parameter of shape {tuple(p.shape)} does not require "
-                "grad, so it would never get a gradient",
-                op=name,
-                hint="pass only trainable parameters: [p for p in model.parameters() "
-                "if p.requires_grad]",
-            )
         if p.dtype not in _DTYPES:
             raise ConfigError(
                 f"param group {index}: parameters of dtype {p.dtype} are not supported (only "
@@ -179,6 +257,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 op=name,
                 hint="move the model to the communicator's device before building the optimizer",
             )
+        if p.grad is not None:
+            self._check_grad(p, p.grad, f"param group {index}")
+
+    def _check_grad(self, p: torch.Tensor, g: torch.Tensor, where: str) -> None:
+        name = type(self).__name__
+        if g.layout != torch.strided:
+            raise GradientError(
+                f"{where}: a parameter of shape {tuple(p.shape)} has a {g.layout} gradient: "
+                f"coconet.optim.{name} does not support sparse gradients",
+                op=f"coconet.optim.{name}",
+                hint="use dense gradients (nn.Embedding(..., sparse=False)), or "
+                "torch.optim.SparseAdam for the sparse parameters",
+            )
+        if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+            raise GradientError(
+                f"{where}: a parameter of shape {tuple(p.shape)} ({p.dtype}, {p.device}) has a "
+                f"gradient of shape {tuple(g.shape)} ({g.dtype}, {g.device})",
+                op=f"coconet.optim.{name}",
+                hint="assign p.grad a tensor like p (torch.zeros_like(p)), or let backward() "
+                "write it",
+            )
 
     def _bucket(
         self, index: int, group: dict[str, Any], dtype: torch.dtype, params: list
@@ -191,13 +290,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         grad = bucket.step_fn.input_buffer("g", (total,))
         grad.zero_()
         with torch.no_grad():
-            for p, off in zip(params, bucket.offsets, strict=True):
-                view = flat[off : off + p.numel()].view_as(p)
+            for i, p in enumerate(params):
+                start, stop = bucket.span(i)
+                view = flat[start:stop].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
+                bucket.has_grad[i] = p.grad is not None
                 if p.grad is not None:
-                    grad[off : off + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = grad[off : off + p.numel()].view_as(p)
+                    grad[start:stop].copy_(p.grad.reshape(-1))
+                p.grad = grad[start:stop].view_as(p)
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    _marker(bucket.has_grad, i)))
         bucket.flat, bucket.grad = flat, grad
         return bucket
 
@@ -227,7 +330,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _scheduled(
         self, program: Program, state: tuple[str, ...], total: int = 0
     ) -> Program | Schedule:
-        choice = self._schedule if self._schedule is not None else "fuse_RS_C_AG"
+        # A world of one has nothing to fuse the update with: its default is the program as
+        # written (one no-op all_reduce instead of a reduce_scatter and an all_gather).
+        default = "fuse_RS_C_AG" if self._comm.world > 1 else "unscheduled"
+        choice = self._schedule if self._schedule is not None else default
         if callable(choice):
             return choice(program)
         if choice == "auto":
@@ -295,44 +401,197 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One step over every bucket. With ``ddp=``, the update already happened during
-        ``backward()`` (DDP's communication hook ran it, bucket by bucket): only ``closure``
-        runs (a closure that calls ``backward()`` triggers the update itself)."""
+        """One step over every bucket, of the parameters that have a gradient (see the module
+        docstring). With ``ddp=``, the update already happened during ``backward()`` (DDP's
+        communication hook ran it, bucket by bucket): only ``closure`` runs (a closure that
+        calls ``backward()`` triggers the update itself)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._ddp is not None:
             return loss
-        for b in self._buckets:
-            self._gather_grads(b)
-            group = self.param_groups[b.group]
-            # `flat` is passed as a view: the commit writes a view's values in place rather than
-            # handing it new storage, so the parameters (views of it) see the update.
-            b.step_fn(g=b.grad, p=b.flat[:], **b.state, **self.scalars(group, b.steps + 1))
-            b.steps += 1
+        masks = self._agreed_grads()
+        for b, mask in zip(self._buckets, masks, strict=True):
+            self._step_bucket(b, mask)
+        self.after_step()
         return loss
 
-    def _gather_grads(self, b: _Bucket) -> None:
-        """Make every parameter's .grad the view of its bucket again (copying a replaced one)."""
-        for p, off in zip(b.params, b.offsets, strict=True):
-            view = b.grad[off : off + p.numel()]
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad.reshape(-1))
+    def _agreed_grads(self) -> list[list[bool]]:
+        """Which parameters of each bucket have a gradient, the same on every rank (a parameter
+        with a gradient on any rank is stepped: the others count zero, as DDP averages them).
+        A gradient that cannot be stepped anywhere fails every rank, before anything moves."""
+        problems: list[str] = []
+        masks = [self._local_grads(b, problems) for b in self._buckets]
+        for p in self._frozen:
+            if p.grad is not None and not problems:
+                problems.append(
+                    f"a parameter of shape {tuple(p.shape)} did not require grad when the "
+                    "optimizer was built (so it was not packed) but has a gradient now"
+                )
+        comm = self._comm
+        name = type(self).__name__
+        if comm.world > 1:
+            # one tiny collective per step(): does any rank lack a gradient, or refuse one?
+            missing, refused = comm.agree_max(
+                [int(not all(all(m) for m in masks)), int(bool(problems))],
+                "which parameters have a gradient",
+                op=f"coconet.optim.{name}.step",
+            )
+            if refused and not problems:
+                problems.append("another rank holds a gradient it cannot step (its error says "
+                                "which)")
+            if missing and not refused:
+                every = comm.exchange(masks, "which parameters have a gradient")
+                masks = [[any(r[j][i] for r in every) for i in range(len(m))]
+                         for j, m in enumerate(masks)]
+        if problems:
+            raise GradientError(
+                problems[0],
+                op=f"coconet.optim.{name}.step",
+                details=problems[1:4],
+                hint="nothing was stepped; a sparse gradient: use dense gradients or "
+                "torch.optim.SparseAdam; a frozen parameter: build the optimizer after "
+                "unfreezing it, or set its .grad = None",
+            )
+        return masks
+
+    def _local_grads(self, b: _Bucket, problems: list[str]) -> list[bool]:
+        """This rank's view of which of ``b``'s parameters have a gradient; every ``.grad`` made
+        the bucket's view again (a replaced one copied into it first)."""
+        for i, p in enumerate(b.params):
+            start, stop = b.span(i)
+            view = b.grad[start:stop]
+            g = p.grad
+            if g is None:  # `p.grad = None`: no gradient, and the view back, zero
+                b.has_grad[i] = False
+                view.zero_()
                 p.grad = view.view_as(p)
+            elif (g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype
+                  or g.device != p.device):
+                try:
+                    self._check_grad(p, g, f"param group {b.group}")
+                except GradientError as e:
+                    problems.append(e.message)
+            elif g.data_ptr() != view.data_ptr():  # assigned: a gradient
+                view.copy_(g.reshape(-1))
+                p.grad = view.view_as(p)
+                b.has_grad[i] = True
+            elif not b.has_grad[i] and p.numel() and bool(view.any()):
+                # written into the view in place (no backward, no assignment): a gradient
+                b.has_grad[i] = True
+        return list(b.has_grad)
+
+    def _step_bucket(self, b: _Bucket, mask: list[bool]) -> None:
+        """Step ``b``'s parameters that have a gradient, each at its own step count."""
+        group = self.param_groups[b.group]
+        steps = self.next_steps(b)
+        if all(mask) and steps.count(steps[0]) == len(steps):  # the common case: one fused step
+            self._run(b, self.scalars(group, steps[0]))
+            b.steps[:] = [s + 1 for s in b.steps]
+            return
+        # parameters grouped by the scalars of their step (SGD's are the same after the first)
+        plan: dict[tuple, tuple[dict[str, float], list[int]]] = {}
+        of_step: dict[int, tuple[tuple, dict[str, float]]] = {}
+        for i, has in enumerate(mask):
+            if not has:
+                continue
+            if steps[i] not in of_step:
+                s = self.scalars(group, steps[i])
+                of_step[steps[i]] = (tuple(sorted(s.items())), s)
+            key, s = of_step[steps[i]]
+            plan.setdefault(key, (s, []))[1].append(i)
+        if not plan:
+            return
+        if len(plan) == 1 and all(mask):  # one step count's scalars after all (SGD)
+            self._run(b, next(iter(plan.values()))[0])
+        else:
+            self._run_some(b, list(plan.values()))
+        for _, stepped in plan.values():
+            for i in stepped:
+                b.steps[i] += 1
+
+    def _run(self, b: _Bucket, scalars: dict[str, float]) -> None:
+        # `flat` is passed as a view: the commit writes a view's values in place rather than
+        # handing it new storage, so the parameters (views of it) see the update.
+        b.step_fn(g=b.grad, p=b.flat[:], **b.state, **scalars)
+
+    def _run_some(self, b: _Bucket, plan: list[tuple[dict[str, float], list[int]]]) -> None:
+        """The fused step over the whole bucket once per group of ``plan`` (scalars, the
+        parameters stepped with them); each group keeps its own parameters' results, everything
+        else keeps its values: per element the same arithmetic as the common case. The
+        programs are elementwise over the bucket (a norm is a tensor's own: LAMB's buckets hold
+        one parameter), so a parameter's result does not depend on the others'. On a failure
+        the bucket is put back as it was."""
+        saved_p = b.flat.clone()
+        saved = {name: x.clone() for name, x in b.state.items()}
+        out_p = saved_p.clone()
+        out = {name: x.clone() for name, x in saved.items()}
+        try:
+            for k, (scalars, stepped) in enumerate(plan):
+                if k:  # the bucket as it was before this step, for the next group
+                    b.flat.copy_(saved_p)
+                    for name, x in b.state.items():
+                        x.copy_(saved[name])
+                self._run(b, scalars)
+                for i in stepped:
+                    part = slice(*b.span(i))
+                    out_p[part] = b.flat[part]
+                    for name, x in b.state.items():
+                        here = b.local(name, i)
+                        if here is not None:
+                            out[name][here] = x[here]
+        except BaseException:
+            b.flat.copy_(saved_p)
+            for name, x in b.state.items():
+                x.copy_(saved[name])
+            raise
+        b.flat.copy_(out_p)
+        for name, x in b.state.items():
+            x.copy_(out[name])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets; every ``.grad`` stays a view of its bucket (see the
-        module docstring: ``set_to_none`` is not honoured, by design). With ``ddp=``, torch's
-        ``zero_grad`` (DDP owns the gradient buffers)."""
+        module docstring: with ``set_to_none`` the parameters count as without a gradient, as
+        torch's ``None``). With ``ddp=``, torch's ``zero_grad`` (DDP owns the gradient
+        buffers)."""
         if self._ddp is not None:
             return super().zero_grad(set_to_none)
         for b in self._buckets:
             b.grad.zero_()
-            self._gather_grads(b)
+            for i, p in enumerate(b.params):
+                start, stop = b.span(i)
+                view = b.grad[start:stop]
+                if p.grad is None:
+                    b.has_grad[i] = False
+                elif p.grad.layout == torch.strided and p.grad.data_ptr() != view.data_ptr():
+                    b.has_grad[i] = True  # torch would zero the assigned tensor and keep it
+                if p.grad is None or p.grad.layout == torch.strided:
+                    p.grad = view.view_as(p)
+            if set_to_none:
+                b.has_grad[:] = [False] * len(b.has_grad)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _located(self) -> dict[int, tuple[_Bucket, int]]:
+        """id(param) -> (its bucket, its index there), rebuilt when the buckets change."""
+        key = tuple(id(b) for b in self._buckets)
+        if key != self._where_key:
+            self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+            self._where_key = key
+        return self._where
+
+    def state_range(self, p: torch.Tensor) -> tuple[int, int]:
+        """The elements of ``p.reshape(-1)`` whose state this rank holds (what ``opt.state[p]``
+        holds on more than one rank with the state sliced): ``(start, stop)``."""
+        b, i = self._located()[id(p)]
+        start, stop = b.span(i)
+        name = next(iter(b.state), None)
+        if name is None or b.state[name].numel() == b.size:
+            return 0, stop - start
+        lo, hi = b.bounds
+        a, z = max(start, lo), min(stop, hi)
+        return (a - start, z - start) if a < z else (0, 0)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -359,23 +618,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's format (``{'state': {index: {...}}, 'param_groups': [...]}``), whole tensors
         gathered from every rank's slice: collective, the same on every rank, and loadable into
-        the torch optimizer or into this one at any world size."""
+        the torch optimizer or into this one at any world size. Runs the state-dict hooks as
+        torch does (pre-hooks first; a post-hook's result replaces the state dict)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         groups, index = self._packed_groups()
         state: dict[int, dict[str, Any]] = {}
         for b in self._buckets:
-            if b.steps == 0:
-                continue  # as torch: no state before the first step
+            if not any(b.steps):
+                continue  # as torch: no state before a parameter's first step
             whole = {name: self._whole(b, name) for name in b.names}
-            for p, off in zip(b.params, b.offsets, strict=True):
-                entry: dict[str, Any] = self.step_state(b.steps)
+            for i, p in enumerate(b.params):
+                if not b.steps[i]:
+                    continue
+                start, stop = b.span(i)
+                entry: dict[str, Any] = self.step_state(b.steps[i])
                 for name, key in b.names.items():
-                    entry[key] = whole[name][off : off + p.numel()].view_as(p).clone()
+                    entry[key] = whole[name][start:stop].view_as(p).clone()
                 state[index[id(p)]] = entry
-        return {"state": state, "param_groups": groups}
-
-    def step_state(self, steps: int) -> dict[str, Any]:
-        """The per-parameter entries besides the tensors (Adam's ``step``)."""
-        return {}
+        state_dict: dict[str, Any] = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def _whole(self, b: _Bucket, name: str) -> torch.Tensor:
         x = b.state[name]
@@ -389,17 +655,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format (from this optimizer at any world size, or from the torch one):
-        hyper-parameters of each group, and each parameter's state (this rank keeps its slice).
-        A ``sharded_state_dict()`` is loaded back into the same rank of a like job."""
-        if state_dict.get("format") == checkpoint.FORMAT:
+        hyper-parameters of each group (checked first: a setting this optimizer cannot honour
+        is refused before anything changes), and each parameter's state and step count (this
+        rank keeps its slice). A ``sharded_state_dict()`` is loaded back into the same rank of a
+        like job. Runs the load-state-dict hooks as torch does."""
+        state_dict = dict(state_dict)  # shallow copy, as torch (a pre-hook may edit it)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if checkpoint.is_shard(state_dict):
             checkpoint.load_shard(self, state_dict)
-            return
+        else:
+            self._load_torch_format(state_dict)
+        self.after_load()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_torch_format(self, state_dict: dict[str, Any]) -> None:
+        where = f"coconet.optim.{type(self).__name__}.load_state_dict"
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise ConfigError(
                 f"the state dict has {len(groups) if isinstance(groups, list) else 'no'} param "
                 f"groups, this optimizer {len(self.param_groups)}",
-                op=f"coconet.optim.{type(self).__name__}.load_state_dict",
+                op=where,
                 hint="load a checkpoint of an optimizer built over the same param groups",
             )
         for mine, theirs in zip(self.param_groups, groups, strict=True):
@@ -407,40 +687,152 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ConfigError(
                     f"a param group has {len(theirs['params'])} parameters in the state dict, "
                     f"{len(mine['params'])} here",
-                    op=f"coconet.optim.{type(self).__name__}.load_state_dict",
+                    op=where,
                     hint="load a checkpoint of an optimizer built over the same parameters",
                 )
+        # the groups as they will be, checked before anything changes
+        merged = []
+        for j, (mine, theirs) in enumerate(zip(self.param_groups, groups, strict=True)):
+            new = {k: v for k, v in mine.items() if k != "params"}
+            new.update(copy.deepcopy({k: v for k, v in theirs.items() if k != "params"}))
+            self.check_group(new, f"param group {j} of the state dict")
+            merged.append(new)
         saved_ids = [i for g in groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         mine_ids = {id(p): i for p, i in zip(params, saved_ids, strict=True)}
-        for mine, theirs in zip(self.param_groups, groups, strict=True):
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = v
         entries = state_dict.get("state", {})
+        loads = []
         for b in self._buckets:
             saved = [entries.get(mine_ids[id(p)]) for p in b.params]
-            if all(e is None for e in saved):
-                b.steps = 0
-                for x in b.state.values():
-                    x.zero_()
-                continue
-            b.steps = self.steps_of(saved)
+            steps = [self.step_of(e) if e is not None else 0 for e in saved]
+            for p, e in zip(b.params, saved, strict=True):
+                for key in b.names.values():
+                    x = None if e is None else e.get(key)
+                    if x is not None and (not isinstance(x, torch.Tensor)
+                                          or x.numel() != p.numel()):
+                        raise ConfigError(
+                            f"the state dict's {key!r} of a parameter of shape "
+                            f"{tuple(p.shape)} is {type(x).__name__} "
+                            f"{tuple(getattr(x, 'shape', ()))}",
+                            op=where,
+                            hint="load a checkpoint of an optimizer built over the same "
+                            "parameters",
+                        )
+            loads.append((b, saved, steps))
+        for mine, new in zip(self.param_groups, merged, strict=True):
+            mine.update(new)
+        for b, saved, steps in loads:
+            b.steps[:] = steps
             lo, hi = b.bounds
             for name, key in b.names.items():
-                like = next(iter(b.state.values()))
-                whole = torch.zeros(b.numel, dtype=like.dtype, device=like.device)
-                for p, off, e in zip(b.params, b.offsets, saved, strict=True):
-                    if e is not None and key in e:
-                        whole[off : off + p.numel()].copy_(e[key].reshape(-1))
                 target = b.state[name]
+                whole = torch.zeros(b.numel, dtype=target.dtype, device=target.device)
+                for i, e in enumerate(saved):
+                    if e is not None and e.get(key) is not None:
+                        start, stop = b.span(i)
+                        whole[start:stop].copy_(e[key].reshape(-1))
                 target.copy_(whole if target.numel() == b.numel else whole[lo:hi])
 
-    def steps_of(self, entries: list[dict[str, Any] | None]) -> int:
-        """The step count of a bucket from its parameters' saved entries (Adam: ``step``)."""
-        return 1
+    # -- copies ---------------------------------------------------------------------------------
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ConfigError(
+            f"a coconet.optim.{type(self).__name__} cannot be copied or pickled: it holds a "
+            "communicator and compiled steps, and its parameters are views of its buckets",
+            op=f"coconet.optim.{type(self).__name__}",
+            hint="save opt.state_dict() (torch.save works on it) and load it into an optimizer "
+            "built over the new parameters: new = coconet.optim."
+            f"{type(self).__name__}(params, ...); new.load_state_dict(opt.state_dict())",
+        )
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self.__reduce_ex__(4)
+
+
+class _StateView(Mapping):
+    """``opt.state``: each parameter's state in torch's keys, read from the buckets at each
+    access (a step hands the state new storage: read ``opt.state[p]`` again after a step).
+
+    On a world of one, and with a schedule that keeps the state whole on every rank (``AR_C``),
+    the tensors are shaped like the parameter. On more ranks with the state sliced (the
+    default schedules) each rank holds a slice of the bucket, so the tensors are this rank's
+    part of the parameter's flattened state: 1-D, possibly empty, its elements ``[start, stop)``
+    of ``p.reshape(-1)`` with ``(start, stop) = opt.state_range(p)``. Whole tensors need every
+    rank: ``opt.state_dict()`` gathers them. The tensors are views: writing into them in place
+    writes the state. As torch's, a parameter has no state (``{}``) before its first step."""
+
+    def __init__(self, opt: DistributedOptimizer) -> None:
+        self._opt = opt
+
+    def __getitem__(self, p: Any) -> dict[str, Any]:
+        found = self._opt._located().get(id(p)) if isinstance(p, torch.Tensor) else None
+        if found is None:
+            if isinstance(p, torch.Tensor) and any(
+                p is q for g in self._opt.param_groups for q in g["params"]
+            ):
+                return {}  # a parameter that is never stepped (it did not require grad)
+            raise KeyError(p)
+        b, i = found
+        if not b.steps[i]:
+            return {}
+        entry = self._opt.step_state(b.steps[i])
+        for name, key in b.names.items():
+            here = b.local(name, i)
+            x = b.state[name]
+            if x.numel() == b.size:
+                entry[key] = x[here].view_as(b.params[i])
+            else:
+                entry[key] = x[here] if here is not None else x[:0]
+        return entry
+
+    def _stepped(self) -> list[torch.Tensor]:
+        return [p for b in self._opt._buckets for p, s in zip(b.params, b.steps, strict=True)
+                if s]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._stepped())
+
+    def __len__(self) -> int:
+        return len(self._stepped())
+
+    def __contains__(self, p: object) -> bool:
+        found = self._opt._located().get(id(p))
+        return found is not None and bool(found[0].steps[found[1]])
+
+    def __repr__(self) -> str:
+        return f"<coconet.optim state of {len(self)} parameters>"
+
+
+def _default_comm(comm: Any, name: str) -> Communicator:
+    """``comm``, or the communicator of ``coconet.runtime.init()`` (made once per process):
+    the job of an initialised torch.distributed, torchrun's environment, or a world of one."""
+    if comm is None:
+        from coconet.runtime import launch
+
+        return launch.current() or launch.init()
+    if not isinstance(comm, Communicator):
+        raise ConfigError(
+            f"{name} needs a communicator, got comm={comm!r}",
+            op=f"coconet.optim.{name}",
+            hint="comm = coconet.runtime.init(); opt = coconet.optim."
+            f"{name}(model.parameters(), comm=comm), or leave comm out for that default",
+        )
+    return comm
+
+
+def _marker(flags: list[bool], i: int) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook: parameter ``i`` got a gradient from ``backward()``."""
+
+    def mark(_param: torch.Tensor) -> None:
+        flags[i] = True
+
+    return mark
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _is_sliced(program: Program, name: str) -> bool:
     return program.input(name).type.layout.is_sliced
-

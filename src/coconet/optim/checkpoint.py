@@ -23,9 +23,25 @@ from coconet.errors import ConfigError
 if TYPE_CHECKING:
     from coconet.optim.base import DistributedOptimizer
 
-__all__ = ["FORMAT", "load_shard", "merge_shards", "sharded_state_dict"]
+__all__ = ["FORMAT", "is_shard", "load_shard", "merge_shards", "sharded_state_dict"]
 
-FORMAT = "coconet.optim.sharded/1"
+# /2: step counts per parameter ("steps" a list, "extra" one entry per parameter); /1 (one count
+# per bucket) is still read.
+FORMAT = "coconet.optim.sharded/2"
+_FORMATS = ("coconet.optim.sharded/1", FORMAT)
+
+
+def is_shard(state_dict: dict[str, Any]) -> bool:
+    return state_dict.get("format") in _FORMATS
+
+
+def _per_param(saved: dict[str, Any]) -> tuple[list[int], list[dict[str, Any] | None]]:
+    """A saved bucket's step counts and extra entries, one per parameter (either format)."""
+    steps, extra = saved["steps"], saved["extra"]
+    n = len(saved["params"])
+    if isinstance(steps, int):  # format /1: the bucket's parameters were stepped together
+        return [steps] * n, [extra if steps else None] * n
+    return list(steps), list(extra)
 
 
 def sharded_state_dict(opt: DistributedOptimizer, groups: list[dict], index: dict[int, int]):
@@ -45,8 +61,8 @@ def sharded_state_dict(opt: DistributedOptimizer, groups: list[dict], index: dic
             "size": b.numel,
             "start": lo,
             "stop": hi,
-            "steps": b.steps,
-            "extra": opt.step_state(b.steps) if b.steps else {},
+            "steps": list(b.steps),
+            "extra": [opt.step_state(k) if k else None for k in b.steps],
             "state": state,
         })
     return {
@@ -61,7 +77,7 @@ def sharded_state_dict(opt: DistributedOptimizer, groups: list[dict], index: dic
 def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
     """A complete set of ``sharded_state_dict()``s (one per rank, any order) as one state dict
     in torch's format."""
-    if not shards or any(s.get("format") != FORMAT for s in shards):
+    if not shards or any(not is_shard(s) for s in shards):
         raise ConfigError(
             "merge_shards takes the sharded_state_dict() of every rank",
             op="coconet.optim.merge_shards",
@@ -78,7 +94,8 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
     by_rank = sorted(shards, key=lambda s: s["rank"])
     state: dict[int, dict[str, Any]] = {}
     for j, first in enumerate(by_rank[0]["buckets"]):
-        if first["steps"] == 0:
+        steps, extras = _per_param(first)
+        if not any(steps):
             continue
         pieces = [s["buckets"][j] for s in by_rank]
         whole = {}
@@ -87,12 +104,15 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
             for piece in pieces:
                 flat[piece["start"] : piece["stop"]].copy_(piece["state"][key])
             whole[key] = flat
-        for i, off, shape in zip(first["params"], first["offsets"], first["shapes"], strict=True):
+        for i, off, shape, k, extra in zip(first["params"], first["offsets"], first["shapes"],
+                                           steps, extras, strict=True):
+            if not k:
+                continue  # never stepped: no state, as torch
             numel = 1
             for d in shape:
                 numel *= d
-            entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                     for k, v in first["extra"].items()}
+            entry = {key: (v.clone() if isinstance(v, torch.Tensor) else v)
+                     for key, v in (extra or {}).items()}
             for key, flat in whole.items():
                 entry[key] = flat[off : off + numel].view(shape).clone()
             state[i] = entry
@@ -120,18 +140,23 @@ def load_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
             op=name,
             hint="build the optimizer over the same parameters and param groups as when saving",
         )
+    for b in opt._buckets:
+        if any(x.numel() == b.numel for x in b.state.values()) and opt._comm.world > 1:
+            # kept whole: the shard has only this rank's slice of it
+            raise ConfigError(
+                "this schedule keeps the state whole on every rank: a shard cannot restore it",
+                op=name,
+                hint="use state_dict() / load_state_dict() for this schedule",
+            )
+    for j, mine in enumerate(opt.param_groups):  # checked before anything changes
+        new = {k: v for k, v in mine.items() if k != "params"}
+        new.update({k: v for k, v in shard["param_groups"][j].items() if k != "params"})
+        opt.check_group(new, f"param group {j} of the shard")
     for mine, theirs in zip(opt.param_groups, shard["param_groups"], strict=True):
         for k, v in theirs.items():
             if k != "params":
                 mine[k] = v
     for saved, b in zip(shard["buckets"], opt._buckets, strict=True):
-        b.steps = saved["steps"]
+        b.steps[:] = _per_param(saved)[0]
         for prog_name, key in b.names.items():
-            x, piece = b.state[prog_name], saved["state"][key]
-            if x.numel() == b.numel:  # kept whole: the shard has only this rank's slice of it
-                raise ConfigError(
-                    "this schedule keeps the state whole on every rank: a shard cannot restore it",
-                    op=name,
-                    hint="use state_dict() / load_state_dict() for this schedule",
-                )
-            x.copy_(piece)
+            b.state[prog_name].copy_(saved["state"][key])

@@ -81,8 +81,10 @@ def _hook(opt, bucket):  # no annotations: DDP checks them, and these would be s
     b = _bucket_for(opt, params)
     group = opt.param_groups[0]
     flat = torch.cat([p.detach().reshape(-1) for p in params])
-    b.step_fn(g=bucket.buffer(), p=flat, **b.state, **opt.scalars(group, b.steps + 1))
-    b.steps += 1
+    # a DDP bucket's parameters are stepped together (DDP hands the hook every gradient, zero
+    # for the unused ones): one step count for all of them
+    b.step_fn(g=bucket.buffer(), p=flat, **b.state, **opt.scalars(group, b.steps[0] + 1))
+    b.steps[:] = [s + 1 for s in b.steps]
     with torch.no_grad():
         for p, off in zip(params, b.offsets, strict=True):
             p.copy_(flat[off : off + p.numel()].view_as(p))
@@ -113,7 +115,7 @@ def _bucket_for(opt: DistributedOptimizer, params: list[torch.Tensor]) -> _Bucke
     moved = [p for p in params if id(p) in where]
     if moved:
         olds = list({id(where[id(p)][0]): where[id(p)][0] for p in moved}.values())
-        steps = {old.steps for old in olds}
+        steps = {s for old in olds for s in old.steps}
         if len(steps) > 1:
             raise ConfigError(
                 f"DDP regrouped parameters that were stepped a different number of times "
@@ -121,7 +123,7 @@ def _bucket_for(opt: DistributedOptimizer, params: list[torch.Tensor]) -> _Bucke
                 op=f"coconet.optim.{type(opt).__name__}",
                 hint="a parameter that gets no gradient in some steps is not supported with ddp=",
             )
-        new.steps = steps.pop()
+        new.steps[:] = [steps.pop()] * len(new.params)
         lo, hi = new.bounds
         for name in new.names:
             whole = torch.zeros(new.size, dtype=new.state[name].dtype)

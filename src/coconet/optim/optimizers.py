@@ -4,8 +4,14 @@
 Each is a ``DistributedOptimizer`` (``coconet.optim.base``: buckets, sliced state, all-or-nothing
 updates, torch-format checkpoints) over a DSL program of ``coconet.optim.programs``. What torch
 offers that these do not: ``amsgrad``, ``capturable`` and ``differentiable`` (refused with an
-error); ``foreach`` and ``fused`` are accepted and ignored (they choose among torch's
-implementations; coconet's step is its own compiled program).
+error, in the constructor, in a param group's dict and in a loaded state dict); ``foreach`` and
+``fused`` are accepted and ignored (they choose among torch's implementations; coconet's step is
+its own compiled program). ``Adam(decoupled_weight_decay=True)`` (torch 2.13) is AdamW's update,
+honoured per group (a torch ``AdamW`` checkpoint carries it).
+
+Hyper-parameters out of range raise ``ConfigValueError`` (a ``ConfigError`` and a
+``ValueError``) with torch's message ("Invalid learning rate: -1"), checked for the constructor's
+values, for every param group added and for every group of a loaded state dict.
 """
 
 from __future__ import annotations
@@ -14,36 +20,61 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from coconet.errors import ConfigError
+import torch
+
+from coconet.errors import ConfigError, ConfigValueError
 from coconet.ir.program import Program
 from coconet.ir.types import DType
 from coconet.optim import programs
-from coconet.optim.base import DistributedOptimizer
+from coconet.optim.base import DistributedOptimizer, _Bucket
 
 __all__ = ["LAMB", "SGD", "Adam", "AdamW"]
 
 
-def _check(name: str, what: str, value: Any, ok: bool) -> None:
+def _check(name: str, where: str, what: str, value: Any, ok: bool) -> None:
     if not ok:
-        raise ConfigError(
-            f"invalid {what}: {value!r}",
+        raise ConfigValueError(
+            f"Invalid {what}: {value!r}" + (f" ({where})" if where else ""),
             op=f"coconet.optim.{name}",
-            hint="the same ranges as torch.optim's",
+            hint="the same ranges as torch.optim's (pytorch_optimizer's for LAMB)",
         )
 
 
-def _unsupported(name: str, **flags: Any) -> None:
-    for flag, value in flags.items():
-        if value:
+def _unsupported(name: str, where: str, group: dict[str, Any], *flags: str,
+                 instead: str = "") -> None:
+    for flag in flags:
+        if group.get(flag):
             raise ConfigError(
-                f"{flag}=True is not supported",
+                f"{flag}={group[flag]!r} is not supported" + (f" ({where})" if where else ""),
                 op=f"coconet.optim.{name}",
-                hint=f"use torch.optim.{name} for {flag}",
+                hint=f"leave {flag} off, or use {instead or f'torch.optim.{name}'} for it",
             )
 
 
 def _f(x: Any) -> float:
     return float(x)  # a tensor lr (schedulers may set one) is read as its value
+
+
+def _check_lr(name: str, where: str, lr: Any) -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ConfigValueError(
+            f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}"
+            + (f" ({where})" if where else ""),
+            op=f"coconet.optim.{name}",
+            hint="lr=torch.tensor(1e-3), or a float",
+        )
+    _check(name, where, "learning rate", lr, _f(lr) >= 0.0)
+
+
+def _check_betas(name: str, where: str, betas: Any) -> None:
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ConfigValueError(
+            "betas must be either both floats or both Tensors" + (f" ({where})" if where else ""),
+            op=f"coconet.optim.{name}",
+            hint="betas=(0.9, 0.999)",
+        )
+    for k in (0, 1):
+        _check(name, where, f"beta parameter at index {k}", betas[k], 0.0 <= _f(betas[k]) < 1.0)
 
 
 class _AdamFamily(DistributedOptimizer):
@@ -58,7 +89,7 @@ class _AdamFamily(DistributedOptimizer):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         *,
-        comm,
+        comm=None,
         schedule=None,
         options=None,
         ddp=None,
@@ -67,22 +98,29 @@ class _AdamFamily(DistributedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        decoupled_weight_decay: bool | None = None,
     ) -> None:
-        name = type(self).__name__
-        _check(name, "learning rate", lr, _f(lr) >= 0.0)
-        _check(name, "epsilon value", eps, eps >= 0.0)
-        _check(name, "beta parameter at index 0", betas[0], 0.0 <= betas[0] < 1.0)
-        _check(name, "beta parameter at index 1", betas[1], 0.0 <= betas[1] < 1.0)
-        _check(name, "weight_decay value", weight_decay, weight_decay >= 0.0)
-        _unsupported(name, amsgrad=amsgrad, capturable=capturable, differentiable=differentiable)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=(
+                self._decoupled if decoupled_weight_decay is None else decoupled_weight_decay
+            ),
         )
+        self.check_group(defaults, "")
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
         )
+
+    def check_group(self, group: dict[str, Any], where: str) -> None:
+        name = type(self).__name__
+        _check_lr(name, where, group["lr"])
+        _check(name, where, "epsilon value", group["eps"], _f(group["eps"]) >= 0.0)
+        _check_betas(name, where, group["betas"])
+        _check(name, where, "weight_decay value", group["weight_decay"],
+               _f(group["weight_decay"]) >= 0.0)
+        _unsupported(name, where, group, "amsgrad", "capturable", "differentiable")
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
         return programs.adam(dtype)
@@ -93,10 +131,11 @@ class _AdamFamily(DistributedOptimizer):
     def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         lr, wd, eps = _f(group["lr"]), _f(group["weight_decay"]), _f(group["eps"])
         beta1, beta2 = (_f(b) for b in group["betas"])
+        decoupled = bool(group.get("decoupled_weight_decay", self._decoupled))
         return {
             "grad_scale": (-1.0 if group["maximize"] else 1.0) / self._comm.world,
-            "weight_decay": 0.0 if self._decoupled else wd,
-            "decay": 1.0 - lr * wd if self._decoupled else 1.0,
+            "weight_decay": 0.0 if decoupled else wd,
+            "decay": 1.0 - lr * wd if decoupled else 1.0,
             "beta1": beta1,
             "one_minus_beta1": 1.0 - beta1,
             "beta2": beta2,
@@ -107,23 +146,17 @@ class _AdamFamily(DistributedOptimizer):
         }
 
     def step_state(self, steps: int) -> dict[str, Any]:
-        import torch
+        return {"step": torch.tensor(float(steps))}  # torch's: a float32 0-d tensor
 
-        return {"step": torch.tensor(float(steps))}
-
-    def steps_of(self, entries) -> int:
-        steps = {int(float(e["step"])) for e in entries if e is not None and "step" in e}
-        if len(steps) > 1:
-            raise ConfigError(
-                f"the parameters of one bucket were saved at different steps {sorted(steps)}",
-                op=f"coconet.optim.{type(self).__name__}.load_state_dict",
-                hint="coconet.optim steps a param group's parameters together",
-            )
-        return steps.pop() if steps else 0
+    def step_of(self, entry: dict[str, Any]) -> int:
+        if "step" not in entry:
+            return 1 if entry.get("exp_avg") is not None else 0
+        return int(float(entry["step"]))
 
 
 class Adam(_AdamFamily):
-    """``torch.optim.Adam`` (L2 weight decay), data-parallel: see ``coconet.optim``."""
+    """``torch.optim.Adam`` (L2 weight decay; ``decoupled_weight_decay=True``: AdamW's),
+    data-parallel: see ``coconet.optim``."""
 
 
 class AdamW(_AdamFamily):
@@ -148,7 +181,7 @@ class SGD(DistributedOptimizer):
         weight_decay: float = 0.0,
         nesterov: bool = False,
         *,
-        comm,
+        comm=None,
         schedule=None,
         options=None,
         ddp=None,
@@ -157,24 +190,33 @@ class SGD(DistributedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
     ) -> None:
-        _check("SGD", "learning rate", lr, _f(lr) >= 0.0)
-        _check("SGD", "momentum value", momentum, momentum >= 0.0)
-        _check("SGD", "weight_decay value", weight_decay, weight_decay >= 0.0)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ConfigError(
-                "Nesterov momentum requires a momentum and zero dampening",
-                op="coconet.optim.SGD",
-                hint="SGD(..., momentum=0.9, nesterov=True)",
-            )
-        _unsupported("SGD", differentiable=differentiable)
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
             fused=fused,
         )
+        self.check_group(defaults, "")
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
         )
+
+    def check_group(self, group: dict[str, Any], where: str) -> None:
+        _check_lr("SGD", where, group["lr"])
+        _check("SGD", where, "momentum value", group["momentum"], _f(group["momentum"]) >= 0.0)
+        _check("SGD", where, "weight_decay value", group["weight_decay"],
+               _f(group["weight_decay"]) >= 0.0)
+        # torch checks this of the constructor's values only: in a group, nesterov without
+        # momentum is plain SGD, and with dampening the program computes what torch does
+        constructor = not where
+        if constructor and group["nesterov"] and (
+            _f(group["momentum"]) <= 0 or _f(group["dampening"]) != 0
+        ):
+            raise ConfigValueError(
+                "Nesterov momentum requires a momentum and zero dampening",
+                op="coconet.optim.SGD",
+                hint="SGD(..., momentum=0.9, nesterov=True)",
+            )
+        _unsupported("SGD", where, group, "differentiable")
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
         return programs.sgd_momentum(dtype) if group["momentum"] else programs.sgd(dtype)
@@ -190,14 +232,16 @@ class SGD(DistributedOptimizer):
         }
         momentum = _f(group["momentum"])
         if momentum:
-            first = step == 1
+            first = step == 1  # the parameter's first step: torch starts its buffer at d
             out["buf_momentum"] = 0.0 if first else momentum
             out["buf_damp"] = 1.0 if first else 1.0 - _f(group["dampening"])
             out["a"], out["b"] = (1.0, momentum) if group["nesterov"] else (0.0, 1.0)
         return out
 
-    def steps_of(self, entries) -> int:
-        return 1  # torch keeps no step count for SGD: any saved buffer means "started"
+    def step_of(self, entry: dict[str, Any]) -> int:
+        # torch keeps no step count for SGD: a saved buffer means "started" (a None buffer, as
+        # torch saves without momentum, does not)
+        return 1 if entry.get("momentum_buffer") is not None else 0
 
 
 class LAMB(_AdamFamily):
@@ -205,9 +249,16 @@ class LAMB(_AdamFamily):
     (``eps=1e-6``, decoupled weight decay, the weight norm clamped at 10, the trust ratio
     ``|p| / (|u| + eps)`` per parameter tensor, no bias correction of the second moment), data
     parallel. ``adam=True`` drops the trust ratio; ``fixed_decay`` decays by ``weight_decay``
-    alone; ``grad_averaging=False`` accumulates ``m`` with weight 1. Not supported (an error):
-    ``rectify``, ``pre_norm``, ``weight_decouple=False``. Each parameter tensor is its own step
-    (its norms are its own): a model of many small tensors pays one collective per tensor.
+    alone; ``grad_averaging=False`` accumulates ``m`` with weight 1. Not supported (an error, in
+    the constructor, a group or a loaded state dict): ``rectify``, ``pre_norm``,
+    ``weight_decouple=False``, ``adanorm``, ``adam_debias``. Each parameter tensor is its own
+    step (its norms are its own): a model of many small tensors pays one collective per tensor.
+
+    As Lamb, the step count is its param group's (``param_groups[i]["step"]``, counted at every
+    ``step()``, also for parameters without a gradient, which are skipped), so checkpoints move
+    to and from ``pytorch_optimizer.Lamb`` either way. Lamb's per-parameter diagnostics
+    ``weight_norm``, ``adam_norm`` and ``trust_ratio`` are not kept (the fused step computes
+    them and does not return them; Lamb never reads them back): a Lamb checkpoint's are ignored.
     """
 
     bucket_per_parameter = True
@@ -231,30 +282,40 @@ class LAMB(_AdamFamily):
         foreach: bool | None = None,
         maximize: bool = False,
         *,
-        comm,
+        comm=None,
         schedule=None,
         options=None,
         ddp=None,
     ) -> None:
-        _check("LAMB", "learning rate", lr, _f(lr) >= 0.0)
-        _check("LAMB", "betas", betas, all(0.0 <= b < 1.0 for b in betas))
-        _check("LAMB", "weight_decay value", weight_decay, weight_decay >= 0.0)
-        _check("LAMB", "epsilon value", eps, eps >= 0.0)
-        _unsupported("LAMB", rectify=rectify, pre_norm=pre_norm)
-        if not weight_decouple:
-            raise ConfigError(
-                "weight_decouple=False (L2 weight decay) is not supported",
-                op="coconet.optim.LAMB",
-                hint="use the decoupled decay (the default), or pytorch_optimizer.Lamb",
-            )
+        _unsupported("LAMB", "", {"pre_norm": pre_norm}, "pre_norm",
+                     instead="pytorch_optimizer.Lamb")
         defaults = dict(
             lr=lr, betas=betas, weight_decay=weight_decay, weight_decouple=weight_decouple,
             fixed_decay=fixed_decay, rectify=rectify, grad_averaging=grad_averaging,
             max_grad_norm=max_grad_norm, adam=adam, eps=eps, foreach=foreach, maximize=maximize,
         )
+        self.check_group(defaults, "")
         DistributedOptimizer.__init__(
             self, params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
         )
+
+    def check_group(self, group: dict[str, Any], where: str) -> None:
+        _check_lr("LAMB", where, group["lr"])
+        _check_betas("LAMB", where, group["betas"])
+        _check("LAMB", where, "weight_decay value", group["weight_decay"],
+               _f(group["weight_decay"]) >= 0.0)
+        _check("LAMB", where, "epsilon value", group["eps"], _f(group["eps"]) >= 0.0)
+        _check("LAMB", where, "max_grad_norm", group.get("max_grad_norm", 0.0),
+               _f(group.get("max_grad_norm", 0.0)) >= 0.0)
+        _unsupported("LAMB", where, group, "rectify", "adanorm", "adam_debias",
+                     instead="pytorch_optimizer.Lamb")
+        if not group.get("weight_decouple", True):
+            raise ConfigError(
+                "weight_decouple=False (L2 weight decay) is not supported"
+                + (f" ({where})" if where else ""),
+                op="coconet.optim.LAMB",
+                hint="use the decoupled decay (the default), or pytorch_optimizer.Lamb",
+            )
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
         return programs.lamb(dtype)
@@ -273,3 +334,28 @@ class LAMB(_AdamFamily):
             "step_size": lr / (1.0 - beta1**step),
             "use_trust": 0.0 if group["adam"] else 1.0,
         }
+
+    # the step count is the group's, as Lamb keeps it
+    def next_steps(self, b: _Bucket) -> list[int]:
+        return [int(self.param_groups[b.group].get("step", 0)) + 1] * len(b.params)
+
+    def after_step(self) -> None:
+        for group in self.param_groups:
+            group["step"] = int(group.get("step", 0)) + 1
+
+    def step_state(self, steps: int) -> dict[str, Any]:
+        return {}  # Lamb's state has no per-parameter step
+
+    def step_of(self, entry: dict[str, Any]) -> int:
+        # a checkpoint of coconet's LAMB before it kept Lamb's format has a per-parameter step
+        if "step" in entry:
+            return int(float(entry["step"]))
+        return 1 if entry.get("exp_avg") is not None else 0
+
+    def after_load(self) -> None:
+        # such an old checkpoint has no group step: its parameters' count is the group's
+        for b in self._buckets:
+            group = self.param_groups[b.group]
+            if "step" not in group and any(b.steps):
+                group["step"] = max(max(bb.steps) for bb in self._buckets
+                                    if bb.group == b.group)

@@ -60,7 +60,10 @@ def settle(comm, report: RankReport, need_exchange: bool) -> list[RankReport] | 
     """Run the handshake; the reports of every rank when a full exchange happened, else None.
 
     Every rank must call it at the same point of the step (before any other collective).
+    A world of one has nobody to agree with: its own report decides, without hashing.
     """
+    if comm.world == 1:
+        return [report] if need_exchange or report.error is not None else None
     agreed = [
         identity_hash(report.identity),
         report.ordinal,

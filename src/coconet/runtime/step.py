@@ -31,6 +31,7 @@ reported as a ``RuntimeFault`` naming the tensors written and not written.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 import types
 import warnings
@@ -98,6 +99,10 @@ class CompiledStep:
         # What the user set that each input is made from, for errors that name an input (a
         # library that derives inputs says: coconet.optim's ``step_size`` comes from ``lr``).
         self.input_sources: dict[str, str] = {}
+        # Python-number scalars: the last value of each and its tensor, reused while it stays
+        # the same (an optimizer passes ~10 per step, most of them constant): converting and
+        # checking a number costs more than a small step's arithmetic.
+        self._numbers: dict[str, tuple[type, int | float, torch.Tensor, str]] = {}
 
     # -- what it is -----------------------------------------------------------------------------
 
@@ -203,7 +208,7 @@ class CompiledStep:
             if self.calls == 1 and self._compiles_kernels(comm):
                 self._rehearse(comm, args)
             outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
-            if self.options.commit_vote:
+            if self.options.commit_vote and comm.world > 1:  # one rank votes alone
                 comm.agree_max([0], "every rank finished the step", op="commit vote")
         except BaseException as exc:
             # Collectives of this step may be half done on other ranks: this communicator
@@ -302,12 +307,24 @@ class CompiledStep:
                 f"{self.program.name} has no inputs named {unknown}; its inputs are {names}"
             )
         args, shapes, dtypes, replicated = [], {}, {}, {}
+        compare = comm.world > 1  # a world of one has no peer to compare Replicated inputs with
         for node in self.program.inputs:
             if node.name not in given:
                 problems.append(f"input {node.name!r} ({node.type}) is missing")
                 args.append(None)
                 continue
-            value, problem = self._tensor(node, given[node.name], comm)
+            raw = given[node.name]
+            cached = self._numbers.get(node.name)
+            if (cached is not None and type(raw) is cached[0] and raw == cached[1]
+                    and raw == raw):  # the same number as last time (NaN never is)
+                value, text = cached[2], cached[3]
+                args.append(value)
+                shapes[node.name] = ()
+                dtypes[node.name] = str(value.dtype).replace("torch.", "")
+                if compare and node.type.layout.is_replicated and node.type.layout.axis is None:
+                    replicated[node.name] = text
+                continue
+            value, problem = self._tensor(node, raw, comm)
             if problem:
                 problems.append(problem)
             args.append(value)
@@ -317,11 +334,14 @@ class CompiledStep:
                 layout = node.type.layout
                 # The same on every rank of the world (Replicated over one axis may differ
                 # between that axis's groups, and the handshake spans the world).
-                if layout.is_replicated and layout.axis is None:
+                if compare and layout.is_replicated and layout.axis is None:
                     if node.type.rank == 0:
                         replicated[node.name] = _scalar_text(value)
                     elif self.options.check_replicated:
                         replicated[node.name] = _checksum(value)
+                if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+                    text = replicated.get(node.name) or (_scalar_text(value) if compare else "")
+                    self._numbers[node.name] = (type(raw), raw, value, text)
         if not problems:
             problems.extend(self._aliasing(given))
         return args, shapes, dtypes, replicated, ("; ".join(problems) or None)
@@ -505,7 +525,7 @@ def _scalar(node: Node, value: int | float, device) -> tuple[torch.Tensor | None
             t = torch.tensor(float(value), dtype=dtype, device=device)
         except OverflowError:
             return None, f"{where}: {_short(value)} does not fit a float"
-        if finite and not torch.isfinite(t):
+        if finite and math.isinf(t.item()):  # (item: cheaper than a torch.isfinite here)
             return None, f"{where}: {_short(value)} overflows {ty.dtype.value} (it would be inf)"
         return t, None  # NaN and inf pass through, as in torch.optim
     if isinstance(value, float):
