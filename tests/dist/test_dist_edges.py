@@ -45,3 +45,14 @@ def test_a_rank_killed_while_its_peer_compiles_is_noticed_during_the_compile(
     # its own compile takes 30 s: the fault came while it compiled, within the timeout (+ the
     # rehearsal and the heartbeat's look)
     assert survivor["unchanged"] and survivor["seconds"] < 8, survivor
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_differing_lr_is_named_as_the_users_lr(transport):
+    options = CommOptions(timeout=20.0, algorithms="exact", transport=transport)
+    for out in spawn(edge_workers.differing_lr, 2, options=options, timeout=80):
+        assert out["status"] == "RuntimeFault" and out["unchanged"], out
+        head = out["message"].splitlines()[0]
+        assert "Replicated inputs differ across ranks: lr" in head, out["message"]
+        assert "lr (step_size = lr / (1 - beta1 ** step)) (input 'step_size'" in out["message"]

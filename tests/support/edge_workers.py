@@ -78,3 +78,20 @@ def killed_while_peer_compiles(comm: Communicator, victim: int, watch_pids: bool
 
         kernel.fn = compiled
     return _run(step, _inputs(comm.rank))
+
+
+def differing_lr(comm: Communicator) -> dict:
+    """The ranks' coconet.optim.AdamW differ in ``lr``: the error names ``lr``, which the user
+    set, not only the program's derived inputs (``step_size``, ``decay``)."""
+    import coconet.optim
+
+    w = torch.nn.Parameter(torch.ones(8))
+    opt = coconet.optim.AdamW([w], lr=0.1 if comm.rank == 0 else 0.2, comm=comm)
+    w.sum().backward()
+    before = w.detach().clone()
+    try:
+        opt.step()
+        status, message = "no error", ""
+    except RuntimeFault as exc:
+        status, message = "RuntimeFault", str(exc)
+    return dict(status=status, message=message, unchanged=torch.equal(before, w.detach()))

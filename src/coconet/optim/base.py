@@ -184,6 +184,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         float64 on the host."""
         raise NotImplementedError
 
+    # What the user set that each scalar input of the program is made from, as an error that
+    # names a differing input says it (issue 26: a differing lr named as lr, not step_size).
+    SCALAR_SOURCES: dict[str, str] = {}
+
     def check_group(self, group: dict[str, Any], where: str) -> None:
         """Refuse hyper-parameters this optimizer cannot honour (a ``ConfigError``); called for
         every group added and every group of a loaded state dict, before anything changes."""
@@ -319,6 +323,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         names = self.state_names(group)
         target = self._scheduled(program, tuple(names), total)
         step_fn = coconet_compile(target, comm=comm, options=self._options)
+        step_fn.input_sources = dict(self.SCALAR_SOURCES)
         bounds = slice_bounds(total, comm.world, comm.rank)
         bucket = _Bucket(index, params, offsets, total, step_fn, bounds, names)
         n = bounds[1] - bounds[0]

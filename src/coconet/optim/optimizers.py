@@ -128,6 +128,19 @@ class _AdamFamily(DistributedOptimizer):
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"m": "exp_avg", "v": "exp_avg_sq"}
 
+    SCALAR_SOURCES = {
+        "grad_scale": "maximize (and the world size)",
+        "weight_decay": "weight_decay",
+        "decay": "lr and weight_decay (decay = 1 - lr * weight_decay)",
+        "beta1": "betas[0]",
+        "one_minus_beta1": "betas[0]",
+        "beta2": "betas[1]",
+        "one_minus_beta2": "betas[1]",
+        "eps": "eps",
+        "step_size": "lr (step_size = lr / (1 - beta1 ** step))",
+        "bc2_sqrt": "betas[1] (bc2_sqrt = sqrt(1 - beta2 ** step))",
+    }
+
     def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         lr, wd, eps = _f(group["lr"]), _f(group["weight_decay"]), _f(group["eps"])
         beta1, beta2 = (_f(b) for b in group["betas"])
@@ -224,6 +237,16 @@ class SGD(DistributedOptimizer):
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"buf": "momentum_buffer"} if group["momentum"] else {}
 
+    SCALAR_SOURCES = {
+        "grad_scale": "maximize (and the world size)",
+        "weight_decay": "weight_decay",
+        "lr": "lr",
+        "buf_momentum": "momentum",
+        "buf_damp": "dampening",
+        "a": "nesterov and momentum",
+        "b": "nesterov and momentum",
+    }
+
     def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         out = {
             "grad_scale": (-1.0 if group["maximize"] else 1.0) / self._comm.world,
@@ -319,6 +342,18 @@ class LAMB(_AdamFamily):
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
         return programs.lamb(dtype)
+
+    SCALAR_SOURCES = {
+        "grad_scale": "maximize (and the world size)",
+        "beta1": "betas[0]",
+        "beta3": "betas[0] and grad_averaging",
+        "beta2": "betas[1]",
+        "one_minus_beta2": "betas[1]",
+        "eps": "eps",
+        "decay": "lr, weight_decay and fixed_decay (decay = 1 - weight_decay * lr)",
+        "step_size": "lr (step_size = lr / (1 - beta1 ** step))",
+        "use_trust": "adam",
+    }
 
     def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         lr, wd = _f(group["lr"]), _f(group["weight_decay"])
