@@ -318,11 +318,11 @@ def test_a_failed_mixed_step_leaves_the_bucket_as_it_was(comm, monkeypatch):
     calls = []
     real = o._run
 
-    def second_fails(b, scalars):
+    def second_fails(b, scalars, agree):
         calls.append(scalars["step_size"])
         if len(calls) == 2:
             raise RuntimeError("the second step failed")
-        real(b, scalars)
+        real(b, scalars, agree)
 
     monkeypatch.setattr(o, "_run", second_fails)
     with pytest.raises(RuntimeError, match="the second step failed"):

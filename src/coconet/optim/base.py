@@ -20,7 +20,9 @@ What it does with the parameters (the contract ``coconet.optim``'s optimizers sh
   ``.grad``, or by a non-zero value written into the view; cleared by
   ``zero_grad(set_to_none=True)`` (torch's default) and by ``p.grad = None``. Over several ranks
   a parameter is stepped when any rank has a gradient for it (the others count zero, as DDP's
-  ``find_unused_parameters``): the ranks agree on it in one tiny collective per ``step()``.
+  ``find_unused_parameters``). The ranks compare which parameters have a gradient inside the
+  first bucket's own start-of-step agreement (no extra collective); only when they differ do
+  they exchange it (and the first step is run again).
 - **Step counts are per parameter** (torch's bias corrections are): a bucket whose parameters all
   have a gradient and one step count runs one fused step (the common case); otherwise the
   parameters are grouped by the scalars of their step (their bias corrections) and each group
@@ -63,7 +65,7 @@ import torch
 
 from coconet import schedule as schedules
 from coconet.compiler import compile as coconet_compile
-from coconet.errors import ConfigError, GradientError
+from coconet.errors import ConfigError, GradientError, RuntimeFault
 from coconet.ir.program import Program
 from coconet.ir.types import DType, slice_bounds
 from coconet.optim import checkpoint
@@ -75,6 +77,8 @@ from coconet.schedule import Schedule
 __all__ = ["DistributedOptimizer"]
 
 _DTYPES = {torch.float32: DType.float32}
+# the key under which the ranks compare which parameters have a gradient (see _step_agreeing)
+_AGREE = "coconet.optim: which parameters have a gradient"
 
 
 @dataclass
@@ -416,16 +420,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._ddp is not None:
             return loss
-        masks = self._agreed_grads()
-        for b, mask in zip(self._buckets, masks, strict=True):
-            self._step_bucket(b, mask)
-        self.after_step()
-        return loss
-
-    def _agreed_grads(self) -> list[list[bool]]:
-        """Which parameters of each bucket have a gradient, the same on every rank (a parameter
-        with a gradient on any rank is stepped: the others count zero, as DDP averages them).
-        A gradient that cannot be stepped anywhere fails every rank, before anything moves."""
         problems: list[str] = []
         masks = [self._local_grads(b, problems) for b in self._buckets]
         for p in self._frozen:
@@ -434,32 +428,54 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"a parameter of shape {tuple(p.shape)} did not require grad when the "
                     "optimizer was built (so it was not packed) but has a gradient now"
                 )
-        comm = self._comm
-        name = type(self).__name__
-        if comm.world > 1:
-            # one tiny collective per step(): does any rank lack a gradient, or refuse one?
-            missing, refused = comm.agree_max(
-                [int(not all(all(m) for m in masks)), int(bool(problems))],
-                "which parameters have a gradient",
-                op=f"coconet.optim.{name}.step",
-            )
-            if refused and not problems:
-                problems.append("another rank holds a gradient it cannot step (its error says "
-                                "which)")
-            if missing and not refused:
-                every = comm.exchange(masks, "which parameters have a gradient")
-                masks = [[any(r[j][i] for r in every) for i in range(len(m))]
-                         for j, m in enumerate(masks)]
-        if problems:
-            raise GradientError(
-                problems[0],
-                op=f"coconet.optim.{name}.step",
-                details=problems[1:4],
-                hint="nothing was stepped; a sparse gradient: use dense gradients or "
-                "torch.optim.SparseAdam; a frozen parameter: build the optimizer after "
-                "unfreezing it, or set its .grad = None",
-            )
-        return masks
+        if self._comm.world == 1 or not self._buckets:
+            # nobody to agree with (no bucket: no collective either, so a refusal stays local)
+            self._refuse(problems, problems)
+            self._step_buckets(masks, None)
+        else:
+            self._step_agreeing(masks, problems)
+        self.after_step()
+        return loss
+
+    def _step_agreeing(self, masks: list[list[bool]], problems: list[str]) -> None:
+        """The buckets' steps on several ranks, which must agree on which parameters have a
+        gradient. The first bucket's step compares a digest of it in its own start-of-step
+        agreement (no extra collective); when the ranks differ (a parameter with a gradient on
+        some ranks only, or a gradient a rank refuses), that step fails on every rank before
+        anything moves, and the ranks exchange what they have: a parameter with a gradient on
+        any rank is stepped (the others count zero, as DDP averages), a refusal anywhere fails
+        every rank."""
+        mine = _digest(masks, problems, self._comm.rank)
+        try:
+            self._step_buckets(masks, {_AGREE: mine})
+            return
+        except RuntimeFault as e:
+            if not any(repr(_AGREE) in d for d in e.details):  # another difference: as is
+                raise
+        every = self._comm.exchange((masks, problems), _AGREE)
+        self._refuse(problems, [p for _, theirs in every for p in theirs])
+        masks = [[any(r[j][i] for r, _ in every) for i in range(len(m))]
+                 for j, m in enumerate(masks)]
+        self._step_buckets(masks, {_AGREE: _digest(masks, [], 0)})
+
+    def _refuse(self, mine: list[str], anywhere: list[str]) -> None:
+        """A GradientError when a gradient cannot be stepped here or on another rank."""
+        if not anywhere:
+            return
+        problems = mine or ["another rank holds a gradient it cannot step (its error says which)"]
+        raise GradientError(
+            problems[0],
+            op=f"coconet.optim.{type(self).__name__}.step",
+            details=problems[1:4],
+            hint="nothing was stepped; a sparse gradient: use dense gradients or "
+            "torch.optim.SparseAdam; a frozen parameter: build the optimizer after "
+            "unfreezing it, or set its .grad = None",
+        )
+
+    def _step_buckets(self, masks: list[list[bool]], agree: dict[str, str] | None) -> None:
+        """Each bucket's step; ``agree`` goes with the first bucket's first fused step."""
+        for j, (b, mask) in enumerate(zip(self._buckets, masks, strict=True)):
+            self._step_bucket(b, mask, agree if j == 0 else None)
 
     def _local_grads(self, b: _Bucket, problems: list[str]) -> list[bool]:
         """This rank's view of which of ``b``'s parameters have a gradient; every ``.grad`` made
@@ -487,12 +503,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 b.has_grad[i] = True
         return list(b.has_grad)
 
-    def _step_bucket(self, b: _Bucket, mask: list[bool]) -> None:
+    def _step_bucket(self, b: _Bucket, mask: list[bool], agree: dict[str, str] | None) -> None:
         """Step ``b``'s parameters that have a gradient, each at its own step count."""
         group = self.param_groups[b.group]
         steps = self.next_steps(b)
         if all(mask) and steps.count(steps[0]) == len(steps):  # the common case: one fused step
-            self._run(b, self.scalars(group, steps[0]))
+            self._run(b, self.scalars(group, steps[0]), agree)
             b.steps[:] = [s + 1 for s in b.steps]
             return
         # parameters grouped by the scalars of their step (SGD's are the same after the first)
@@ -506,22 +522,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 of_step[steps[i]] = (tuple(sorted(s.items())), s)
             key, s = of_step[steps[i]]
             plan.setdefault(key, (s, []))[1].append(i)
+        if not plan and agree is None:
+            return
         if not plan:
+            # nothing to step here, but this step carries the ranks' agreement (a peer may have
+            # gradients here): run it and keep nothing
+            self._run_some(b, [(self.scalars(group, steps[0]), [])], agree)
             return
         if len(plan) == 1 and all(mask):  # one step count's scalars after all (SGD)
-            self._run(b, next(iter(plan.values()))[0])
+            self._run(b, next(iter(plan.values()))[0], agree)
         else:
-            self._run_some(b, list(plan.values()))
+            self._run_some(b, list(plan.values()), agree)
         for _, stepped in plan.values():
             for i in stepped:
                 b.steps[i] += 1
 
-    def _run(self, b: _Bucket, scalars: dict[str, float]) -> None:
+    def _run(self, b: _Bucket, scalars: dict[str, float], agree: dict[str, str] | None) -> None:
         # `flat` is passed as a view: the commit writes a view's values in place rather than
         # handing it new storage, so the parameters (views of it) see the update.
-        b.step_fn(g=b.grad, p=b.flat[:], **b.state, **scalars)
+        b.step_fn.run({"g": b.grad, "p": b.flat[:], **b.state, **scalars}, agree=agree)
 
-    def _run_some(self, b: _Bucket, plan: list[tuple[dict[str, float], list[int]]]) -> None:
+    def _run_some(self, b: _Bucket, plan: list[tuple[dict[str, float], list[int]]],
+                  agree: dict[str, str] | None) -> None:
         """The fused step over the whole bucket once per group of ``plan`` (scalars, the
         parameters stepped with them); each group keeps its own parameters' results, everything
         else keeps its values: per element the same arithmetic as the common case. The
@@ -538,7 +560,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     b.flat.copy_(saved_p)
                     for name, x in b.state.items():
                         x.copy_(saved[name])
-                self._run(b, scalars)
+                self._run(b, scalars, agree if k == 0 else None)
                 for i in stepped:
                     part = slice(*b.span(i))
                     out_p[part] = b.flat[part]
@@ -823,6 +845,15 @@ def _default_comm(comm: Any, name: str) -> Communicator:
             f"{name}(model.parameters(), comm=comm), or leave comm out for that default",
         )
     return comm
+
+
+def _digest(masks: list[list[bool]], problems: list[str], rank: int) -> str:
+    """What the ranks compare: the masks, and a refusal made unique to this rank (so that a
+    refusal always reaches the exchange, even when every rank refuses)."""
+    text = ";".join("".join("1" if x else "0" for x in m) for m in masks)
+    if problems:
+        text += f"|refused by rank {rank}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _marker(flags: list[bool], i: int) -> Callable[[torch.Tensor], None]:

@@ -185,6 +185,15 @@ class CompiledStep:
     def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
         """Run one step on this rank. Returns the outputs by name; applies the updates in place
         to the caller's tensors once the step succeeded on every rank."""
+        return self.run(inputs)
+
+    def run(self, inputs: dict[str, Any], *, agree: dict[str, str] | None = None
+            ) -> dict[str, torch.Tensor]:
+        """``self(**inputs)``, and the caller's own values ``agree`` (name -> text) compared
+        across the ranks in the same agreement as the Replicated scalars, at no extra cost: a
+        difference fails every rank with the same ``RuntimeFault`` before anything moves
+        (its details name the differing key; nothing is counted, the communicator stays
+        usable). ``coconet.optim`` passes which parameters have a gradient this way."""
         comm = self._communicator()
         try:
             args, shapes, reports, ordinal, h = self._agree(comm, inputs)
@@ -225,6 +234,8 @@ class CompiledStep:
         arguments, the input shapes, every rank's report or None when the agreement was
         settled without an exchange, this step's ordinal, the identity's hash)."""
         args, shapes, dtypes, replicated, error = self._bind(inputs, comm)
+        if agree and comm.world > 1:
+            replicated.update(agree)
         identity, h = self._identity_of(comm)
         first = self._exchanged is None
         changed = self._exchanged != shapes
