@@ -196,7 +196,7 @@ class CompiledStep:
         usable). ``coconet.optim`` passes which parameters have a gradient this way."""
         comm = self._communicator()
         try:
-            args, shapes, reports, ordinal, h = self._agree(comm, inputs)
+            args, shapes, reports, ordinal, h = self._agree(comm, inputs, agree)
         except BaseException as exc:
             # The local checks or the agreement failed here (a peer died, stalled or aborted;
             # a Ctrl-C anywhere before or inside the agreement): the control channel may be
@@ -229,7 +229,9 @@ class CompiledStep:
         # stay in step (an interrupt held back by the commit is raised after it, no abort).
         return self._commit(inputs, outputs, updates, comm)
 
-    def _agree(self, comm: Communicator, inputs: dict[str, Any]):
+    def _agree(
+        self, comm: Communicator, inputs: dict[str, Any], agree: dict[str, str] | None = None
+    ):
         """This rank's local checks, then the per-step agreement: (the generated step's
         arguments, the input shapes, every rank's report or None when the agreement was
         settled without an exchange, this step's ordinal, the identity's hash)."""
