@@ -1,15 +1,27 @@
 """coconet.optim as a drop-in on 2 ranks: the unit tier's adapted torch (TestOptimRenewed, CPU
 float32) and pytorch_optimizer (Lamb) cases with the state sliced, a parameter straddling the
-two ranks' slices, and gradients missing on some ranks or on all (tests/dist/dropin_workers.py:
+two ranks' slices, and gradients missing on some ranks or on all (tests/support/dropin_workers.py:
 one spawned group for everything; the reference is torch on the averaged gradient)."""
 
 from __future__ import annotations
 
-from support import dropin_workers
 import pytest
-from support.tolerances import OPTIM_RTOL
+
+from support import dropin_workers
+from support.tolerances import OPTIM_RTOL, REASSOCIATED_RTOL
 
 from coconet.runtime import CommOptions, spawn
+
+
+# On 2 ranks LAMB's norms are partial sums over each rank's slice plus an all_reduce, where
+# pytorch_optimizer.Lamb sums the whole tensor: the sums are re-associated (coconet.sim.exactness),
+# so those comparisons get the re-associated tolerance (seen: 1.2e-6 with ATEN_CPU_CAPABILITY=
+# default, 1e-7 with AVX-512).
+LAMB_RTOL = REASSOCIATED_RTOL["float32"]
+
+
+def _rtol(label: str) -> float:
+    return LAMB_RTOL if label.startswith("LAMB") else OPTIM_RTOL
 
 
 @pytest.mark.timeout(400)
@@ -17,7 +29,7 @@ def test_the_drop_in_cases_on_two_ranks():
     results = spawn(dropin_workers.dropin, 2, options=CommOptions(timeout=60), timeout=380)
     for rank, out in enumerate(results):
         for label, rel in {**out["cases"], **out["missing"]}.items():
-            assert rel <= OPTIM_RTOL, (rank, label, rel)
+            assert rel <= _rtol(label), (rank, label, rel)
         assert out["compiled"] <= OPTIM_RTOL, rank
         # opt.state: this rank's slices (rank 0: the first 32 of 63 values, rank 1 the rest)
         assert out["state_view"] <= OPTIM_RTOL, rank
@@ -26,7 +38,7 @@ def test_the_drop_in_cases_on_two_ranks():
         assert out["steps"] == out["torch_steps"] and len(set(out["steps"])) > 1
         assert out["from_torch"] <= OPTIM_RTOL
         assert out["lamb_group_step"] == 3
-        assert out["lamb_from_lamb"] <= OPTIM_RTOL and out["lamb_to_lamb"] <= OPTIM_RTOL
+        assert out["lamb_from_lamb"] <= LAMB_RTOL and out["lamb_to_lamb"] <= LAMB_RTOL
         assert out["frozen_unchanged"]
         assert "does not support sparse gradients" in out["sparse"] if rank == 1 else (
             "another rank holds a gradient it cannot step" in out["sparse"])
