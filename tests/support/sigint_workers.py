@@ -98,6 +98,11 @@ def trials(comm: Communicator, victim: int, count: int, seed: int, schedule: str
             store.set(f"sigint/{seed}/{k}/sent", repr(sent[0]))
         _meet(store, f"{seed}/{k}/end", comm.world, comm.rank)
         sent_at = float(store.get(f"sigint/{seed}/{k}/sent").decode())
+        # Rank 0 holds the store: it waits until every rank is done reading it (a rank still
+        # reading when rank 0's process ends would see the connection reset).
+        store.set(f"sigint/{seed}/{k}/read/{trial.rank}", "1")
+        if trial.rank == 0:
+            store.wait([f"sigint/{seed}/{k}/read/{r}" for r in range(comm.world)])
         out.append(
             dict(
                 status=status,
