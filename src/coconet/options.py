@@ -27,6 +27,7 @@ __all__ = [
     "CommOptions",
     "CommitMode",
     "CompileOptions",
+    "ParamStorage",
     "TransportKind",
     "TransportPolicy",
 ]
@@ -40,6 +41,21 @@ class CommitMode(str, enum.Enum):
     # whole tensors that nothing else views (optimizer state the caller owns): a view made
     # before the step keeps the old values. Others are copied.
     SWAP = "swap"
+
+
+class ParamStorage(str, enum.Enum):
+    """Where a ``coconet.optim`` optimizer keeps the parameters it packs into a bucket."""
+
+    # Each rank its own copy (as torch and DDP do): the step's all_gather copies every peer's new
+    # slice into it.
+    PER_RANK = "per-rank"
+    # One copy per host, which every rank of the host maps, double-buffered
+    # (``coconet.runtime.replica``): each rank writes only its slice of the new parameters and the
+    # commit flips the buffers, so there is no all_gather and no commit copy. Every rank of the
+    # host sees one memory (a write on one rank is a write on all), and the parameters' ``.data``
+    # moves between the two buffers at every step: views taken before a step go stale. Needs the
+    # ranks on one host over shared memory and a schedule that gathers in one pass.
+    HOST_SHARED = "host-shared"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ _sub = _ops.POINTWISE[Op.SUB]
 
 # the program's inputs, in the order step() takes them
 INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'step')
+REPLICA_INPUTS = ('p',)
 
 
 def _kernel_fused_1_one_pass(beta1, m, weight_decay, p_slice, g_sum_rs_parts, sub_2, beta2, v, sub_3, sqrt_2, eps, div_1, p_new_slice_slot):
@@ -100,7 +101,7 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     # g_sum_rs = reduce_scatter(g, dim=0, reduce_op=sum)  at examples/adam.py:73
     g_sum_rs_parts, p_new_slice_slot = fused_collective_1_channel.begin(
         g, gather_shape=env.shapes['p_new'], gather_dtype=torch.float32,
-        gather_parts=env.parts['p_new'], label='g_sum_rs'
+        gather_parts=env.parts['p_new'], gather_into=p, label='g_sum_rs'
     )
     m_new_slice, v_new_slice = kernels.fused_1(
         beta1, m, weight_decay, p_slice, g_sum_rs_parts, sub_2, beta2, v, sub_3, sqrt_2, eps, div_1,

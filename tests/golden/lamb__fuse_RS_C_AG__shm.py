@@ -35,6 +35,7 @@ _where = _ops.POINTWISE[Op.WHERE]
 
 # the program's inputs, in the order step() takes them
 INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'step')
+REPLICA_INPUTS = ('p',)
 
 
 def _kernel_fused_1_one_pass(beta1, m, sub_1, g_sum_rs_parts, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay, p_slice):
@@ -151,7 +152,8 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     # trust_ratio = where(gt_1, where_1, 1.0)  at examples/lamb.py:92
     trust_ratio = _where(gt_1, where_1, _c3)
     p_new_slice_slot = fused_collective_2_channel.slot(
-        shape=env.shapes['p_new'], dtype=torch.float32, parts=env.parts['p_new'], label='p_new'
+        shape=env.shapes['p_new'], dtype=torch.float32, parts=env.parts['p_new'], into=p,
+        label='p_new'
     )
     _ = kernels.fused_2(trust_ratio, direction_slice, lr, p_slice, p_new_slice_slot)
     # p_new = all_gather(p_new_slice)  at examples/lamb.py:95  (published: the commit copies it)

@@ -138,6 +138,15 @@ class _Emitter:
         names = ", ".join(repr(n.name) for n in self.program.inputs)
         out.append("# the program's inputs, in the order step() takes them")
         out.append(f"INPUTS = ({names}{',' if len(self.program.inputs) == 1 else ''})")
+        flips = sorted(
+            {t.name for ag in self.forms.published if (t := self.forms.commit_target(
+                self.program.node(ag))) is not None}
+        )
+        if flips:
+            # the inputs a published gather is committed into: a host replica passed as one is
+            # written in its spare buffer and flipped by the commit (coconet.runtime.replica)
+            listed = ", ".join(repr(n) for n in flips)
+            out.append(f"REPLICA_INPUTS = ({listed}{',' if len(flips) == 1 else ''})")
         # a one-pass unit's kernel is written in its one-pass form only (the other is never run)
         one_pass = self.forms.one_pass_kernels
         in_place = self.forms.kernels_in_place

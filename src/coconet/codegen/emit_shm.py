@@ -198,6 +198,11 @@ class SharedMemoryEmission:
         lines.append(f"{INDENT}return ({', '.join(outs)}{tail})")
         return lines
 
+    def _commit_target(self, ag: Node) -> str | None:
+        """The variable of the input a published gather is committed into, if it has one."""
+        target = self.e.forms.commit_target(ag)
+        return self.e.var[target.name] if target is not None else None
+
     def _kernel_call(self, op: OnePass, args: list[str]) -> list[str]:
         outs = [self.e.var[n.name] for n in self._one_pass_outputs(op)]
         # with no outputs, everything the kernel computes goes to the gather's slot
@@ -234,16 +239,22 @@ class SharedMemoryEmission:
                 f"dtype={dtype(ag.type.dtype)}",
                 f"parts={env_ref(ag, 'parts')}",
             ]
+        # A published gather names the input it is committed into: where that input is a host
+        # replica (coconet.runtime.replica), the slot is the replica's spare buffer and the
+        # commit flips it instead of copying.
+        into = self._commit_target(ag) if ag is not None and e.forms.is_published(ag) else None
         if rs is not None:
             lines += [e.comment(rs)]
             gather = [f"gather_{g}" for g in geometry] if ag is not None else []
+            gather += [f"gather_into={into}"] if into is not None else []
             lines += call(
                 f"{names[0]}, {names[1] or '_'}",
                 f"{chan}.begin",
                 [e.var[rs.inputs[0].name], *gather, f"label={rs.name!r}"],
             )
         else:
-            lines += call(names[1], f"{chan}.slot", [*geometry, f"label={ag.name!r}"])
+            target = [f"into={into}"] if into is not None else []
+            lines += call(names[1], f"{chan}.slot", [*geometry, *target, f"label={ag.name!r}"])
         args = [names[0] if i is rs else e.var[i.name] for i in k.inputs]
         args += [env_geo(n, f) or "None" for n, f, _ in e.geo_params(k)]
         args += [names[1]] if ag is not None else []

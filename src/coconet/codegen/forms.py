@@ -281,6 +281,17 @@ class Forms:
     def is_published(self, all_gather: Node) -> bool:
         return all_gather.name in self.published
 
+    def commit_target(self, all_gather: Node) -> Node | None:
+        """The input a published gather is committed into (the target of the one update that
+        reads it; None when several targets read it). Where that input is a host replica the
+        transport writes the slots into its spare buffer and the commit flips it
+        (``coconet.runtime.replica``)."""
+        if not self.is_published(all_gather):
+            return None
+        updates = self.plan.program.users()[all_gather.name]
+        targets = {u.inputs[0].name: u.inputs[0] for u in updates}
+        return next(iter(targets.values())) if len(targets) == 1 else None
+
     @property
     def kernels_in_place(self) -> dict[str, ReadInPlace]:
         """The kernels that read an all_reduce in place, by kernel name."""

@@ -70,8 +70,9 @@ from coconet.ir.program import Program
 from coconet.ir.types import DType, slice_bounds
 from coconet.optim import checkpoint
 from coconet.optim import ddp as ddp_hook
-from coconet.options import CommitMode, CompileOptions
+from coconet.options import CommitMode, CompileOptions, ParamStorage
 from coconet.runtime.comm import Communicator
+from coconet.runtime.replica import HostReplica
 from coconet.schedule import Schedule
 
 __all__ = ["DistributedOptimizer"]
@@ -103,6 +104,9 @@ class _Bucket:
     # gradients, flat (symmetric memory where the transport has it; each .grad a view of it)
     flat: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+    # with ParamStorage.HOST_SHARED: the host's one copy of the parameters, double-buffered
+    # (``flat`` is its live buffer, re-pointed by each step's commit)
+    replica: HostReplica | None = None
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -151,8 +155,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         schedule: str | Callable[[Program], Schedule] | None = None,
         options: CompileOptions | None = None,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
+        param_storage: ParamStorage | str | None = None,
     ) -> None:
         self._comm = _default_comm(comm, type(self).__name__)
+        self._storage = _param_storage(param_storage, type(self).__name__, ddp)
         self._schedule = schedule
         # State updates take the new storage (no copy); the parameters are always written in
         # place (they are views of a bucket, see step()).
@@ -294,14 +300,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         views of one flat buffer the program reads in place."""
         bucket = self._compiled_bucket(index, group, dtype, params)
         total = bucket.size
-        flat = torch.empty(total, dtype=dtype, device=self._comm.device)
+        shared = self._storage is ParamStorage.HOST_SHARED and self._comm.world > 1
+        if shared:
+            # one copy per host: the first rank's values are everyone's (as DDP broadcasts them)
+            bucket.replica = bucket.step_fn.host_replica("p", (total,))
+            flat = bucket.replica.live()
+        else:
+            flat = torch.empty(total, dtype=dtype, device=self._comm.device)
+        writes = not shared or self._comm.rank == 0
         grad = bucket.step_fn.input_buffer("g", (total,))
         grad.zero_()
         with torch.no_grad():
             for i, p in enumerate(params):
                 start, stop = bucket.span(i)
                 view = flat[start:stop].view_as(p)
-                view.copy_(p.detach())
+                if writes:
+                    view.copy_(p.detach())
                 p.data = view
                 bucket.has_grad[i] = p.grad is not None
                 if p.grad is not None:
@@ -310,6 +324,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     _marker(bucket.has_grad, i)))
         bucket.flat, bucket.grad = flat, grad
+        if shared:  # the first rank's values are in before any rank reads them
+            self._comm.control.barrier("coconet.optim: host-shared parameters written")
         return bucket
 
     def _compiled_bucket(
@@ -538,9 +554,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 b.steps[i] += 1
 
     def _run(self, b: _Bucket, scalars: dict[str, float], agree: dict[str, str] | None) -> None:
-        # `flat` is passed as a view: the commit writes a view's values in place rather than
-        # handing it new storage, so the parameters (views of it) see the update.
-        b.step_fn.run({"g": b.grad, "p": b.flat[:], **b.state, **scalars}, agree=agree)
+        if b.replica is None:
+            # `flat` is passed as a view: the commit writes a view's values in place rather
+            # than handing it new storage, so the parameters (views of it) see the update.
+            b.step_fn.run({"g": b.grad, "p": b.flat[:], **b.state, **scalars}, agree=agree)
+            return
+        # A host replica: the commit re-points `flat` at the buffer the step wrote (every rank
+        # wrote its slice there); the parameters follow it.
+        before = b.flat.data_ptr()
+        b.step_fn.run({"g": b.grad, "p": b.flat, **b.state, **scalars}, agree=agree)
+        if b.flat.data_ptr() != before:
+            with torch.no_grad():
+                for i, p in enumerate(b.params):
+                    start, stop = b.span(i)
+                    p.data = b.flat[start:stop].view_as(p)
 
     def _run_some(self, b: _Bucket, plan: list[tuple[dict[str, float], list[int]]],
                   agree: dict[str, str] | None) -> None:
@@ -550,6 +577,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         programs are elementwise over the bucket (a norm is a tensor's own: LAMB's buckets hold
         one parameter), so a parameter's result does not depend on the others'. On a failure
         the bucket is put back as it was."""
+        if b.replica is not None:
+            self._run_some_shared(b, plan, agree)
+            return
         saved_p = b.flat.clone()
         saved = {name: x.clone() for name, x in b.state.items()}
         out_p = saved_p.clone()
@@ -576,6 +606,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         b.flat.copy_(out_p)
         for name, x in b.state.items():
             x.copy_(out[name])
+
+    def _run_some_shared(self, b: _Bucket, plan: list[tuple[dict[str, float], list[int]]],
+                         agree: dict[str, str] | None) -> None:
+        """``_run_some`` for host-shared parameters: every rank of the host maps them, so each
+        rank saves, restores and writes back only its own slice (the one its kernel reads and
+        writes), and the ranks meet once their slices are final, before any rank reads the
+        parameters."""
+        lo, hi = b.bounds
+        saved_p = b.flat[lo:hi].clone()
+        saved = {name: x.clone() for name, x in b.state.items()}
+        out_p = saved_p.clone()
+        out = {name: x.clone() for name, x in saved.items()}
+        try:
+            for k, (scalars, stepped) in enumerate(plan):
+                if k:
+                    b.flat[lo:hi].copy_(saved_p)
+                    for name, x in b.state.items():
+                        x.copy_(saved[name])
+                self._run(b, scalars, agree if k == 0 else None)
+                for i in stepped:
+                    start, stop = b.span(i)
+                    a, z = max(start, lo), min(stop, hi)
+                    if a < z:
+                        out_p[a - lo : z - lo] = b.flat[a:z]
+                    for name, x in b.state.items():
+                        here = b.local(name, i)
+                        if here is not None:
+                            out[name][here] = x[here]
+        except BaseException:
+            b.flat[lo:hi].copy_(saved_p)
+            for name, x in b.state.items():
+                x.copy_(saved[name])
+            raise
+        b.flat[lo:hi].copy_(out_p)
+        for name, x in b.state.items():
+            x.copy_(out[name])
+        self._comm.control.barrier("coconet.optim: host-shared parameters written")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buckets; every ``.grad`` stays a view of its bucket (see the
@@ -845,6 +912,30 @@ def _default_comm(comm: Any, name: str) -> Communicator:
             f"{name}(model.parameters(), comm=comm), or leave comm out for that default",
         )
     return comm
+
+
+def _param_storage(storage: Any, name: str, ddp: Any) -> ParamStorage:
+    """``param_storage=``, checked: a ``ParamStorage`` or its value."""
+    if storage is None:
+        return ParamStorage.PER_RANK
+    try:
+        storage = ParamStorage(storage)
+    except ValueError:
+        raise ConfigError(
+            f"{name}: param_storage={storage!r} is not one of "
+            f"{[s.value for s in ParamStorage]}",
+            op=f"coconet.optim.{name}",
+            hint="param_storage='host-shared' (one copy per host) or 'per-rank' (the default)",
+        ) from None
+    if storage is ParamStorage.HOST_SHARED and ddp is not None:
+        raise ConfigError(
+            f"{name}: param_storage='host-shared' cannot be combined with ddp=: DDP's buckets "
+            "are its own",
+            op=f"coconet.optim.{name}",
+            hint="leave ddp= out (backward() then fills the optimizer's gradient bucket "
+            "directly), or keep per-rank storage",
+        )
+    return storage
 
 
 def _digest(masks: list[list[bool]], problems: list[str], rank: int) -> str:

@@ -93,6 +93,7 @@ class _AdamFamily(DistributedOptimizer):
         schedule=None,
         options=None,
         ddp=None,
+        param_storage=None,
         foreach: bool | None = None,
         maximize: bool = False,
         capturable: bool = False,
@@ -110,7 +111,8 @@ class _AdamFamily(DistributedOptimizer):
         )
         self.check_group(defaults, "")
         super().__init__(
-            params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
+            params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
+            param_storage=param_storage,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -198,6 +200,7 @@ class SGD(DistributedOptimizer):
         schedule=None,
         options=None,
         ddp=None,
+        param_storage=None,
         maximize: bool = False,
         foreach: bool | None = None,
         differentiable: bool = False,
@@ -210,7 +213,8 @@ class SGD(DistributedOptimizer):
         )
         self.check_group(defaults, "")
         super().__init__(
-            params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
+            params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
+            param_storage=param_storage,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -309,6 +313,7 @@ class LAMB(_AdamFamily):
         schedule=None,
         options=None,
         ddp=None,
+        param_storage=None,
     ) -> None:
         _unsupported("LAMB", "", {"pre_norm": pre_norm}, "pre_norm",
                      instead="pytorch_optimizer.Lamb")
@@ -319,7 +324,8 @@ class LAMB(_AdamFamily):
         )
         self.check_group(defaults, "")
         DistributedOptimizer.__init__(
-            self, params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp
+            self, params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
+            param_storage=param_storage,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:

@@ -53,9 +53,12 @@ class OnePassChannel:
         gather_shape: Sequence[int] | None = None,
         gather_dtype: torch.dtype | None = None,
         gather_parts: Sequence[int] | None = None,
+        gather_into: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Open a unit with a reduce_scatter of ``x``: (every peer's rows of this rank's slice,
-        this rank's slot of the gather, or None when the unit has none: ``end`` closes it)."""
+        this rank's slot of the gather, or None when the unit has none: ``end`` closes it).
+        ``gather_into``: the input a published gather is committed into (a host replica's live
+        buffer makes the slot its spare buffer, ``coconet.runtime.replica``)."""
         return self._guard(
             "reduce_scatter",
             label,
@@ -66,6 +69,7 @@ class OnePassChannel:
             gather_shape=gather_shape,
             gather_dtype=gather_dtype,
             gather_parts=gather_parts,
+            gather_into=gather_into,
         )
 
     def end(self, *, label: str) -> None:
@@ -74,14 +78,20 @@ class OnePassChannel:
         self._guard("reduce_scatter", label, self.axis, end, self._group)
 
     def slot(
-        self, *, shape: Sequence[int], dtype: torch.dtype, parts: Sequence[int], label: str
+        self,
+        *,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        parts: Sequence[int],
+        label: str,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Open a unit that has no reduce_scatter: this rank's slot of a gather of ``shape``
-        (its kernel writes there)."""
+        (its kernel writes there; ``into`` as ``begin``'s ``gather_into``)."""
         begin = self._transport.fused_all_gather_begin
         return self._guard(
             "all_gather", label, self.axis, begin, self._group, shape=shape, dtype=dtype,
-            parts=parts,
+            parts=parts, into=into,
         )
 
     def finish(

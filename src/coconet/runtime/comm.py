@@ -40,6 +40,7 @@ from coconet.options import Algorithm, CommOptions, TransportKind
 from coconet.runtime.channels import OnePassChannel
 from coconet.runtime.control import ControlChannel
 from coconet.runtime.faults import FaultGuard
+from coconet.runtime.replica import HostReplica
 from coconet.runtime.routing import control_group, mesh_groups, route_groups
 from coconet.runtime.shmem import SharedMemoryTransport
 from coconet.runtime.symmem import host_identity
@@ -349,6 +350,30 @@ class Communicator:
             f"a {tuple(shape)} {dtype} buffer",
             axis,
             lambda: self.shm.symmetric_tensor(group, shape, dtype),
+        )
+
+    def host_replica(
+        self, shape: Sequence[int], dtype: torch.dtype, *, axis: str | None = None
+    ) -> HostReplica:
+        """One physical copy per host of a Replicated tensor of ``shape`` along ``axis``,
+        double-buffered (``coconet.runtime.replica``): a one-pass gather committed into its live
+        buffer writes each rank's slice into the spare one and the commit flips them. Collective
+        over the group. Needs the group on shared memory (a ``ConfigError`` otherwise)."""
+        transport, group = self.route(axis)
+        if transport is not self.shm:
+            raise ConfigError(
+                f"a host replica of {tuple(shape)} {dtype} needs the group along {axis!r} on "
+                f"shared memory; it runs on {transport.kind.value}",
+                op="host replica",
+                details=[f"world {self.world}, rank {self.rank}"],
+                hint="it needs the group's ranks on one host, over shared memory: use "
+                "per-rank storage otherwise",
+            )
+        return self.guard(
+            "symmetric memory",
+            f"a {tuple(shape)} {dtype} host replica",
+            axis,
+            lambda: self.shm.host_replica(group, shape, dtype),
         )
 
     # -- algorithm choice -----------------------------------------------------------------------

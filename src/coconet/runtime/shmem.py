@@ -32,6 +32,7 @@ from coconet.ir import semantics
 from coconet.ir.ops import ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.options import Algorithm, TransportKind
+from coconet.runtime.replica import HostReplica, replica_bytes
 from coconet.runtime.symmem import Phase, SymmetricMemory
 from coconet.runtime.transport import (
     Group,
@@ -65,6 +66,9 @@ class ShmGroup:
         # (their memory, numel, dtype); a collective reads the peers' copies in place
         self.registered: dict[int, tuple[SymmetricMemory, int, torch.dtype]] = {}
         self.open_registered = False  # the open one-pass unit reads a registered input in place
+        # host replicas (``HostReplica``), by the data pointer of each of their two buffers
+        self.replicas: dict[int, HostReplica] = {}
+        self.open_replica: HostReplica | None = None  # the open unit gathers into this one
 
     def register(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` in symmetric memory of its own, mapped by every peer.
@@ -82,6 +86,28 @@ class ShmGroup:
         t = mem.buffer(self.index, dtype, numel).view(tuple(shape))
         self.registered[t.data_ptr()] = (mem, numel, dtype)
         return t
+
+    def replica(self, shape: Sequence[int], dtype: torch.dtype) -> HostReplica:
+        """A ``HostReplica`` of ``shape`` in the group's first rank's segment, mapped by every
+        rank. Collective: every rank of the group calls it at the same point."""
+        nbytes = replica_bytes(shape, dtype) if self.index == 0 else 0
+        mem = SymmetricMemory(
+            nbytes,
+            self.index,
+            self.size,
+            self.gather,
+            timeout=self.timeout,
+            cache_dir=self.cache_dir,
+        )
+        r = HostReplica(mem, shape, dtype, owner=0)
+        for ptr in r.buffers():
+            self.replicas[ptr] = r
+        return r
+
+    def replica_of(self, t: torch.Tensor) -> HostReplica | None:
+        """The replica whose live buffer ``t`` is, if it is one."""
+        r = self.replicas.get(t.data_ptr())
+        return r if r is not None and r.holds(t) else None
 
     def publish(
         self, mem: SymmetricMemory, x: torch.Tensor
@@ -151,6 +177,9 @@ class ShmGroup:
         for mem, _, _ in self.registered.values():
             mem.close()
         self.registered = {}
+        for r in set(self.replicas.values()):
+            r.close()
+        self.replicas, self.open_replica = {}, None
 
 
 _INTO = {
@@ -371,12 +400,15 @@ class SharedMemoryTransport:
         gather_shape: Sequence[int] | None = None,
         gather_dtype: torch.dtype | None = None,
         gather_parts: Sequence[int] | None = None,
+        gather_into: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Open the unit's epoch: publish ``x`` (dim 0 is scattered) and return every peer's
         rows of this rank's slice, in rank order (the fused kernel reduces them itself), and this
         rank's slot of the gather's output area (the kernel writes its result there; None without
         ``gather_shape``: the unit has no gather and ends with ``fused_reduce_scatter_end``).
-        An ``x`` that lives in symmetric memory of its own (``register``) is read in place."""
+        An ``x`` that lives in symmetric memory of its own (``register``) is read in place.
+        ``gather_into``: the tensor the gather's result is committed into; when it is a host
+        replica's live buffer, the slot is this rank's rows of the replica's spare buffer."""
         st: ShmGroup = group.handle
         x0 = x.contiguous()
         n, i = st.size, st.index
@@ -393,8 +425,9 @@ class SharedMemoryTransport:
         # it posts REDUCED (CONSUMED), and a peer overwrites its segment only after it saw that
         peers = [peer(j)[lo:hi] for j in range(n)]
         if gather_shape is None:
+            st.open_replica = None
             return peers, None
-        return peers, self._slot(st, mem, gather_shape, gather_dtype, gather_parts)
+        return peers, self._slot(st, mem, gather_shape, gather_dtype, gather_parts, gather_into)
 
     def fused_reduce_scatter_end(self, group: Group) -> None:
         """Close a unit that has no gather: this rank is done reading the peers' rows. When its
@@ -413,19 +446,32 @@ class SharedMemoryTransport:
         shape: Sequence[int],
         dtype: torch.dtype,
         parts: Sequence[int],
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Open a unit that has no reduce_scatter: this rank's slot of the gather, for the kernel
-        to write its rows into (``fused_all_gather`` closes it)."""
+        to write its rows into (``fused_all_gather`` closes it; ``into`` as for
+        ``fused_reduce_scatter``'s ``gather_into``)."""
         st: ShmGroup = group.handle
         numel = _numel(shape)
         mem, _ = st.begin(numel * torch.empty((), dtype=dtype).element_size())
-        return self._slot(st, mem, shape, dtype, parts)
+        return self._slot(st, mem, shape, dtype, parts, into)
 
     @staticmethod
-    def _slot(st: ShmGroup, mem: SymmetricMemory, shape, dtype, parts) -> torch.Tensor:
-        """This rank's rows of a gather of ``shape``, in its segment's output area."""
+    def _slot(
+        st: ShmGroup, mem: SymmetricMemory, shape, dtype, parts, into: torch.Tensor | None
+    ) -> torch.Tensor:
+        """This rank's rows of a gather of ``shape``: in its segment's output area, or in the
+        spare buffer of the host replica ``into`` is (then the peers write theirs there too and
+        nothing is gathered: the commit flips the replica)."""
         start = sum(parts[: st.index])
-        out = mem.buffer(st.index, dtype, _numel(shape), st.area).view(tuple(shape))
+        replica = st.replica_of(into) if into is not None else None
+        if replica is not None and (replica.shape != tuple(shape) or replica.dtype != dtype):
+            replica = None  # a gather of another shape: the ordinary slot
+        st.open_replica = replica
+        if replica is not None:
+            out = replica.spare()
+        else:
+            out = mem.buffer(st.index, dtype, _numel(shape), st.area).view(tuple(shape))
         return out[start : start + parts[st.index]]
 
     def fused_all_gather(
@@ -446,12 +492,25 @@ class SharedMemoryTransport:
         mem.wait(Phase.REDUCED, e)
         shape = tuple(shape)
         numel = _numel(shape)
+        replica, st.open_replica = st.open_replica, None
         pieces, start = [], 0
         for j, rows in enumerate(parts):
-            pieces.append(mem.buffer(j, dtype, numel, st.area).view(shape)[start : start + rows])
+            whole = replica.spare() if replica is not None else (
+                mem.buffer(j, dtype, numel, st.area).view(shape)
+            )
+            pieces.append(whole[start : start + rows])
             start += rows
-        result = Published(pieces, lambda: mem.post(Phase.CONSUMED, e), shape, dtype)
+        result = Published(
+            pieces, lambda: mem.post(Phase.CONSUMED, e), shape, dtype, replica=replica
+        )
         return result if published else result.materialize()
+
+    def host_replica(
+        self, group: Group, shape: Sequence[int], dtype: torch.dtype
+    ) -> HostReplica:
+        """A ``HostReplica`` of ``shape`` over the group (collective over the group)."""
+        st: ShmGroup = group.handle
+        return st.replica(shape, dtype)
 
     def symmetric_tensor(
         self, group: Group, shape: Sequence[int], dtype: torch.dtype

@@ -48,12 +48,14 @@ from coconet.codegen.kernels import KernelSet
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
+from coconet.ir.ops import Op
 from coconet.ir.opspec import Prop, spec
 from coconet.ir.program import Program
 from coconet.ir.types import format_shape
 from coconet.options import CommitMode, CompileOptions
 from coconet.runtime import handshake
 from coconet.runtime.comm import Communicator
+from coconet.runtime.replica import HostReplica
 from coconet.runtime.transport import Published
 from coconet.version import __version__
 
@@ -172,6 +174,40 @@ class CompiledStep:
         return comm.symmetric_tensor(
             tuple(int(s) for s in shape), node.type.dtype.torch, axis=readers[0].attr("axis")
         )
+
+    def host_replica(self, name: str, shape: Sequence[int]) -> HostReplica:
+        """One physical copy per host of Replicated input ``name`` (``coconet.runtime.replica``):
+        pass ``replica.live()`` as ``name`` at every step (after a commit, the tensor passed
+        is re-pointed at the new live buffer: pass it again). The step writes each rank's new
+        slice into the spare buffer and the commit flips the two, so the all_gather of the
+        update and the commit's copy are gone. Collective: every rank calls it at the same
+        point. A ``ConfigError`` unless this step's update of ``name`` is a published one-pass
+        gather over shared memory (a schedule like ``fuse_RS_C_AG`` on one host)."""
+        comm = self._communicator()
+        node = self.program.input(name)
+        flips = getattr(self.module, "REPLICA_INPUTS", ())
+        if name not in flips:
+            raise ConfigError(
+                f"input {name!r} of {self.program.name} cannot be a host replica: this step "
+                "does not commit it from a one-pass gather over shared memory",
+                op=f"{self.program.name} host_replica",
+                details=[
+                    f"inputs this step could flip: {list(flips) or 'none'}",
+                    f"transports: {self.transports}",
+                ],
+                hint="schedule the program so the update is gathered in one pass "
+                "(fuse_RS_C_AG) on ranks of one host, or keep per-rank storage",
+            )
+        return comm.host_replica(
+            tuple(int(s) for s in shape), node.type.dtype.torch, axis=self._gather_axis(name)
+        )
+
+    def _gather_axis(self, name: str) -> str | None:
+        """The axis of the all_gather whose value updates input ``name``."""
+        for u in self.program.updates:
+            if u.inputs[0].name == name and u.inputs[1].op is Op.ALL_GATHER:
+                return u.inputs[1].attr("axis")
+        return None
 
     def show(self) -> str:
         """The generated module's source (what ``coconet show`` prints)."""

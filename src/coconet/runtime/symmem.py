@@ -97,9 +97,11 @@ class _Entry:
 class SymmetricMemory:
     """One segment per rank of a group, each mapped by every rank of the group.
 
-    Collective: every rank of the group constructs it at the same point with the same ``nbytes``.
-    ``gather(obj)`` is the group's control channel: it returns every member's ``obj`` in group
-    order (the communicator passes an all_gather_object over the group's process group).
+    Collective: every rank of the group constructs it at the same point, normally with the same
+    ``nbytes``; a rank may ask for another size (0: a segment of signals only), and each peer's
+    ``buffer`` is bounded by that peer's own size (a ``HostReplica`` lives in one rank's
+    segment). ``gather(obj)`` is the group's control channel: it returns every member's ``obj``
+    in group order (the communicator passes an all_gather_object over the group's process group).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class SymmetricMemory:
             mine = mmap.mmap(fd, total)
             entries = gather(_Entry(os.getpid(), fd, total, host_identity()))
             self.pids = [e.pid for e in entries]
+            self._peer_bytes = [e.nbytes - SIGNAL_BYTES for e in entries]
             maps: list[mmap.mmap | None] = []
             failure = None
             for i, e in enumerate(entries):
@@ -183,10 +186,10 @@ class SymmetricMemory:
         """``numel`` elements of ``dtype`` at byte ``offset`` of ``peer``'s data area."""
         start = SIGNAL_BYTES + offset
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if offset < 0 or start + nbytes > SIGNAL_BYTES + self.data_bytes:
+        if offset < 0 or start + nbytes > SIGNAL_BYTES + self._peer_bytes[peer]:
             raise ConfigError(
-                f"shared memory: {nbytes} bytes at offset {offset} exceed the segment's "
-                f"{self.data_bytes}",
+                f"shared memory: {nbytes} bytes at offset {offset} exceed rank {peer}'s "
+                f"segment of {self._peer_bytes[peer]}",
                 op="shared memory",
             )
         return self._bytes[peer][start : start + nbytes].view(dtype)

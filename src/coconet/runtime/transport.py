@@ -29,6 +29,7 @@ import torch
 
 from coconet.ir.ops import Op, ReduceOp
 from coconet.options import Algorithm, AlgorithmPolicy, TransportKind, TransportPolicy
+from coconet.runtime.replica import HostReplica
 
 __all__ = [
     "Algorithm",
@@ -110,7 +111,11 @@ def wait_work(work: Any) -> None:
 class Published:
     """A gathered result that stays where the peers published it until the step commits: the
     commit copies it straight into the caller's tensor (``copy_into``), so the gather costs no
-    pass of its own. ``release`` tells the peers this rank is done reading."""
+    pass of its own. ``release`` tells the peers this rank is done reading.
+
+    With ``replica`` (a ``HostReplica`` whose spare buffer the pieces are), the commit into the
+    replica's live buffer copies nothing: it flips the replica (every rank of the host wrote its
+    slice of the spare buffer) and re-points the caller's tensor at it."""
 
     def __init__(
         self,
@@ -118,11 +123,16 @@ class Published:
         release: Callable[[], None],
         shape: tuple[int, ...],
         dtype: torch.dtype,
+        replica: HostReplica | None = None,
     ) -> None:
         self.pieces, self._release = pieces, release  # row blocks, in order, along dim 0
-        self.shape, self.dtype = shape, dtype
+        self.shape, self.dtype, self.replica = shape, dtype, replica
 
     def copy_into(self, target: torch.Tensor) -> None:
+        if self.replica is not None and self.replica.holds(target):
+            self.replica.commit_into(target)
+            self.release()
+            return
         start = 0
         for piece in self.pieces:
             target[start : start + piece.shape[0]].copy_(piece)
