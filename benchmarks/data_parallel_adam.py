@@ -291,13 +291,18 @@ class CoconetOptim(Contender):
     kind = "coconet"
     name = "coconet.optim.Adam"
 
-    def __init__(self, comm, p0: torch.Tensor, hp: dict) -> None:
+    def __init__(self, comm, p0: torch.Tensor, hp: dict, storage: str = "per-rank") -> None:
         import coconet.optim
 
         self.world = comm.world
+        if storage != "per-rank":
+            self.name = f"{CoconetOptim.name}[{storage}]"
         self.p = torch.nn.Parameter(p0.clone())
-        self.opt = coconet.optim.Adam([self.p], **hp, comm=comm)
-        self.schedule = "coconet.optim default (fuse_RS_C_AG, state sliced, commit swap)"
+        self.opt = coconet.optim.Adam([self.p], **hp, comm=comm, param_storage=storage)
+        self.schedule = (
+            f"coconet.optim default (fuse_RS_C_AG, state sliced, commit swap), {storage} "
+            "parameters"
+        )
         self.fn = self.opt._buckets[0].step_fn
 
     def prepare(self, g):
@@ -384,6 +389,8 @@ def worker(comm, cfg: dict) -> dict:
         contenders.append(ShmAllReduce(comm, p0, hp))
     if CoconetOptim.name in wanted:
         contenders.append(CoconetOptim(comm, p0, hp))
+    if HOST_SHARED_OPTIM in wanted:
+        contenders.append(CoconetOptim(comm, p0, hp, storage="host-shared"))
     skipped: dict[str, str] = {}
     if DEEPSPEED in wanted:
         why = deepspeed_available(world)
@@ -765,6 +772,8 @@ def loadavg() -> list[float]:
 
 
 DEEPSPEED = DeepSpeedShm.name
+# coconet.optim with param_storage="host-shared": one copy of the parameters per host
+HOST_SHARED_OPTIM = f"{CoconetOptim.name}[host-shared]"
 ALL = [
     "ddp",
     "ddp_foreach",
@@ -782,6 +791,7 @@ ALL = [
     f"coconet:AR_C{SHM}{LEAN}",
     f"coconet:fuse_RS_C_AG{SHM}{LEAN}",
     CoconetOptim.name,
+    HOST_SHARED_OPTIM,
 ]
 
 

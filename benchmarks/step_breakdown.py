@@ -21,7 +21,19 @@ slowest rank. Phases:
   one-pass unit's published gather: the gather itself, from the peers' slots into ``p``; with
   ``--commit swap`` the state is swapped in, not copied).
 
+``fuse_RS_C_AG[host-shared]`` is the same schedule with ``p`` a host replica
+(``coconet.runtime.replica``: one double-buffered copy of the parameters per host): the kernel
+writes its new slice into the spare buffer and the commit flips, so it has no gather to copy.
+
 For scale, ``ddp`` is split into its ``all_reduce`` and ``Adam(fused=True).step()``.
+
+Where the bytes go: for the one-pass steps, each memory phase's bytes per rank (what it must read
+and write) and its effective bandwidth, next to three probes run by both ranks at once on
+slices of the same size: a copy (``dst.copy_(src)``: an out-of-place write, which the CPU first
+reads for ownership unless it streams), an in-place read-modify-write (``x.add_(y)``: as torch's
+fused Adam updates ``p``, ``m``, ``v``) and a read (``x.sum()``). Each phase also reports the minor
+page faults it took (``getrusage``: fresh memory costs a fault per 4 KiB page; ``perf``'s hardware
+counters are not available on this VM, so cache misses are not counted).
 
     python benchmarks/step_breakdown.py --params 4194304 --steps 10
 """
@@ -31,6 +43,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import resource
 import statistics
 import sys
 import time
@@ -42,6 +55,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_parallel_adam import f32, gradient, initial_param, load_adam  # noqa: E402
 
+FAULTED = ["collective start", "fused kernel", "collective wait", "commit copies"]
+HOST_SHARED = "fuse_RS_C_AG[host-shared]"
 PHASES = [
     "bind",
     "handshake",
@@ -75,16 +90,22 @@ def worker(comm, cfg):
     g = gradient(0, comm.rank, 0, n)
     p0 = initial_param(0, n)
     acc: dict[str, float] = collections.defaultdict(float)
+    faults: dict[str, int] = collections.defaultdict(int)
+
+    def minflt() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def wrap(obj, attr, label, pick=None):
         orig = getattr(obj, attr)
 
         def timed(*a, **k):
-            t = time.perf_counter()
+            t, f = time.perf_counter(), minflt()
             try:
                 return orig(*a, **k)
             finally:
-                acc[pick(a, k) if pick else label] += (time.perf_counter() - t) * 1e3
+                key = pick(a, k) if pick else label
+                acc[key] += (time.perf_counter() - t) * 1e3
+                faults[key] += minflt() - f
 
         setattr(obj, attr, timed)
 
@@ -104,6 +125,9 @@ def worker(comm, cfg):
 
     out = {}
     targets = {"unscheduled": program, **{k: f(program) for k, f in adam.SCHEDULES.items()}}
+    shm = comm.transport_of(None) is TransportKind.SHARED_MEMORY
+    if shm:
+        targets[HOST_SHARED] = adam.SCHEDULES["fuse_RS_C_AG"](program)
     for name, target in targets.items():
         fn = coconet.compile(target, comm=comm, cache_dir=cfg["cache_dir"], commit=cfg["commit"])
         wrap(fn, "_bind", "bind")
@@ -113,9 +137,16 @@ def worker(comm, cfg):
             wrap(fn.kernels._kernels[kname], "fn", "fused kernel")
         zeros = torch.zeros(n)
         st = rank_inputs(fn.program, {"p": p0, "m": zeros, "v": zeros}, comm.mesh, comm.rank)
+        if name == HOST_SHARED:
+            replica = fn.host_replica("p", (n,))
+            if comm.rank == 0:
+                replica.live().copy_(p0)
+            dist.barrier()
+            st["p"] = replica.live()
         rows = collections.defaultdict(list)
         for k in range(cfg["warmup"] + cfg["steps"]):
             acc.clear()
+            faults.clear()
             dist.barrier()
             t = time.perf_counter()
             fn(g=g, step=float(k + 1), **st, **hp)
@@ -132,7 +163,28 @@ def worker(comm, cfg):
             rows["commit vote"].append(acc["agree:commit vote"])
             rows["commit copies"].append(acc["commit copies"])
             rows["total"].append(total)
+            for ph in FAULTED:
+                rows["faults: " + ph].append(faults[ph])
         out[f"coconet:{name}"] = {ph: statistics.median(v) for ph, v in rows.items()}
+
+    # The probes, on a slice's size, both ranks at once (a barrier before each).
+    half = n // comm.world
+    a, b, c = torch.randn(half), torch.randn(half), torch.empty(half)
+    probes = {
+        "copy (out of place)": (lambda: c.copy_(a), 8 * half),
+        "in place (x += y)": (lambda: a.add_(b, alpha=1e-30), 12 * half),
+        "read (sum)": (lambda: a.sum(), 4 * half),
+    }
+    rows = collections.defaultdict(list)
+    for k in range(cfg["warmup"] + cfg["steps"]):
+        for label, (fn_, _) in probes.items():
+            dist.barrier()
+            t = time.perf_counter()
+            fn_()
+            if k >= cfg["warmup"]:
+                rows[label].append((time.perf_counter() - t) * 1e3)
+    out["probe"] = {ph: statistics.median(v) for ph, v in rows.items()}
+    out["probe bytes"] = {label: float(nbytes) for label, (_, nbytes) in probes.items()}
 
     param = torch.nn.Parameter(p0.clone())
     param.grad = torch.empty(n)
@@ -169,6 +221,7 @@ def worker(comm, cfg):
     for (c, ph), v in zip(keys, t.tolist(), strict=True):
         worst[c][ph] = v
     worst = dict(worst)
+    worst["probe bytes"] = out["probe bytes"]
     worst["transport"] = comm.transport_of(None).value
     return worst
 
@@ -210,12 +263,61 @@ def main(argv=None) -> int:
         f"coconet over {res['transport']}, commit={args.commit}; ddp over gloo; median of "
         f"{args.steps} steps, slowest rank, ms (load average {os.getloadavg()[0]:.2f})"
     )
-    print(f"{'phase':<18}" + "".join(f"{c.removeprefix('coconet:'):>15}" for c in cols))
+    width = max(15, *(len(c) - len("coconet:") + 2 for c in cols))
+    print(f"{'phase':<26}" + "".join(f"{c.removeprefix('coconet:'):>{width}}" for c in cols))
     for ph in PHASES:
-        print(f"{ph:<18}" + "".join(f"{res[c].get(ph, 0.0):>15.1f}" for c in cols))
+        print(f"{ph:<26}" + "".join(f"{res[c].get(ph, 0.0):>{width}.1f}" for c in cols))
+    for ph in FAULTED:
+        key = "faults: " + ph
+        print(f"{'page faults: ' + ph:<26}" + "".join(f"{res[c].get(key, 0):>{width}.0f}"
+                                                   for c in cols))
     print()
     print("ddp: " + ", ".join(f"{ph} {v:.1f}" for ph, v in res["ddp"].items()))
+    print()
+    print(bandwidth_table(res, args.params, 2))
     return 0
+
+
+def bandwidth_table(res: dict, n: int, world: int) -> str:
+    """Where the one-pass steps' bytes go: each memory phase's bytes per rank and effective
+    bandwidth, against the probes (both ranks at once, on a slice's size)."""
+    s = n // world
+    mib = 2**20
+    # the kernel reads this rank's slice of every peer's gradient (4n bytes together) and its
+    # p, m, v slices; it writes m, v and its new p slice (into the gather's slot, or the
+    # replica's spare buffer); the per-rank commit copies every rank's new slice into p
+    kernel = 4 * n + 24 * s
+    phases = {
+        "coconet:fuse_RS_C_AG": [("fused kernel", kernel), ("commit copies", 8 * n)],
+        f"coconet:{HOST_SHARED}": [("fused kernel", kernel), ("commit copies", 0)],
+    }
+    lines = [
+        "where the bytes go (per rank; GB/s = bytes moved / time; probes on "
+        f"{4 * s / mib:.0f} MiB slices, both ranks at once):",
+        f"{'':<34}{'MiB':>8}{'ms':>8}{'GB/s':>8}",
+    ]
+    for label, ms in res["probe"].items():
+        nbytes = res["probe bytes"][label]
+        lines.append(
+            f"{'probe: ' + label:<34}{nbytes / mib:>8.0f}{ms:>8.2f}{nbytes / ms / 1e6:>8.1f}"
+        )
+    for col, rows in phases.items():
+        if col not in res:
+            continue
+        for ph, nbytes in rows:
+            ms = res[col].get(ph, 0.0)
+            rate = f"{nbytes / ms / 1e6:>8.1f}" if nbytes and ms > 0 else f"{'-':>8}"
+            lines.append(
+                f"{col.removeprefix('coconet:') + ': ' + ph:<34}{nbytes / mib:>8.0f}{ms:>8.2f}"
+                + rate
+            )
+        total = sum(b for _, b in rows)
+        ms = res[col]["total"]
+        lines.append(
+            f"{col.removeprefix('coconet:') + ': whole step':<34}{total / mib:>8.0f}{ms:>8.2f}"
+            f"{total / ms / 1e6:>8.1f}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

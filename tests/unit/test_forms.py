@@ -9,7 +9,7 @@ from support.examples_loader import load_example
 
 import coconet as cc
 from coconet.codegen import lower
-from coconet.codegen.emit import EMISSIONS
+from coconet.codegen.emit import EMISSIONS, emit
 from coconet.codegen.forms import (
     REGISTRY,
     Form,
@@ -150,3 +150,46 @@ def test_a_gather_followed_by_a_collective_is_not_published_in_the_prediction_ei
         cand = Candidate(program, target, TransportKind.SHARED_MEMORY)
         parts = [p.what for p in predict(cand, {"N": 1 << 16}, _model(), 2).parts]
         assert ("commit w" in parts) is not published, (program.name, parts)
+
+
+@pytest.mark.parametrize(("example", "schedule"), PAPER)
+def test_a_published_gather_names_the_input_it_is_committed_into(example, schedule):
+    """What a host replica flips (``coconet.runtime.replica``): the one update target of each
+    published gather, emitted as the module's ``REPLICA_INPUTS`` and passed to the channel."""
+    target = _scheduled(example, schedule)
+    plan = lower(target.program)
+    f = forms(plan, TransportKind.SHARED_MEMORY)
+    program = target.program
+    flips = set()
+    for name in f.published:
+        into = f.commit_target(program.node(name))
+        assert into is not None and into.op is Op.INPUT, name
+        assert any(u.inputs[0] is into and u.inputs[1].name == name for u in program.updates)
+        flips.add(into.name)
+    for u in program.updates:  # an update that is not a published gather flips nothing
+        if u.inputs[1].name not in f.published:
+            assert f.commit_target(u.inputs[1]) is None
+    source = emit(plan, [], f)
+    listed = f"REPLICA_INPUTS = ({', '.join(repr(n) for n in sorted(flips))}"
+    assert (listed in source) is bool(flips), source[:2000]
+    if flips:
+        assert "gather_into=" in source or "into=" in source
+    # torch.distributed publishes nothing: nothing to flip
+    assert "REPLICA_INPUTS" not in emit(plan, [], forms(plan, TransportKind.TORCH_DISTRIBUTED))
+
+
+@pytest.mark.parametrize(("example", "schedule"), [("adam", "fuse_RS_C_AG"),
+                                                    ("lamb", "fuse_RS_C_AG")])
+def test_the_cost_model_predicts_no_gather_into_a_host_replica(example, schedule):
+    mod = load_example(example)
+    target = mod.SCHEDULES[schedule](mod.program())
+    cand = Candidate(mod.program(), target, TransportKind.SHARED_MEMORY)
+    sizes = {"N": 1 << 20}
+    per_rank = predict(cand, sizes, _model(), 2)
+    shared = predict(cand, sizes, _model(), 2, replicas=("p",))
+    gathers = [p.what for p in per_rank.parts if ": gather p_new" in p.what]
+    assert gathers, per_rank.parts
+    assert not [p for p in shared.parts if ": gather p_new" in p.what], shared.parts
+    assert shared.ms < per_rank.ms
+    # the same parts otherwise
+    assert {p.what for p in per_rank.parts} - {p.what for p in shared.parts} == set(gathers)

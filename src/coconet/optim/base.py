@@ -398,6 +398,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 top=2,
                 reps=5,
                 fix_algorithms=False,
+                replicas=("p",) if self._storage is ParamStorage.HOST_SHARED else (),
             )
             self._auto[key] = result
         return self._auto[key].winner.target

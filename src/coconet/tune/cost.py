@@ -308,8 +308,10 @@ class _Walk:
         donated: frozenset[str],
         registered: frozenset[str],
         unit_forms: Forms,
+        replicas: frozenset[str] = frozenset(),
     ) -> None:
         self.model = model
+        self.replicas = replicas  # inputs passed as host replicas (coconet.runtime.replica)
         self.forms = unit_forms  # the forms the emitter writes (coconet.codegen.forms)
         self.mesh = mesh
         self.counter = Counter(mesh, sizes)
@@ -457,6 +459,11 @@ class _Walk:
         syncs = (one.reduce_scatter is not None) + (one.all_gather is not None)
         parts.append(Part(f"{unit.name}: synchronisation", "communication", syncs * self.sync()))
         if one.all_gather is not None:
+            target = self.forms.commit_target(one.all_gather)
+            if target is not None and target.name in self.replicas:
+                # committed into a host replica: every rank wrote its slot in the spare buffer
+                # (the kernel's write, counted above) and the commit flips it; nothing is copied
+                return
             # every peer's slot read, the whole tensor written: by the gather, or by the commit
             # of a published one
             full = self.full_bytes(one.all_gather)
@@ -507,13 +514,16 @@ def predict(
     commit: CommitMode = CommitMode.COPY,
     commit_vote: bool = True,
     registered: Sequence[str] | None = None,
+    replicas: Sequence[str] = (),
 ) -> Prediction:
     """The predicted step of ``candidate`` with ``sizes`` bound (``{"N": 16777216}``) on
     ``mesh`` (a Mesh or a world size) of ``model``'s machine.
 
     ``registered``: the inputs passed in symmetric memory (``CompiledStep.input_buffer``);
     None: every input a collective reads (what the tuner measures, and what ``coconet.optim``
-    does with the gradient)."""
+    does with the gradient). ``replicas``: the inputs passed as host replicas
+    (``CompiledStep.host_replica``: ``coconet.optim``'s ``param_storage="host-shared"``); a
+    candidate whose published gather is committed into one copies nothing at its commit."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh.world(mesh)
     program = candidate.scheduled
     plan = lower(program, frozenset(donate))
@@ -529,6 +539,7 @@ def predict(
         frozenset(donate),
         frozenset(registered),
         unit_forms,
+        frozenset(replicas),
     )
     parts: list[Part] = []
     walk.steps(plan.body, parts, "")

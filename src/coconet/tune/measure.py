@@ -110,6 +110,14 @@ class Communicators:
             self._buffers[key] = step.input_buffer(name, shape)
         return self._buffers[key]
 
+    def replica(self, comm: Communicator, step, name: str, shape: tuple):
+        """``step.host_replica(name, shape)``, made once per communicator, input and shape and
+        reused by every candidate (as ``buffer``). Collective."""
+        key = (id(comm), "replica", name, shape)
+        if key not in self._buffers:
+            self._buffers[key] = step.host_replica(name, shape)
+        return self._buffers[key]
+
     def discard(self, transport: TransportKind, algorithms: tuple = ()) -> None:
         """Forget a communicator a failed step may have broken (collective: every rank does,
         so that the next ``get`` makes a fresh one everywhere)."""
@@ -191,9 +199,12 @@ def _prepare(
     sizes: Mapping[str, int],
     options: CompileOptions,
     scalars: Mapping[str, float],
+    replicas: Sequence[str] = (),
 ) -> _Ready | Measurement:
     """Compile ``candidate`` and build its inputs; a failed ``Measurement`` if any rank could
-    not (the same on every rank: the ranks vote)."""
+    not (the same on every rank: the ranks vote). An input named in ``replicas`` is passed as
+    a host replica where the compiled step can flip it (as ``coconet.optim`` passes its
+    parameters with ``param_storage="host-shared"``)."""
     from coconet.compiler import compile as coconet_compile
 
     comm = comms.get(candidate.transport, candidate.algorithms)
@@ -216,6 +227,14 @@ def _prepare(
                     buf = comms.buffer(comm, fn, name, tuple(t.shape))
                     buf.copy_(t)
                     inputs[name] = buf
+            flips = getattr(fn.module, "REPLICA_INPUTS", ())
+            for name in (n for n in replicas if n in flips):
+                t = inputs[name]
+                live = comms.replica(comm, fn, name, tuple(t.shape)).live()
+                if comm.rank == 0:  # one copy per host: one writer
+                    live.copy_(t)
+                comm.barrier("tuning")
+                inputs[name] = live
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
         error = _vote_failed(error is not None, error)
@@ -238,8 +257,9 @@ def _one(
     warmup: int,
     reps: int,
     budget_s: float,
+    replicas: Sequence[str] = (),
 ) -> Measurement:
-    ready = _prepare(candidate, comms, sizes, options, scalars)
+    ready = _prepare(candidate, comms, sizes, options, scalars, replicas)
     if isinstance(ready, Measurement):
         return ready
     error: str | None = None
@@ -322,13 +342,14 @@ def rematch(
     options: CompileOptions | None = None,
     scalars: Mapping[str, float] | None = None,
     steps: int = 7,
+    replicas: Sequence[str] = (),
 ) -> Rematch | None:
     """Time ``first`` and ``second`` again, ``steps`` steps each, interleaved (see ``Rematch``).
     Collective. None if either failed on any rank (the first round's ranking then stands)."""
     options = options or CompileOptions()
     ready = []
     for c in (first, second):
-        r = _prepare(c, comms, sizes, options, scalars or {})
+        r = _prepare(c, comms, sizes, options, scalars or {}, replicas)
         if isinstance(r, Measurement):
             return None
         ready.append(r)
@@ -377,12 +398,14 @@ def measure(
     reps: int = 7,
     budget_s: float = 60.0,
     progress: Callable[[Candidate, Measurement], None] | None = None,
+    replicas: Sequence[str] = (),
 ) -> list[Measurement]:
-    """Measure each candidate (see the module's docstring). Collective."""
+    """Measure each candidate (see the module's docstring; ``replicas`` as ``_prepare``'s).
+    Collective."""
     options = options or CompileOptions()
     out = []
     for c in candidates:
-        m = _one(c, comms, sizes, options, scalars or {}, warmup, reps, budget_s)
+        m = _one(c, comms, sizes, options, scalars or {}, warmup, reps, budget_s, replicas)
         out.append(m)
         # Each candidate's buffers are garbage now; hand the heap back (the runtime keeps large
         # freed buffers mapped for the next step, which across 20 candidates adds up).

@@ -238,6 +238,7 @@ def tune(
     only: Sequence[str] | None = None,
     progress: bool | Callable[[str], None] = False,
     fix_algorithms: bool = True,
+    replicas: Sequence[str] = (),
 ) -> TuneResult:
     """Choose the schedule and transport of ``program`` with ``sizes`` bound, on ``comm``'s
     ranks (see the module's docstring). Collective.
@@ -257,6 +258,8 @@ def tune(
     faster there (0: never). ``fix_algorithms``: on torch.distributed,
     measure each candidate with the collective algorithms the model chose (False: with the
     communicator's own choice, for a caller that runs the winner on its communicator as it is).
+    ``replicas``: the inputs the caller passes as host replicas (``CompiledStep.host_replica``,
+    ``coconet.optim``'s ``param_storage="host-shared"``): predicted and measured so.
     """
     _check_arguments(program, comm, sizes, top, rematch_within)
     options = options or CompileOptions()
@@ -275,6 +278,7 @@ def tune(
         "budget_s": budget_s,
         "rematch_within": rematch_within,
         "scalars": dict(scalars or {}),
+        "replicas": sorted(replicas),
         "compile options": {k: str(v) for k, v in sorted(vars(options).items())},
     }
     # 1. a result cached for the same program, sizes, ranks and settings
@@ -295,7 +299,7 @@ def tune(
 
     def predicted(c: Candidate):
         kw = {"donate": options.donate, "commit": options.commit,
-              "commit_vote": options.commit_vote}
+              "commit_vote": options.commit_vote, "replicas": tuple(replicas)}
         return predict(c, sizes, model, comm.mesh, **kw)
 
     rows = candidate_rows(candidates, predicted, fix_algorithms)
@@ -304,13 +308,13 @@ def tune(
     # 4. measured on the ranks (every rank gets the slowest rank's times)
     _measure_rows(
         rows, picked, comms, sizes, options, scalars, reps, budget_s,
-        progress is True and comm.rank == 0,
+        progress is True and comm.rank == 0, tuple(replicas),
     )
     # 5. a deciding round when the two best measured close together
     again = None
     if only is None:
         again = _deciding_round(rows, picked, rematch_within, comms, sizes, options, scalars,
-                                reps, say)
+                                reps, say, tuple(replicas))
     result = TuneResult(
         program,
         dict(sizes),
@@ -418,6 +422,7 @@ def _measure_rows(
     reps: int,
     budget_s: float,
     show_bar: bool,
+    replicas: tuple[str, ...] = (),
 ) -> None:
     """Measure the picked rows on the ranks, with a progress bar on rank 0 when asked."""
     bar = _bar(len(picked), show_bar)
@@ -436,6 +441,7 @@ def _measure_rows(
         reps=reps,
         budget_s=budget_s,
         progress=done,
+        replicas=replicas,
     )
     if bar is not None:
         bar.close()
@@ -453,6 +459,7 @@ def _deciding_round(
     scalars: Mapping[str, float] | None,
     reps: int,
     say: Callable[[str], None],
+    replicas: tuple[str, ...] = (),
 ) -> Rematch | None:
     """The two best measured, timed again interleaved, when the runner-up is within
     ``rematch_within`` of the winner (every rank has the same times: every rank decides
@@ -466,7 +473,8 @@ def _deciding_round(
         return None
     a, b = ok[0].candidate, ok[1].candidate
     say(f"rematch: {a.label} and {b.label} are within {rematch_within:.0%}: timed again")
-    return rematch(a, b, comms, sizes, options=options, scalars=scalars, steps=reps)
+    return rematch(a, b, comms, sizes, options=options, scalars=scalars, steps=reps,
+                   replicas=replicas)
 
 
 def candidate_rows(
