@@ -20,6 +20,7 @@ import inspect
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from coconet import schedule as schedules
@@ -209,9 +210,16 @@ def _schedule(program, name: str, namespace: dict[str, Any], state: str | None =
     takes_state = library and "state" in inspect.signature(found).parameters
     if state is not None:
         if not takes_state:
+            why = (
+                "takes no state"
+                if library
+                else "comes from the module's SCHEDULES, which already says which state it "
+                "slices"
+            )
             raise SystemExit(
                 f"coconet: --state is for coconet.schedule's RS_C_AG and fuse_RS_C_AG; "
-                f"{name!r} {'takes no state' if library else 'comes from the module'}"
+                f"{name!r} {why}: drop --state {state} to use it as the "
+                f"module defines it (or give a schedule of coconet.schedule's with --state)"
             )
         return found(program, state=tuple(s.strip() for s in state.split(",") if s.strip()))
     if takes_state:
@@ -331,7 +339,7 @@ def _tune_worker(comm, target: str, sizes, settings: dict) -> tuple[str, dict] |
     options = CompileOptions(**settings.pop("compile"))
     result = tune(_program_of(obj), comm, sizes, options=options, progress=comm.rank == 0,
                   **settings)
-    return (result.explain(), result.to_json()) if comm.rank == 0 else None
+    return (result.explain(), result.to_json(), result.seconds) if comm.rank == 0 else None
 
 
 def _tune(args) -> int:
@@ -372,9 +380,13 @@ def _tune(args) -> int:
         "retune": args.retune,
     }
     options = CommOptions(cache_dir=args.cache_dir)
-    text, doc = spawn(_tune_worker, args.nproc, args.target, sizes, settings, options=options,
-                      timeout=args.timeout)[0]
+    began = time.perf_counter()
+    text, doc, seconds = spawn(_tune_worker, args.nproc, args.target, sizes, settings,
+                               options=options, timeout=args.timeout)[0]
     print(text)
+    # a cached result is read in about a second; the rest is starting the ranks (Python, torch)
+    print(f"\n({args.nproc} ranks started, tuned and stopped in "
+          f"{time.perf_counter() - began:.1f} s; the tuning itself took {seconds:.1f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

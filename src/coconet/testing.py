@@ -217,7 +217,16 @@ def check_schedules(
     for name, make in schedules.items():
         targets[name] = make(program) if callable(make) else make
     ok = True
-    for name, target in targets.items():
+    if comm.rank == 0:
+        print(
+            f"{label}: {len(targets)} programs on {comm.world} rank(s) over "
+            f"{comm.transport_of(None).value}; each compiles first (a fused kernel's first "
+            "torch.compile takes 10-30 s; later runs read Inductor's cache)",
+            flush=True,
+        )
+    for i, (name, target) in enumerate(targets.items(), 1):
+        if comm.rank == 0:
+            print(f"  [{i}/{len(targets)}] {name}: compiling and running ...", flush=True)
         try:
             report = check_distributed(
                 target, inputs, comm=comm, reference=program, verbose=False, **compile_options

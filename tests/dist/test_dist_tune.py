@@ -103,7 +103,7 @@ def test_a_second_tune_is_read_from_the_cache_unless_something_changed(options):
     assert [r["candidate"] for r in second["rows"]] == [r["candidate"] for r in first["rows"]]
     assert first["measure_calls"] == 1 and second["measure_calls"] == 0
     assert second["seconds"] < first["seconds"] + 5.0  # (a loose bound: both can be fast)
-    assert "(from the cache)" in second["explain"]
+    assert "(from the cache, read in " in second["explain"]
     for key in ("other_size", "other_state", "retune"):
         assert not out[key]["cached"], key
     assert out["measure_calls"] == 4  # first, other size, other state, retune: each measured

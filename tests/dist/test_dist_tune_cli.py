@@ -45,4 +45,4 @@ def test_coconet_tune_prints_the_table_and_writes_the_documented_json(tmp_path):
     assert "winner:" in text and "why the others were not chosen:" in text
     # a second tune of the same case is read from the cache, with the same winner
     again, doc2 = _tune(tmp_path)
-    assert "(from the cache)" in again and doc2["winner"] == doc["winner"]
+    assert "(from the cache, read in " in again and doc2["winner"] == doc["winner"]

@@ -600,7 +600,7 @@ def test_to_json_has_the_documented_keys_and_reads_back():
     assert [r.candidate.key for r in back.rows] == [r.candidate.key for r in result.rows]
     timed = [r for r in back.rows if r.measured is not None and r.measured.timed_out]
     assert len(timed) == 1
-    assert "(from the cache)" in back.explain()
+    assert "(from the cache, read in " in back.explain()
 
 
 def _rematched(first_ms: list[float], second_ms: list[float]) -> TuneResult:

@@ -15,6 +15,7 @@ from typing import Any
 
 from coconet.ir.program import Program
 from coconet.options import CommitMode, TransportKind
+from coconet.schedule import paper
 from coconet.tune.candidates import CHUNKS, Candidate, enumerate_candidates
 from coconet.tune.cluster import cluster_model
 from coconet.tune.cost import Prediction, predict
@@ -32,7 +33,12 @@ class PlanTable:
     predictions: dict[int, list[Prediction]]  # world -> one per candidate, in order
 
     def best(self, world: int) -> Prediction:
-        return min(self.predictions[world], key=lambda p: p.seconds)
+        """The fastest predicted; among equal predictions (the same program reached by a
+        recipe and by the paper's schedule), the one with the paper's name."""
+        preds = self.predictions[world]
+        fastest = min(p.seconds for p in preds)
+        tied = [p for p in preds if p.seconds <= fastest * (1 + 1e-9)]
+        return next((p for p in tied if p.candidate.name in paper.__all__), tied[0])
 
     def format(self) -> str:
         sizes = ", ".join(f"{k}={v:,}" for k, v in self.sizes.items())

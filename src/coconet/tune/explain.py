@@ -49,7 +49,9 @@ def explain(result: TuneResult) -> str:
     )
     out = [
         f"coconet tune: {result.program.name} with {_sizes(result.sizes)} on {result.world} "
-        f"rank(s)" + (" (from the cache)" if result.cached else f" ({result.seconds:.1f} s)"),
+        f"rank(s)"
+        + (f" (from the cache, read in {result.seconds:.1f} s)" if result.cached
+           else f" ({result.seconds:.1f} s)"),
         f"cost model: {result.machine}",
         f"{len(rows)} candidates ({len(result.enumeration.schedules)} schedules x "
         f"{len({r.candidate.transport for r in rows})} transport(s)"
