@@ -28,10 +28,12 @@ writes its new slice into the spare buffer and the commit flips, so it has no ga
 For scale, ``ddp`` is split into its ``all_reduce`` and ``Adam(fused=True).step()``.
 
 Where the bytes go: for the one-pass steps, each memory phase's bytes per rank (what it must read
-and write) and its effective bandwidth, next to three probes run by both ranks at once on
-slices of the same size: a copy (``dst.copy_(src)``: an out-of-place write, which the CPU first
-reads for ownership unless it streams), an in-place read-modify-write (``x.add_(y)``: as torch's
-fused Adam updates ``p``, ``m``, ``v``) and a read (``x.sum()``). Each phase also reports the minor
+and write) and its effective bandwidth, next to probes run by both ranks at once on slices of
+the same size: a copy (``dst.copy_(src)``: an out-of-place write, which the CPU first reads for
+ownership unless it streams), the same copy with streaming stores (a small C loop built here:
+what Inductor's kernels, which store normally, leave on the table), an in-place
+read-modify-write (``x.add_(y)``: as torch's fused Adam updates ``p``, ``m``, ``v``) and a read
+(``x.sum()``). Each phase also reports the minor
 page faults it took (``getrusage``: fresh memory costs a fault per 4 KiB page; ``perf``'s hardware
 counters are not available on this VM, so cache misses are not counted).
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import os
 import resource
 import statistics
@@ -175,6 +178,11 @@ def worker(comm, cfg):
         "in place (x += y)": (lambda: a.add_(b, alpha=1e-30), 12 * half),
         "read (sum)": (lambda: a.sum(), 4 * half),
     }
+    streaming = streaming_copy(cfg["cache_dir"], comm.rank)
+    if streaming is not None:
+        dst, src, count = (ctypes.c_void_p(c.data_ptr()), ctypes.c_void_p(a.data_ptr()),
+                           ctypes.c_size_t(half))
+        probes["copy, streaming stores"] = (lambda: streaming(dst, src, count), 8 * half)
     rows = collections.defaultdict(list)
     for k in range(cfg["warmup"] + cfg["steps"]):
         for label, (fn_, _) in probes.items():
@@ -224,6 +232,44 @@ def worker(comm, cfg):
     worst["probe bytes"] = out["probe bytes"]
     worst["transport"] = comm.transport_of(None).value
     return worst
+
+
+# The lever Inductor's kernels cannot pull: a copy whose stores bypass the cache (no read for
+# ownership of the destination). Measured here only, to size what streaming stores would buy.
+_STREAMING_C = r"""
+#include <immintrin.h>
+#include <stddef.h>
+void copy_streaming(float *dst, const float *src, size_t n) {
+    size_t i = 0;
+    while (i < n && ((size_t)(dst + i) & 15)) { dst[i] = src[i]; i++; }
+    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+    for (; i < n; i++) dst[i] = src[i];
+    _mm_sfence();
+}
+"""
+
+
+def streaming_copy(cache_dir: str, rank: int):
+    """``copy_streaming(dst, src, n)`` from a C file built here (x86-64 only; None elsewhere or
+    without a C compiler)."""
+    import platform
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    build = Path(cache_dir) / f"streaming-{rank}"
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "s.c").write_text(_STREAMING_C)
+    done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(build / "s.so"),
+                           str(build / "s.c")], capture_output=True)
+    if done.returncode != 0:
+        return None
+    lib = ctypes.CDLL(str(build / "s.so"))
+    lib.copy_streaming.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.copy_streaming.restype = None
+    return lib.copy_streaming
 
 
 def main(argv=None) -> int:
