@@ -104,12 +104,6 @@ class HostReplica:
         """The spare buffer becomes the live one (the commit of a step that wrote it)."""
         self._live = 1 - self._live
 
-    def commit_into(self, target: torch.Tensor) -> None:
-        """Flip and re-point ``target`` (the live buffer's tensor the step was given) at the new
-        live buffer (under no_grad)."""
-        self.flip()
-        target.set_(self.live())
-
     def close(self) -> None:
         self._buffers = ()
         self._mem.close()

@@ -127,10 +127,16 @@ class Published:
     ) -> None:
         self.pieces, self._release = pieces, release  # row blocks, in order, along dim 0
         self.shape, self.dtype, self.replica = shape, dtype, replica
+        self._flipped = False
 
     def copy_into(self, target: torch.Tensor) -> None:
-        if self.replica is not None and self.replica.holds(target):
-            self.replica.commit_into(target)
+        if self.replica is not None and (self._flipped or self.replica.holds(target)):
+            # repeatable (the commit writes again after an interruption): flip exactly once,
+            # then point the target at the live buffer
+            if not self._flipped:
+                self.replica.flip()
+                self._flipped = True
+            target.set_(self.replica.live())
             self.release()
             return
         start = 0
