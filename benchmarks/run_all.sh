@@ -15,6 +15,13 @@ mkdir -p "$R"
   --json "$R/data_parallel_adam_16M.json" --plot "$R/data_parallel_adam_16M.png" \
   | tee "$R/data_parallel_adam_16M.txt"
 
+# 64M: the fused forms against the best baselines only (every contender at 64M would need
+# ~30 GB on 2 ranks).
+"$PY" benchmarks/data_parallel_adam.py --params 67108864 --steps 10 \
+  --contenders "ddp,zero,shm_all_reduce+adam_fused,deepspeed_shm_all_reduce+adam_fused,coconet.optim.Adam,coconet.optim.Adam[host-shared]" \
+  --json "$R/data_parallel_adam_64M.json" --plot "$R/data_parallel_adam_64M.png" \
+  | tee "$R/data_parallel_adam_64M.txt"
+
 "$PY" benchmarks/collectives.py --json "$R/collectives.json" | tee "$R/collectives.txt"
 
 "$PY" benchmarks/compile_cost.py --params 4194304 --steps 20 --repeats 2 \
