@@ -121,6 +121,21 @@ class _Bucket:
         if not self.shapes:
             self.shapes = [tuple(p.shape) for p in self.params]
 
+    def detached(self) -> set[int]:
+        """The parameters no longer attached to this bucket (see ``detachment``): the per-step
+        check, kept to what tells (a replaced ``.data`` is a new pointer, whatever its dtype,
+        device or shape), ~0.5 us a parameter; ``detachment`` says why for the ones found."""
+        flat = self.flat
+        if flat is None:
+            return set()
+        base, size = flat.data_ptr(), flat.element_size()
+        return {
+            i for i, (p, offset, shape) in enumerate(
+                zip(self.params, self.offsets, self.shapes, strict=True))
+            if not p.requires_grad or p.shape != shape
+            or (p.data_ptr() != base + offset * size and p.numel())
+        }
+
     def detachment(self, i: int) -> str | None:
         """Why parameter ``i`` is no longer the view of this bucket's parameters the optimizer
         holds now (``flat``, wherever it lives), or None: compared with that view, so storage
@@ -632,9 +647,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _local_grads(self, b: _Bucket, problems: list[str]) -> list[bool]:
         """This rank's view of which of ``b``'s parameters have a gradient; every ``.grad`` made
         the bucket's view again (a replaced one copied into it first)."""
+        detached = b.detached()
         for i, p in enumerate(b.params):
-            why = b.detachment(i)
-            if why is not None:  # refused on every rank (see _refuse)
+            if detached and i in detached:  # refused on every rank (see _refuse)
+                why = b.detachment(i) or "it is no longer a view of the optimizer's bucket"
                 problems.append(f"{self._param_label(b, i)}: {why}: {identity.DETACHED}")
                 continue
             start, stop = b.span(i)
@@ -742,8 +758,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return super().zero_grad(set_to_none)
         for b in self._buckets:
             b.grad.zero_()
+            detached = b.detached()
             for i, p in enumerate(b.params):
-                if b.detachment(i) is not None:
+                if detached and i in detached:
                     continue  # not a view of the bucket any more: the next step refuses it
                 start, stop = b.span(i)
                 view = b.grad[start:stop]
