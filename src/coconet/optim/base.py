@@ -758,10 +758,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return super().zero_grad(set_to_none)
         for b in self._buckets:
             b.grad.zero_()
-            detached = b.detached()
             for i, p in enumerate(b.params):
-                if detached and i in detached:
-                    continue  # not a view of the bucket any more: the next step refuses it
                 start, stop = b.span(i)
                 view = b.grad[start:stop]
                 if p.grad is None:
@@ -769,7 +766,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 elif p.grad.layout == torch.strided and p.grad.data_ptr() != view.data_ptr():
                     b.has_grad[i] = True  # torch would zero the assigned tensor and keep it
                 if p.grad is None or p.grad.layout == torch.strided:
-                    p.grad = view.view_as(p)
+                    try:
+                        p.grad = view.view_as(p)
+                    except RuntimeError:
+                        # torch refuses a float32 .grad for a parameter cast or moved since
+                        # (detached from its bucket): left alone, the next step() refuses it
+                        # on every rank, naming it (no check per parameter here: a step's cost)
+                        if b.detachment(i) is None:
+                            raise
             if set_to_none:
                 b.has_grad[:] = [False] * len(b.has_grad)
 
