@@ -36,6 +36,9 @@ EXPECT = {
     "add_param_group on rank 1 only": [
         "rank 1 called add_param_group (after 2 steps) while rank 0 called step"],
     "add_param_group with different shapes": ["param group 1, parameter 0", "(2,)", "(3,)"],
+    "add_param_group refused by torch on rank 1": [
+        "add_param_group was refused on rank 1", "more than one parameter group"],
+    "load: the other rank's shard": ["refused on rank 0", "rank 1's shard"],
     "rank 1 skips a step": ["rank 1 called state_dict (after 4 steps) while rank 0 called step"],
     "rank 1 repeats a step": [
         "rank 1 called step (after 5 steps) while rank 0 called state_dict"],

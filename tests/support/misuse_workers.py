@@ -262,6 +262,25 @@ def _load_while_step(comm):
     return err, s, _same(before, _snapshot(opt))
 
 
+def _peer_shard(comm):
+    model, opt = _with_state(comm)
+    shards = comm.exchange(opt.sharded_state_dict(), "shards")
+    before = _snapshot(opt)
+    err, s = _timed(comm, lambda: opt.load_state_dict(shards[1 - comm.rank]))
+    return err, s, _same(before, _snapshot(opt))
+
+
+def _group_twice(comm):
+    """Rank 1 adds a parameter the optimizer already holds (torch's own check refuses it)."""
+    model, opt = _with_state(comm)
+    before = _snapshot(opt)
+    torch.manual_seed(1)
+    extra = torch.nn.Parameter(torch.randn(2))
+    again = [model[0].bias] if comm.rank == 1 else [extra]
+    err, s = _timed(comm, lambda: opt.add_param_group({"params": again}))
+    return err, s, _same(before, _snapshot(opt))
+
+
 CASES: dict[str, Callable] = {
     "swapped same-shape parameters": _swapped_order,
     "named parameters in another order": _named_swapped,
@@ -280,6 +299,8 @@ CASES: dict[str, Callable] = {
     "model.double() after construction": _edit_param_case(_to_double),
     "add_param_group on rank 1 only": _add_group([(2,), (2,)], ranks=(1,)),
     "add_param_group with different shapes": _add_group([(2,), (3,)]),
+    "add_param_group refused by torch on rank 1": _group_twice,
+    "load: the other rank's shard": _peer_shard,
     "rank 1 skips a step": _steps_then_state_dict(-1),
     "rank 1 repeats a step": _steps_then_state_dict(+1),
     "state_dict while a peer steps": _state_dict_while_step,
