@@ -290,7 +290,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.param_groups.pop()  # as if never added
                 raise
         try:
-            content = json.dumps(identity.describe_group(group, index, values=True))
+            # (the values' checksums only where there is a peer to compare them with)
+            content = (json.dumps(identity.describe_group(group, index, values=True))
+                       if self._agrees() else "")
             self._agree_call(CallKind.ADD_PARAM_GROUP, content, refusal)
         except BaseException:
             if added:
@@ -322,6 +324,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._identity_lines = lines
         self._identity_digest = identity.digest("\n".join(lines))
 
+    def _agrees(self) -> bool:
+        """Whether collective calls agree first: a world of one has nobody to disagree with,
+        and with ``ddp=`` DDP's hook runs the steps inside ``backward()``."""
+        return self._comm.world > 1 and self._ddp is None
+
     def _call(self, kind: CallKind, content: str = "", refusal: BaseException | None = None
               ) -> identity.Call:
         why = "" if refusal is None else _first_line(refusal)
@@ -336,7 +343,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (no bucket: nothing else is collective, an exchange). Raises ``refusal`` itself when
         every rank refused alike."""
         comm = self._comm
-        if comm.world == 1 or self._ddp is not None:
+        if not self._agrees():
             if refusal is not None:
                 raise refusal
             return
@@ -884,7 +891,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except CoconetError as e:
             refusal = e
         # a shard is this rank's own: only its verdict is compared
-        content = "a shard" if shard or refusal else _state_digest(state_dict)
+        content = ("a shard" if shard or refusal or not self._agrees()
+                   else _state_digest(state_dict))
         self._agree_call(CallKind.LOAD_STATE_DICT, content, refusal)
         if shard:
             checkpoint.apply_shard(self, state_dict)
@@ -938,7 +946,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(entries, Mapping):
             raise ConfigError(f"the state dict's 'state' is a {type(entries).__name__}",
                               op=where, hint="load a checkpoint saved by state_dict()")
-        unknown = [k for k in entries if k not in set(saved_ids)]
+        held = set(saved_ids)
+        unknown = [k for k in entries if k not in held]
         if unknown:
             raise ConfigError(
                 f"the state dict has state for parameter(s) {unknown[:4]} that none of its param "
