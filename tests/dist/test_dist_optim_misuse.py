@@ -45,6 +45,8 @@ EXPECT = {
     "state_dict while a peer steps": [
         "rank 1 called state_dict (after 2 steps) while rank 0 called step (after 2 steps)"],
     "load_state_dict while a peer steps": ["rank 1 called load_state_dict", "rank 0 called step"],
+    "state_dict while a peer takes its first step": [
+        "rank 1 called state_dict (after 0 steps) while rank 0 called step (after 0 steps)"],
 }
 BOUND_S = 5.0  # loose: measured 1-40 ms; the ranks' timeout is 20 s
 

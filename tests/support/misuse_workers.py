@@ -253,6 +253,17 @@ def _state_dict_while_step(comm):
     return err, s, _same(before, _snapshot(opt))
 
 
+def _state_dict_before_the_first_step(comm):
+    """The peer's first step (its shapes not yet exchanged: a full exchange) meets a
+    state_dict()."""
+    model = _model()
+    opt = _opt(comm, model.parameters())
+    before = _snapshot(opt)
+    err, s = _timed(comm, (lambda: opt.state_dict()) if comm.rank == 1
+                    else (lambda: _train(opt, model, comm)))
+    return err, s, _same(before, _snapshot(opt))
+
+
 def _load_while_step(comm):
     model, opt = _with_state(comm)
     sd = opt.state_dict()
@@ -305,6 +316,7 @@ CASES: dict[str, Callable] = {
     "rank 1 repeats a step": _steps_then_state_dict(+1),
     "state_dict while a peer steps": _state_dict_while_step,
     "load_state_dict while a peer steps": _load_while_step,
+    "state_dict while a peer takes its first step": _state_dict_before_the_first_step,
 }
 
 
