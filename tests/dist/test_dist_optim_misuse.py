@@ -29,8 +29,9 @@ EXPECT = {
     "p.data replaced (every rank)": ["on every rank: param group 0, parameter 0", ".data"],
     "p.data replaced (rank 1)": ["on rank 1: param group 0, parameter 0", ".data"],
     "re-initialised by assignment": ["param group 0, parameter 2", ".data"],
-    "requires_grad off (every rank)": ["on every rank", "parameter 1", "requires_grad"],
-    "requires_grad off (rank 0)": ["on rank 0:", "parameter 1", "requires_grad"],
+    "requires_grad off (rank 0)": [
+        "parameter 1 (shape (4,)) does not require grad on rank(s) [0] but does on rank(s) [1]"],
+    "requires_grad off on every rank (accepted)": None,  # torch's case: skipped
     "requires_grad on, a frozen parameter": ["shape (3,)", "requires grad now"],
     "model.double() after construction": ["parameter 0", "cast to torch.float64"],
     "add_param_group on rank 1 only": [
@@ -62,6 +63,9 @@ def test_each_misuse_is_one_clear_error_on_every_rank(transport):
     results = spawn(misuse_workers.misuse, 2, options=options, timeout=280)
     for name, words in EXPECT.items():
         outs = [r[name] for r in results]
+        if words is None:  # accepted on every rank, as torch
+            assert all(o["error"] is None and o["unchanged"] for o in outs), (transport, name)
+            continue
         for rank, out in enumerate(outs):
             err = out["error"]
             assert err is not None, (transport, name, rank, "accepted")

@@ -192,6 +192,18 @@ def _to_double(model):
     model.double()
 
 
+def _frozen_everywhere(comm):
+    """Not a misuse: a parameter frozen on every rank mid-training is skipped, as torch skips a
+    parameter without a gradient (error None; "unchanged": its value and step count)."""
+    model, opt = _with_state(comm)
+    model[0].bias.requires_grad_(False)
+    bias = model[0].bias.detach().clone()
+    steps = list(opt._buckets[0].steps)
+    err, s = _timed(comm, lambda: _train(opt, model, comm))
+    same = torch.equal(model[0].bias, bias) and opt._buckets[0].steps[1] == steps[1]
+    return err, s, same and opt._buckets[0].steps[0] == steps[0] + 1
+
+
 def _frozen_on(comm):
     model = _model()
     model[1].bias.requires_grad_(False)
@@ -304,10 +316,10 @@ CASES: dict[str, Callable] = {
     "p.data replaced (every rank)": _edit_param_case(_reassign_data),
     "p.data replaced (rank 1)": _edit_param_case(_reassign_data, ranks=(1,)),
     "re-initialised by assignment": _edit_param_case(_reinit),
-    "requires_grad off (every rank)": _edit_param_case(_grad_off),
     "requires_grad off (rank 0)": _edit_param_case(_grad_off, ranks=(0,)),
     "requires_grad on, a frozen parameter": _frozen_on,
     "model.double() after construction": _edit_param_case(_to_double),
+    "requires_grad off on every rank (accepted)": _frozen_everywhere,
     "add_param_group on rank 1 only": _add_group([(2,), (2,)], ranks=(1,)),
     "add_param_group with different shapes": _add_group([(2,), (3,)]),
     "add_param_group refused by torch on rank 1": _group_twice,

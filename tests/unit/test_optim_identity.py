@@ -96,10 +96,9 @@ def _train(model, opt):
     ("edit", "words"),
     [
         (lambda m: setattr(m[0].weight, "data", m[0].weight.data.clone()), ".data was replaced"),
-        (lambda m: m[0].bias.requires_grad_(False), "requires_grad was set to False"),
         (lambda m: m.double(), "cast to torch.float64"),
     ],
-    ids=["data replaced", "requires_grad off", "model.double()"],
+    ids=["data replaced", "model.double()"],
 )
 def test_a_detached_parameter_is_refused_at_the_next_step(comm, edit, words):
     model, opt = _model_and_opt(comm)
@@ -113,6 +112,15 @@ def test_a_detached_parameter_is_refused_at_the_next_step(comm, edit, words):
     assert words in info.value.message and "build a new optimizer" in info.value.hint
     assert torch.equal(opt._buckets[0].flat, flat) and opt._buckets[0].steps == [1] * 4
     assert all(torch.equal(opt._buckets[0].state[k], v) for k, v in state.items())
+
+
+def test_a_parameter_frozen_after_construction_is_skipped_as_torch_skips_it(comm):
+    model, opt = _model_and_opt(comm)
+    _train(model, opt)
+    model[0].bias.requires_grad_(False)  # no gradient from now on: torch skips it
+    bias = model[0].bias.detach().clone()
+    _train(model, opt)
+    assert torch.equal(model[0].bias, bias) and opt._buckets[0].steps == [2, 1, 2, 2]
 
 
 def test_writing_in_place_stays_attached(comm):

@@ -51,8 +51,9 @@ Every rank must construct the optimizer over the same parameters (shapes, values
 same order, and make the same collective calls (``step``, ``state_dict``, ``load_state_dict``,
 ``add_param_group``) in the same order: checked before anything changes, a mismatch fails every
 rank at once with the same error (``coconet.optim.identity``). A parameter no longer the view
-of its bucket (``p.data`` replaced, cast, moved, ``requires_grad`` changed) is refused at the next
-step on every rank (``_Bucket.detachment``).
+of its bucket (``p.data`` replaced, cast, moved) is refused at the next step on every rank
+(``_Bucket.detachment``), and so is one frozen (``requires_grad_(False)``) on some ranks only;
+frozen on every rank, it is skipped as torch skips it.
 """
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ class _Bucket:
     def detached(self) -> set[int]:
         """The parameters no longer attached to this bucket (see ``detachment``): the per-step
         check, kept to what tells (a replaced ``.data`` is a new pointer, whatever its dtype,
-        device or shape), ~0.5 us a parameter; ``detachment`` says why for the ones found."""
+        device or shape), ~0.5 us a parameter; ``detachment`` says why for the ones found.
+        ``requires_grad`` is not attachment: a packed parameter frozen on every rank is skipped
+        as torch skips it (see ``_step_agreeing``)."""
         flat = self.flat
         if flat is None:
             return set()
@@ -132,7 +135,7 @@ class _Bucket:
         return {
             i for i, (p, offset, shape) in enumerate(
                 zip(self.params, self.offsets, self.shapes, strict=True))
-            if not p.requires_grad or p.shape != shape
+            if p.shape != shape
             or (p.data_ptr() != base + offset * size and p.numel())
         }
 
@@ -593,7 +596,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         anything moves, and the ranks exchange what they have: a parameter with a gradient on
         any rank is stepped (the others count zero, as DDP averages), a refusal anywhere fails
         every rank."""
-        mine = _digest(masks, problems, self._comm.rank)
+        # Which packed parameters do not require grad now: frozen on every rank it is torch's
+        # case (no gradient, skipped); frozen on some ranks only, refused (the ranks differ on
+        # what they train). Compared with the masks, at no extra cost.
+        frozen = [(j, i) for j, b in enumerate(self._buckets)
+                  for i, p in enumerate(b.params) if not p.requires_grad]
+        mine = _digest(masks, problems, self._comm.rank, frozen)
         # which call this is (a peer may be making another: identity), with the step's agreement
         call = self._call(CallKind.STEP).text()
         try:
@@ -605,12 +613,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._raise_mismatch(texts, CallKind.STEP)
             if not any(repr(_AGREE) in d for d in e.details):  # another difference: as is
                 raise
-        every = self._comm.exchange((masks, problems), _AGREE)
-        self._refuse(problems, [p for _, theirs in every for p in theirs],
-                     [(r, p) for r, (_, theirs) in enumerate(every) for p in theirs])
-        masks = [[any(r[j][i] for r, _ in every) for i in range(len(m))]
+        every = self._comm.exchange((masks, problems, frozen), _AGREE)
+        self._refuse(problems, [p for _, theirs, _ in every for p in theirs],
+                     [(r, p) for r, (_, theirs, _) in enumerate(every) for p in theirs])
+        self._refuse_frozen([f for _, _, f in every])
+        masks = [[any(r[j][i] for r, _, _ in every) for i in range(len(m))]
                  for j, m in enumerate(masks)]
-        self._step_buckets(masks, {_AGREE: _digest(masks, [], 0), CALL_KEY: call})
+        self._step_buckets(masks, {_AGREE: _digest(masks, [], 0, frozen), CALL_KEY: call})
+
+    def _refuse_frozen(self, frozen_by_rank: list[list[tuple[int, int]]]) -> None:
+        """A ConfigError on every rank when the ranks froze different parameters
+        (``requires_grad`` turned off after the optimizer was built, on some ranks only)."""
+        if all(f == frozen_by_rank[0] for f in frozen_by_rank):
+            return
+        where = sorted({x for f in frozen_by_rank for x in f})
+        j, i = next(x for x in where if any(x not in f for f in frozen_by_rank))
+        on = [r for r, f in enumerate(frozen_by_rank) if (j, i) in f]
+        off = [r for r, f in enumerate(frozen_by_rank) if (j, i) not in f]
+        raise ConfigError(
+            f"{self._param_label(self._buckets[j], i)} does not require grad on rank(s) {on} "
+            f"but does on rank(s) {off}: its requires_grad was changed on some ranks only",
+            op=f"coconet.optim.{type(self).__name__}.step",
+            hint="freeze or unfreeze a parameter on every rank (requires_grad_(False) on all of "
+            "them: it is then skipped, as torch skips a parameter without a gradient); nothing "
+            "was stepped on any rank",
+        )
 
     def _refuse(self, mine: list[str], anywhere: list[str],
                 by_rank: list[tuple[int, str]] | None = None) -> None:
@@ -1093,10 +1120,14 @@ def _default_comm(comm: Any, name: str) -> Communicator:
     return comm
 
 
-def _digest(masks: list[list[bool]], problems: list[str], rank: int) -> str:
-    """What the ranks compare: the masks, and a refusal made unique to this rank (so that a
-    refusal always reaches the exchange, even when every rank refuses)."""
+def _digest(masks: list[list[bool]], problems: list[str], rank: int,
+            frozen: list[tuple[int, int]] = ()) -> str:
+    """What the ranks compare: the masks, the packed parameters frozen since, and a refusal
+    made unique to this rank (so that a refusal always reaches the exchange, even when every
+    rank refuses)."""
     text = ";".join("".join("1" if x else "0" for x in m) for m in masks)
+    if frozen:
+        text += f"|frozen {frozen}"
     if problems:
         text += f"|refused by rank {rank}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

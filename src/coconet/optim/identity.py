@@ -129,10 +129,7 @@ def detachment(p: torch.Tensor, view_ptr: int, dtype: torch.dtype, device: torch
     """Why ``p`` is no longer the view of its bucket the optimizer holds (``view_ptr``: where
     that view starts, with its dtype, device and shape), or None when it still is. What a step
     updates is the bucket: a parameter whose ``.data`` was replaced (``p.data = ...``, a
-    ``model.double()`` or ``.to(device)``) keeps values the optimizer no longer sees, and one
-    whose ``requires_grad`` was turned off would still be stepped."""
-    if not p.requires_grad:
-        return "its requires_grad was set to False after the optimizer was built"
+    ``model.double()`` or ``.to(device)``) keeps values the optimizer no longer sees."""
     if p.dtype != dtype:
         return f"it was cast to {p.dtype} after the optimizer was built (it packed {dtype})"
     if p.device != device:
