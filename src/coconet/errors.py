@@ -88,6 +88,10 @@ def _is_coconet_frame(frame) -> bool:
     module = frame.f_globals.get("__name__", "")
     if module == "dataclasses":
         return True
+    # torch's decorator plumbing (``@torch.no_grad()`` on an optimizer's step) sits between the
+    # user's ``opt.step()`` and coconet.optim's checks: it is not the user's line either.
+    if module == "torch.utils._contextlib" or module == "torch.optim.optimizer":
+        return True
     return filename.startswith("<") and (module == "coconet" or module.startswith("coconet."))
 
 

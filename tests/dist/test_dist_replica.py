@@ -10,8 +10,7 @@ tensor, written slice by slice by a one-pass gather and committed by a flip.
 - a step that computes ``p`` on every rank (AR_C), and a communicator over torch.distributed,
   refuse a host replica with a ConfigError;
 - ``coconet.optim.Adam(param_storage="host-shared")`` follows one process's torch.optim.Adam,
-  including the mixed path (a layer without gradients for its first steps), and starts every
-  rank from rank 0's weights.
+  including the mixed path (a layer without gradients for its first steps).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def test_host_shared_parameters_follow_torch_adam(frozen_steps):
         replica_workers.optimizer_matches_torch, 2, frozen_steps, options=OPTIONS, timeout=100
     )
     for out in results:
-        assert out["same_start"]  # rank 1's own initialisation was replaced by rank 0's
+        assert out["same_start"]
         assert out["max_rel_err"] <= OPTIM_RTOL, out["max_rel_err"]
         assert out["attached"]
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):

@@ -171,15 +171,13 @@ def optimizer_matches_torch(comm: Communicator, frozen_steps: int) -> dict:
     of the batch, against one process's ``torch.optim.Adam`` over the whole batch (the mean of
     the ranks' gradients). With ``frozen_steps``, the second layer has no gradient for that
     many first steps (each parameter's own step count: the mixed path). Every rank starts from
-    its own random weights: the host's one copy takes rank 0's."""
+    the same weights (checked at construction); the host's one copy is written by rank 0."""
     import coconet.optim
 
-    torch.manual_seed(100 + comm.rank)  # a different initialisation on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    if comm.rank == 0:
-        model.load_state_dict(ref.state_dict())
+    ref.load_state_dict(model.state_dict())
     opt = coconet.optim.Adam(
         model.parameters(), lr=1e-2, weight_decay=1e-2, comm=comm, param_storage="host-shared"
     )

@@ -47,8 +47,13 @@ What it does with the parameters (the contract ``coconet.optim``'s optimizers sh
 - It cannot be copied or pickled (it holds a communicator and compiled steps): save its
   ``state_dict()`` and load it into a new one.
 
-Every rank must construct the optimizer over the same parameter shapes, in the same order
-(checked: a mismatch fails on every rank).
+Every rank must construct the optimizer over the same parameters (shapes, values, names), in the
+same order, and make the same collective calls (``step``, ``state_dict``, ``load_state_dict``,
+``add_param_group``) in the same order: checked before anything changes, a mismatch fails every
+rank at once with the same error (``coconet.optim.identity``). A parameter no longer the view
+of its bucket (``p.data`` replaced, cast, moved) is refused at the next step on every rank
+(``_Bucket.detachment``), and so is one frozen (``requires_grad_(False)``) on some ranks only;
+frozen on every rank, it is skipped as torch skips it.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import json
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -65,11 +71,12 @@ import torch
 
 from coconet import schedule as schedules
 from coconet.compiler import compile as coconet_compile
-from coconet.errors import ConfigError, GradientError, RuntimeFault
+from coconet.errors import CoconetError, ConfigError, GradientError, RuntimeFault
 from coconet.ir.program import Program
 from coconet.ir.types import DType, slice_bounds
-from coconet.optim import checkpoint
+from coconet.optim import checkpoint, identity
 from coconet.optim import ddp as ddp_hook
+from coconet.optim.identity import CALL_KEY, CallKind
 from coconet.options import CommitMode, CompileOptions, ParamStorage
 from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
@@ -108,11 +115,44 @@ class _Bucket:
     # (``flat`` is its live buffer, re-pointed by each step's commit)
     replica: HostReplica | None = None
 
+    # per parameter: its shape when it was packed (what its view of the bucket has)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         if not self.steps:
             self.steps = [0] * len(self.params)
         if not self.has_grad:
             self.has_grad = [False] * len(self.params)
+        if not self.shapes:
+            self.shapes = [tuple(p.shape) for p in self.params]
+
+    def detached(self) -> set[int]:
+        """The parameters no longer attached to this bucket (see ``detachment``): the per-step
+        check, kept to what tells (a replaced ``.data`` is a new pointer, whatever its dtype,
+        device or shape), ~0.5 us a parameter; ``detachment`` says why for the ones found.
+        ``requires_grad`` is not attachment: a packed parameter frozen on every rank is skipped
+        as torch skips it (see ``_step_agreeing``)."""
+        flat = self.flat
+        if flat is None:
+            return set()
+        base, size = flat.data_ptr(), flat.element_size()
+        return {
+            i for i, (p, offset, shape) in enumerate(
+                zip(self.params, self.offsets, self.shapes, strict=True))
+            if p.shape != shape
+            or (p.data_ptr() != base + offset * size and p.numel())
+        }
+
+    def detachment(self, i: int) -> str | None:
+        """Why parameter ``i`` is no longer the view of this bucket's parameters the optimizer
+        holds now (``flat``, wherever it lives), or None: compared with that view, so storage
+        the optimizer itself re-points the parameters to stays attached."""
+        flat = self.flat
+        if flat is None:
+            return None  # not packed (ddp=): DDP owns the parameters
+        start = flat.data_ptr() + self.offsets[i] * flat.element_size()
+        return identity.detachment(self.params[i], start, flat.dtype, flat.device,
+                                   self.shapes[i])
 
     @property
     def numel(self) -> int:
@@ -170,6 +210,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._where_key: tuple[int, ...] = ()
         self._where: dict[int, tuple[_Bucket, int]] = {}
         self._ddp = ddp
+        # What the ranks agree on before each collective call (coconet.optim.identity): the
+        # steps done, and the digest of the param groups (recomputed when they change).
+        self._steps_done = 0
+        self._identity_lines: list[str] = []
+        self._identity_digest = identity.digest("")
         if ddp is not None:
             ddp_hook.check_and_register(self, ddp)
         super().__init__(params, defaults)  # calls add_param_group for each group
@@ -228,18 +273,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """As torch's, and packs the group's trainable parameters into buckets (collective:
         every rank adds the same group at the same point). Parameters that do not require grad
         stay in the group, unpacked: they are never stepped (torch skips them too)."""
-        super().add_param_group(param_group)
-        index = len(self.param_groups) - 1
-        group = self.param_groups[index]
+        # Collective: every rank checks the group, then the ranks agree on it (the same
+        # parameters, values and hyper-parameters, and every rank's verdict) before any is
+        # packed; a refusal or a difference anywhere leaves every rank's groups as they were.
+        before = len(self.param_groups)
+        refusal: BaseException | None = None
         try:
-            self.check_group(group, f"param group {index}")
-            trainable = []
-            for p in group["params"]:
-                if p.requires_grad:
-                    self._check_param(p, index)
-                    trainable.append(p)
+            super().add_param_group(param_group)
+        except (TypeError, ValueError, KeyError, CoconetError) as e:  # torch's own checks
+            refusal = e
+        added = len(self.param_groups) > before
+        index = len(self.param_groups) - 1
+        group = self.param_groups[index] if added else {"params": []}
+        trainable = []
+        if refusal is None:
+            try:
+                self.check_group(group, f"param group {index}")
+                for p in group["params"]:
+                    if p.requires_grad:
+                        self._check_param(p, index)
+                        trainable.append(p)
+            except CoconetError as e:
+                refusal = e
+            except BaseException:
+                self.param_groups.pop()  # as if never added
+                raise
+        try:
+            # (the values' checksums only where there is a peer to compare them with)
+            content = (json.dumps(identity.describe_group(group, index, values=True))
+                       if self._agrees() else "")
+            self._agree_call(CallKind.ADD_PARAM_GROUP, content, refusal)
         except BaseException:
-            self.param_groups.pop()  # as if never added
+            if added:
+                self.param_groups.pop()  # as if never added
             raise
         self._frozen.extend(p for p in group["params"] if not p.requires_grad)
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -247,6 +313,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             by_dtype.setdefault(p.dtype, []).append(p)
         if self._ddp is not None:
             ddp_hook.check_group(self, index)
+            self._refresh_identity()
             return  # DDP's buckets are the buckets: made on the hook's first call
         for dtype, params in by_dtype.items():
             if self.bucket_per_parameter:
@@ -254,6 +321,83 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._buckets.append(self._bucket(index, group, dtype, [param]))
             else:
                 self._buckets.append(self._bucket(index, group, dtype, params))
+        self._refresh_identity()
+
+    # -- what the ranks agree on (coconet.optim.identity) ---------------------------------------
+
+    def _refresh_identity(self) -> None:
+        """The param groups' description and digest, carried by every step's agreement:
+        recomputed when the groups change (a group added, a state dict loaded), not per step."""
+        lines = [line for j, g in enumerate(self.param_groups)
+                 for line in identity.describe_group(g, j, values=False)]
+        self._identity_lines = lines
+        self._identity_digest = identity.digest("\n".join(lines))
+
+    def _agrees(self) -> bool:
+        """Whether collective calls agree first: a world of one has nobody to disagree with,
+        and with ``ddp=`` DDP's hook runs the steps inside ``backward()``."""
+        return self._comm.world > 1 and self._ddp is None
+
+    def _call(self, kind: CallKind, content: str = "", refusal: BaseException | None = None
+              ) -> identity.Call:
+        why = "" if refusal is None else _first_line(refusal)
+        return identity.Call(kind, self._steps_done, self._identity_digest, content, why)
+
+    def _agree_call(self, kind: CallKind, content: str = "",
+                    refusal: BaseException | None = None) -> None:
+        """Every rank makes this same collective call (``kind``, after as many steps, over the
+        same param groups, with the same ``content``) and none refused it (``refusal``: this
+        rank's reason), else the same ``ConfigError`` on every rank naming the difference.
+        Through the first bucket's step agreement, so that it pairs with a peer's ``step()``
+        (no bucket: nothing else is collective, an exchange). Raises ``refusal`` itself when
+        every rank refused alike."""
+        comm = self._comm
+        if not self._agrees():
+            if refusal is not None:
+                raise refusal
+            return
+        text = self._call(kind, content, refusal).text()
+        if self._buckets:
+            reports = self._buckets[0].step_fn.agree_call({CALL_KEY: text})
+            texts = None if reports is None else [r.replicated.get(CALL_KEY) for r in reports]
+        else:
+            every = comm.exchange(text, CALL_KEY)
+            texts = None if len(set(every)) == 1 else every
+        if texts is not None and len(set(texts)) > 1:
+            self._raise_mismatch(texts, kind, refusal)
+        if refusal is not None:
+            raise refusal
+
+    def _raise_mismatch(self, texts: list[str | None], kind: CallKind,
+                        refusal: BaseException | None = None) -> None:
+        """The ranks' call values differ: the same error on every rank (each has every rank's
+        values). Only the identity digests differ: the ranks exchange their descriptions (each
+        decided so from the same values) to name the first parameter that differs."""
+        op = f"coconet.optim.{type(self).__name__}.{kind.value}"
+        hint = getattr(refusal, "hint", None) or (
+            "fix the call on the rank named; nothing was changed on any rank")
+        error = identity.mismatch_error(texts, op, hint)
+        if error is None:
+            every = self._comm.exchange(self._identity_lines, "coconet.optim: param groups")
+            diff = identity.first_difference(every)
+            error = ConfigError(
+                f"the ranks' optimizers hold different parameters: {diff[0]}",
+                op=op,
+                details=diff[1:],
+                hint="build the same model on every rank and pass its parameters to the "
+                "optimizer in the same order (named_parameters() names them in errors); "
+                "nothing was changed on any rank",
+            )
+        raise error from refusal
+
+    def _param_label(self, b: _Bucket, i: int) -> str:
+        """``param group 0, parameter 2 ('fc.weight', shape (4, 4))``, for errors."""
+        group = self.param_groups[b.group]
+        p = b.params[i]
+        j = next((k for k, q in enumerate(group["params"]) if q is p), i)
+        names = group.get("param_names") or []
+        name = f"{names[j]!r}, " if j < len(names) else ""
+        return f"param group {b.group}, parameter {j} ({name}shape {b.shapes[i]})"
 
     def _check_param(self, p: torch.Tensor, index: int) -> None:
         name = f"coconet.optim.{type(self).__name__}"
@@ -302,7 +446,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         total = bucket.size
         shared = self._storage is ParamStorage.HOST_SHARED and self._comm.world > 1
         if shared:
-            # one copy per host: the first rank's values are everyone's (as DDP broadcasts them)
+            # one copy per host, written by its first rank (the values are the same on every
+            # rank: compared when the group was added)
             bucket.replica = bucket.step_fn.host_replica("p", (total,))
             flat = bucket.replica.live()
         else:
@@ -324,7 +469,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     _marker(bucket.has_grad, i)))
         bucket.flat, bucket.grad = flat, grad
-        if shared:  # the first rank's values are in before any rank reads them
+        if shared:  # the first rank's writes are in before any rank reads them
             self._comm.control.barrier("coconet.optim: host-shared parameters written")
         return bucket
 
@@ -440,6 +585,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         problems: list[str] = []
         masks = [self._local_grads(b, problems) for b in self._buckets]
         for p in self._frozen:
+            if p.requires_grad and not problems:
+                problems.append(
+                    f"a parameter of shape {tuple(p.shape)} that did not require grad when the "
+                    f"optimizer was built (so it was not packed) requires grad now: "
+                    f"{identity.DETACHED}"
+                )
             if p.grad is not None and not problems:
                 problems.append(
                     f"a parameter of shape {tuple(p.shape)} did not require grad when the "
@@ -451,6 +602,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._step_buckets(masks, None)
         else:
             self._step_agreeing(masks, problems)
+        self._steps_done += 1
         self.after_step()
         return loss
 
@@ -462,27 +614,77 @@ class DistributedOptimizer(torch.optim.Optimizer):
         anything moves, and the ranks exchange what they have: a parameter with a gradient on
         any rank is stepped (the others count zero, as DDP averages), a refusal anywhere fails
         every rank."""
-        mine = _digest(masks, problems, self._comm.rank)
+        # Which packed parameters do not require grad now: frozen on every rank it is torch's
+        # case (no gradient, skipped); frozen on some ranks only, refused (the ranks differ on
+        # what they train). Compared with the masks, at no extra cost.
+        frozen = [(j, i) for j, b in enumerate(self._buckets)
+                  for i, p in enumerate(b.params) if not p.requires_grad]
+        mine = _digest(masks, problems, self._comm.rank, frozen)
+        # which call this is (a peer may be making another: identity), with the step's agreement
+        call = self._call(CallKind.STEP).text()
         try:
-            self._step_buckets(masks, {_AGREE: mine})
+            self._step_buckets(masks, {_AGREE: mine, CALL_KEY: call})
             return
         except RuntimeFault as e:
+            texts = [r.replicated.get(CALL_KEY) for r in getattr(e, "reports", None) or ()]
+            if len(set(texts)) > 1:  # a peer made another call, or over other parameters
+                self._raise_mismatch(texts, CallKind.STEP)
             if not any(repr(_AGREE) in d for d in e.details):  # another difference: as is
                 raise
-        every = self._comm.exchange((masks, problems), _AGREE)
-        self._refuse(problems, [p for _, theirs in every for p in theirs])
-        masks = [[any(r[j][i] for r, _ in every) for i in range(len(m))]
+        every = self._comm.exchange((masks, problems, frozen), _AGREE)
+        self._refuse(problems, [p for _, theirs, _ in every for p in theirs],
+                     [(r, p) for r, (_, theirs, _) in enumerate(every) for p in theirs])
+        self._refuse_frozen([f for _, _, f in every])
+        masks = [[any(r[j][i] for r, _, _ in every) for i in range(len(m))]
                  for j, m in enumerate(masks)]
-        self._step_buckets(masks, {_AGREE: _digest(masks, [], 0)})
+        self._step_buckets(masks, {_AGREE: _digest(masks, [], 0, frozen), CALL_KEY: call})
 
-    def _refuse(self, mine: list[str], anywhere: list[str]) -> None:
-        """A GradientError when a gradient cannot be stepped here or on another rank."""
+    def _refuse_frozen(self, frozen_by_rank: list[list[tuple[int, int]]]) -> None:
+        """A ConfigError on every rank when the ranks froze different parameters
+        (``requires_grad`` turned off after the optimizer was built, on some ranks only)."""
+        if all(f == frozen_by_rank[0] for f in frozen_by_rank):
+            return
+        where = sorted({x for f in frozen_by_rank for x in f})
+        j, i = next(x for x in where if any(x not in f for f in frozen_by_rank))
+        on = [r for r, f in enumerate(frozen_by_rank) if (j, i) in f]
+        off = [r for r, f in enumerate(frozen_by_rank) if (j, i) not in f]
+        raise ConfigError(
+            f"{self._param_label(self._buckets[j], i)} does not require grad on rank(s) {on} "
+            f"but does on rank(s) {off}: its requires_grad was changed on some ranks only",
+            op=f"coconet.optim.{type(self).__name__}.step",
+            hint="freeze or unfreeze a parameter on every rank (requires_grad_(False) on all of "
+            "them: it is then skipped, as torch skips a parameter without a gradient); nothing "
+            "was stepped on any rank",
+        )
+
+    def _refuse(self, mine: list[str], anywhere: list[str],
+                by_rank: list[tuple[int, str]] | None = None) -> None:
+        """A GradientError when a gradient cannot be stepped here or on another rank (a
+        ConfigError when a parameter is detached from its bucket: see identity.detachment);
+        ``by_rank``: each problem with the rank that has it, when the ranks exchanged them."""
         if not anywhere:
             return
         problems = mine or ["another rank holds a gradient it cannot step (its error says which)"]
+        op = f"coconet.optim.{type(self).__name__}.step"
+        tagged = by_rank or [(self._comm.rank, p) for p in anywhere]
+        detached = [(r, p.replace(f": {identity.DETACHED}", "")) for r, p in tagged
+                    if identity.DETACHED in p]
+        if detached:
+            # a parameter no longer the view of its bucket (here or on a peer): not a gradient
+            # problem; every rank raises the same error, naming the rank and the parameter
+            ranks = sorted({r for r, _ in detached})
+            on = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+            if len(ranks) == self._comm.world:
+                on = "every rank"
+            raise ConfigError(
+                f"on {on}: {detached[0][1]}",
+                op=op,
+                details=[f"rank {r}: {p}" for r, p in detached[1:4]],
+                hint=identity.DETACHED_HINT,
+            )
         raise GradientError(
             problems[0],
-            op=f"coconet.optim.{type(self).__name__}.step",
+            op=op,
             details=problems[1:4],
             hint="nothing was stepped; a sparse gradient: use dense gradients or "
             "torch.optim.SparseAdam; a frozen parameter: build the optimizer after "
@@ -497,7 +699,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _local_grads(self, b: _Bucket, problems: list[str]) -> list[bool]:
         """This rank's view of which of ``b``'s parameters have a gradient; every ``.grad`` made
         the bucket's view again (a replaced one copied into it first)."""
+        detached = b.detached()
         for i, p in enumerate(b.params):
+            if detached and i in detached:  # refused on every rank (see _refuse)
+                why = b.detachment(i) or "it is no longer a view of the optimizer's bucket"
+                problems.append(f"{self._param_label(b, i)}: {why}: {identity.DETACHED}")
+                continue
             start, stop = b.span(i)
             view = b.grad[start:stop]
             g = p.grad
@@ -662,7 +869,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 elif p.grad.layout == torch.strided and p.grad.data_ptr() != view.data_ptr():
                     b.has_grad[i] = True  # torch would zero the assigned tensor and keep it
                 if p.grad is None or p.grad.layout == torch.strided:
-                    p.grad = view.view_as(p)
+                    try:
+                        p.grad = view.view_as(p)
+                    except RuntimeError:
+                        # torch refuses a float32 .grad for a parameter cast or moved since
+                        # (detached from its bucket): left alone, the next step() refuses it
+                        # on every rank, naming it (no check per parameter here: a step's cost)
+                        if b.detachment(i) is None:
+                            raise
             if set_to_none:
                 b.has_grad[:] = [False] * len(b.has_grad)
 
@@ -715,6 +929,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gathered from every rank's slice: collective, the same on every rank, and loadable into
         the torch optimizer or into this one at any world size. Runs the state-dict hooks as
         torch does (pre-hooks first; a post-hook's result replaces the state dict)."""
+        self._agree_call(CallKind.STATE_DICT)  # every rank calls it now (not a step)
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         groups, index = self._packed_groups()
@@ -759,15 +974,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if checkpoint.is_shard(state_dict):
-            checkpoint.load_shard(self, state_dict)
+        # Collective: every rank checks all of it before anything changes, then the ranks agree
+        # on the verdict (and, torch's format, on loading the same state): all load or none.
+        shard = checkpoint.is_shard(state_dict)
+        refusal: CoconetError | None = None
+        loads = None
+        try:
+            if shard:
+                checkpoint.check_shard(self, state_dict)
+            else:
+                loads = self._checked_torch_format(state_dict)
+        except CoconetError as e:
+            refusal = e
+        # a shard is this rank's own: only its verdict is compared
+        content = ("a shard" if shard or refusal or not self._agrees()
+                   else _state_digest(state_dict))
+        self._agree_call(CallKind.LOAD_STATE_DICT, content, refusal)
+        if shard:
+            checkpoint.apply_shard(self, state_dict)
         else:
-            self._load_torch_format(state_dict)
+            self._apply_torch_format(*loads)
+        self._refresh_identity()
         self.after_load()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _load_torch_format(self, state_dict: dict[str, Any]) -> None:
+    def _checked_torch_format(self, state_dict: dict[str, Any]) -> tuple[list, list]:
+        """What loading torch's format changes (the merged groups, each bucket's saved state and
+        steps), every tensor's shape and every parameter checked first: a ``ConfigError`` and
+        nothing changed when anything does not fit."""
         where = f"coconet.optim.{type(self).__name__}.load_state_dict"
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
@@ -793,27 +1028,66 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.check_group(new, f"param group {j} of the state dict")
             merged.append(new)
         saved_ids = [i for g in groups for i in g["params"]]
+        if len(set(saved_ids)) != len(saved_ids):
+            raise ConfigError(
+                "the state dict names a parameter in more than one place of its param groups "
+                f"({saved_ids[:8]}...)",
+                op=where,
+                hint="load a checkpoint saved by state_dict() of an optimizer built over the same "
+                "parameters",
+            )
         params = [p for g in self.param_groups for p in g["params"]]
         mine_ids = {id(p): i for p, i in zip(params, saved_ids, strict=True)}
         entries = state_dict.get("state", {})
+        if not isinstance(entries, Mapping):
+            raise ConfigError(f"the state dict's 'state' is a {type(entries).__name__}",
+                              op=where, hint="load a checkpoint saved by state_dict()")
+        held = set(saved_ids)
+        unknown = [k for k in entries if k not in held]
+        if unknown:
+            raise ConfigError(
+                f"the state dict has state for parameter(s) {unknown[:4]} that none of its param "
+                f"groups holds (they hold {sorted(saved_ids)[:8]}...)",
+                op=where,
+                hint="load a checkpoint saved by state_dict() of an optimizer built over the same "
+                "parameters",
+            )
         loads = []
         for b in self._buckets:
             saved = [entries.get(mine_ids[id(p)]) for p in b.params]
-            steps = [self.step_of(e) if e is not None else 0 for e in saved]
-            for p, e in zip(b.params, saved, strict=True):
+            for i, (p, e) in enumerate(zip(b.params, saved, strict=True)):
+                if e is not None and not isinstance(e, Mapping):
+                    raise ConfigError(
+                        f"the state dict's entry for {self._param_label(b, i)} is a "
+                        f"{type(e).__name__}", op=where,
+                        hint="load a checkpoint saved by state_dict()")
                 for key in b.names.values():
                     x = None if e is None else e.get(key)
+                    # the exact shape (torch's format keeps each tensor shaped as its
+                    # parameter): a transposed or one-element tensor would be broadcast or
+                    # reshaped into wrong values
                     if x is not None and (not isinstance(x, torch.Tensor)
-                                          or x.numel() != p.numel()):
+                                          or tuple(x.shape) != tuple(p.shape)
+                                          or not x.is_floating_point()):
                         raise ConfigError(
-                            f"the state dict's {key!r} of a parameter of shape "
-                            f"{tuple(p.shape)} is {type(x).__name__} "
-                            f"{tuple(getattr(x, 'shape', ()))}",
+                            f"the state dict's {key!r} of {self._param_label(b, i)} is "
+                            f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}"
+                            f"{' ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}; "
+                            f"it must be a floating-point tensor of shape {tuple(p.shape)}",
                             op=where,
                             hint="load a checkpoint of an optimizer built over the same "
-                            "parameters",
+                            "parameters, in the same order",
                         )
+            try:
+                steps = [self.step_of(e) if e is not None else 0 for e in saved]
+            except (TypeError, ValueError, KeyError, RuntimeError) as exc:
+                raise ConfigError(f"the state dict's step counts cannot be read: {exc}",
+                                  op=where, hint="load a checkpoint saved by state_dict()") from exc
             loads.append((b, saved, steps))
+        return merged, loads
+
+    def _apply_torch_format(self, merged: list, loads: list) -> None:
+        """Load what ``_checked_torch_format`` checked (nothing here can refuse)."""
         for mine, new in zip(self.param_groups, merged, strict=True):
             mine.update(new)
         for b, saved, steps in loads:
@@ -939,10 +1213,14 @@ def _param_storage(storage: Any, name: str, ddp: Any) -> ParamStorage:
     return storage
 
 
-def _digest(masks: list[list[bool]], problems: list[str], rank: int) -> str:
-    """What the ranks compare: the masks, and a refusal made unique to this rank (so that a
-    refusal always reaches the exchange, even when every rank refuses)."""
+def _digest(masks: list[list[bool]], problems: list[str], rank: int,
+            frozen: list[tuple[int, int]] = ()) -> str:
+    """What the ranks compare: the masks, the packed parameters frozen since, and a refusal
+    made unique to this rank (so that a refusal always reaches the exchange, even when every
+    rank refuses)."""
     text = ";".join("".join("1" if x else "0" for x in m) for m in masks)
+    if frozen:
+        text += f"|frozen {frozen}"
     if problems:
         text += f"|refused by rank {rank}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -964,3 +1242,34 @@ def _remove_hooks(handles: list[Any]) -> None:
 
 def _is_sliced(program: Program, name: str) -> bool:
     return program.input(name).type.layout.is_sliced
+
+
+def _first_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's message, on one line: what a refusing rank tells its peers."""
+    text = exc.message if isinstance(exc, CoconetError) else str(exc)
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _state_digest(state_dict: dict[str, Any]) -> str:
+    """A digest of torch's format as the ranks compare it before loading (the same checkpoint
+    on every rank): its groups and every entry, each tensor by shape, dtype and values."""
+    h = hashlib.sha256()
+
+    def add(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            h.update(f"T{tuple(v.shape)}{v.dtype}{identity.values_checksum(v)}".encode())
+        elif isinstance(v, Mapping):
+            for k in sorted(v, key=repr):
+                h.update(f"K{k!r}".encode())
+                add(v[k])
+        elif isinstance(v, list | tuple):
+            h.update(b"[")
+            for x in v:
+                add(x)
+            h.update(b"]")
+        else:
+            h.update(repr(v).encode())
+
+    add({"state": state_dict.get("state", {}), "param_groups": state_dict.get("param_groups")})
+    return "state dict " + h.hexdigest()[:16]

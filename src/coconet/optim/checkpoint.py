@@ -23,7 +23,8 @@ from coconet.errors import ConfigError
 if TYPE_CHECKING:
     from coconet.optim.base import DistributedOptimizer
 
-__all__ = ["FORMAT", "is_shard", "load_shard", "merge_shards", "sharded_state_dict"]
+__all__ = ["FORMAT", "apply_shard", "check_shard", "is_shard", "load_shard", "merge_shards",
+           "sharded_state_dict"]
 
 # /2: step counts per parameter ("steps" a list, "extra" one entry per parameter); /1 (one count
 # per bucket) is still read.
@@ -121,6 +122,12 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
 
 def load_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
     """This rank's shard back into the same rank of a job like the one that saved it."""
+    check_shard(opt, shard)
+    apply_shard(opt, shard)
+
+
+def check_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
+    """A ``ConfigError`` when ``shard`` does not fit this rank of ``opt`` (nothing changed)."""
     comm = opt._comm
     name = f"coconet.optim.{type(opt).__name__}.load_state_dict"
     if shard["world"] != comm.world or shard["rank"] != comm.rank:
@@ -152,6 +159,22 @@ def load_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
         new = {k: v for k, v in mine.items() if k != "params"}
         new.update({k: v for k, v in shard["param_groups"][j].items() if k != "params"})
         opt.check_group(new, f"param group {j} of the shard")
+    for saved, b in zip(shard["buckets"], opt._buckets, strict=True):
+        for key in b.names.values():
+            x = saved["state"].get(key)
+            want = b.state[next(n for n, k in b.names.items() if k == key)].shape
+            if not isinstance(x, torch.Tensor) or x.shape != want:
+                raise ConfigError(
+                    f"the shard's {key!r} of a bucket is "
+                    f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}, this rank keeps "
+                    f"{tuple(want)}",
+                    op=name,
+                    hint="load each rank's own shard of a job built over the same parameters",
+                )
+
+
+def apply_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
+    """Load a shard ``check_shard`` accepted."""
     for mine, theirs in zip(opt.param_groups, shard["param_groups"], strict=True):
         for k, v in theirs.items():
             if k != "params":

@@ -242,7 +242,13 @@ class CompiledStep:
         if reports is not None:
             # Raises the same RuntimeFault on every rank, or gives the sizes; a refused call is
             # not counted (on any rank), so the ranks stay in step and the communicator usable.
-            sizes = handshake.verdict(reports, self.program, self.mesh, self.input_sources)
+            try:
+                sizes = handshake.verdict(reports, self.program, self.mesh, self.input_sources)
+            except RuntimeFault as fault:
+                # every rank's report, for a caller that words the difference itself (which
+                # optimizer call each rank made: coconet.optim's call agreement)
+                fault.reports = reports
+                raise
             self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
             self._exchanged = shapes
         if self._ordinal is None:
@@ -264,6 +270,37 @@ class CompiledStep:
         # Every rank voted to commit: the step ends wholly after on every rank, and the ranks
         # stay in step (an interrupt held back by the commit is raised after it, no abort).
         return self._commit(inputs, outputs, updates, comm)
+
+    def agree_call(self, agree: dict[str, str]) -> list[handshake.RankReport] | None:
+        """Take part in this step's per-step agreement without running the step: a caller
+        that makes another collective call (``coconet.optim``'s ``state_dict``) in the place of
+        a step says which call it makes in ``agree``, the same key a step of it passes to
+        ``run(agree=)``. The report is this step's next call with only ``agree`` as its
+        Replicated values, so it pairs with a peer's step (the vector and the exchange are the
+        step's: they cannot mismatch) and with a peer's ``agree_call``. Returns every rank's
+        report when they differ (a peer steps, or makes another call), None when every rank
+        made this same call; nothing is counted either way. A peer that dies or aborts is a
+        ``RuntimeFault``, and this communicator is then aborted (as ``run``'s agreement)."""
+        comm = self._communicator()
+        if comm.world == 1:
+            return None
+        try:
+            identity, h = self._identity_of(comm)
+            ordinal = _steps_seen(comm).get(h, 0) if self._ordinal is None else self._ordinal
+            report = handshake.RankReport(
+                comm.rank,
+                identity,
+                dict(self._exchanged or {}),
+                {},
+                None,
+                call=self.calls + 1,
+                ordinal=ordinal,
+                replicated=dict(agree),
+            )
+            return handshake.settle(comm, report, False)
+        except BaseException as exc:
+            comm.abort(f"rank {comm.rank} failed in an agreement: {_first_line(exc)}")
+            raise
 
     def _agree(
         self, comm: Communicator, inputs: dict[str, Any], agree: dict[str, str] | None = None
