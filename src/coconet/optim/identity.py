@@ -164,6 +164,14 @@ def mismatch_error(texts: Sequence[str | None], op: str, hint_refusal: str) -> C
     kinds = [c.kind if c else None for c in calls]
     if len(set(kinds)) > 1:
         first = next(r for r, k in enumerate(kinds) if k != kinds[0])
+        # the usual way to get here: a checkpoint saved the single-process way, on rank 0 only
+        checkpoint = (
+            " To save a checkpoint from rank 0: call opt.state_dict() on every rank (it gathers "
+            "the state, which is sliced over the ranks) and torch.save it on rank 0 only (what "
+            "ZeroRedundancyOptimizer's consolidate_state_dict(to=0) asks too), or save each "
+            "rank's opt.sharded_state_dict()."
+            if CallKind.STATE_DICT in kinds else ""
+        )
         return ConfigError(
             f"the ranks made different collective calls: rank {first} "
             f"{calls[first].said() if calls[first] else 'ran a step'} while rank 0 "
@@ -172,7 +180,8 @@ def mismatch_error(texts: Sequence[str | None], op: str, hint_refusal: str) -> C
             details=said,
             hint="every rank must call step(), state_dict(), load_state_dict() and "
             "add_param_group() in the same order (a rank that skipped or repeated step() is a "
-            "step behind or ahead); nothing was changed on any rank by this call",
+            "step behind or ahead); nothing was changed on any rank by this call."
+            + checkpoint,
         )
     refusals = [(r, c.refusal) for r, c in enumerate(calls) if c and c.refusal]
     if refusals:
