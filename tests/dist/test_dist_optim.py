@@ -114,6 +114,14 @@ def test_closure_hooks_and_a_group_added_mid_training():
         assert out["losses_are_floats"]
 
 
+@pytest.mark.timeout(120)
+def test_ddp_refuses_param_groups_and_host_shared_parameters_saying_what_to_do():
+    for out in spawn(optim_workers.ddp_refusals, 2, options=OPTIONS, timeout=100):
+        assert "one param group; 2 were given" in out["groups"], out
+        assert "leave ddp= out" in out["groups"]
+        assert "cannot be combined with ddp=" in out["host-shared"], out
+
+
 def _ddp(comm):
     return {
         "Adam": optim_workers.ddp_hook(comm, "Adam", {"lr": 1e-2, "weight_decay": 1e-2}, 8,

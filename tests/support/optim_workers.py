@@ -383,3 +383,28 @@ def _worst_relative_error(net, ref) -> float:
         ((a - b).abs().max() / b.abs().max()).item()
         for a, b in zip(net.parameters(), ref.parameters(), strict=True)
     )
+
+
+def ddp_refusals(comm: Communicator) -> dict:
+    """What ``ddp=`` refuses, with the reason: two param groups (nanoGPT's decay / no decay), and
+    ``param_storage="host-shared"``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from coconet.errors import ConfigError
+
+    net = DDP(model())
+    decay = [p for p in net.parameters() if p.dim() > 1]
+    rest = [p for p in net.parameters() if p.dim() <= 1]
+    out = {}
+    for label, make in (
+        ("groups", lambda: coconet.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            comm=comm, ddp=net)),
+        ("host-shared", lambda: coconet.optim.AdamW(
+            net.parameters(), comm=comm, ddp=net, param_storage="host-shared")),
+    ):
+        try:
+            make()
+        except ConfigError as e:
+            out[label] = str(e)
+    return out

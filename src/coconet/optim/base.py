@@ -216,7 +216,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._identity_lines: list[str] = []
         self._identity_digest = identity.digest("")
         if ddp is not None:
-            ddp_hook.check_and_register(self, ddp)
+            params = list(params)  # as torch does; looked at before DDP's hook is registered
+            ddp_hook.check_and_register(self, ddp, params)
         super().__init__(params, defaults)  # calls add_param_group for each group
         # torch's own `state` (a defaultdict) stays empty here: this one reads the buckets.
         self.state = _StateView(self)

@@ -35,8 +35,24 @@ if TYPE_CHECKING:
 __all__ = ["check_and_register", "check_group"]
 
 
-def check_and_register(opt: DistributedOptimizer, ddp: DistributedDataParallel) -> None:
+def check_and_register(
+    opt: DistributedOptimizer, ddp: DistributedDataParallel, params: list | None = None
+) -> None:
     name = f"coconet.optim.{type(opt).__name__}"
+    groups = [g for g in params or () if isinstance(g, dict)]
+    if len(groups) > 1:
+        raise ConfigError(
+            f"with ddp=, the optimizer takes one param group; {len(groups)} were given",
+            op=name,
+            details=[
+                "DDP's gradient buckets cut across param groups, and each bucket is stepped as "
+                "one fused program with one set of hyper-parameters"
+            ],
+            hint="for groups (a decayed and a not-decayed set, as nanoGPT builds): leave ddp= "
+            "out and the model unwrapped; coconet.optim averages the gradients itself, "
+            "backward() writes straight into its buckets, and every param group is supported "
+            "there",
+        )
     if not isinstance(ddp, DistributedDataParallel):
         raise ConfigError(
             f"ddp= takes the DistributedDataParallel model, got {type(ddp).__name__}",
