@@ -663,3 +663,24 @@ def test_lamb_refuses_what_it_does_not_compute(comm):
     with pytest.raises(ConfigError, match=r"rectify=True is not supported \(param group 0 of "):
         o.load_state_dict(sd)
     assert o.param_groups[0]["rectify"] is False
+
+
+def test_param_storage_is_checked_and_one_rank_keeps_its_own_copy(comm):
+    """``param_storage=``: a ``ParamStorage`` or its value; on a world of one the host's copy is
+    the rank's own (nothing to share), and the step is torch's."""
+    from coconet.errors import ConfigError
+
+    w = torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ConfigError, match="param_storage='shared' is not one of"):
+        coconet.optim.Adam([w], comm=comm, param_storage="shared")
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt = coconet.optim.Adam([w], lr=1e-2, comm=comm, param_storage="host-shared")
+    ropt = torch.optim.Adam([ref], lr=1e-2)
+    for k in range(3):
+        g = torch.full((5,), float(k + 1))
+        w.grad = g.clone()
+        ref.grad = g.clone()
+        opt.step()
+        ropt.step()
+    assert opt._buckets[0].replica is None
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=OPTIM_RTOL, atol=0)
