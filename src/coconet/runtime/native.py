@@ -50,8 +50,35 @@ def sync_library(cache_dir: str | None = None) -> ctypes.CDLL:
         ctypes.c_double,
         ctypes.POINTER(ctypes.c_int32),
         ctypes.POINTER(u64p),
+        ctypes.c_double,
+        ctypes.c_double,
     ]
     lib.cn_wait_all.restype = ctypes.c_int
+    vp, i32p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32)
+    lib.cn_one_shot.argtypes = [
+        ctypes.POINTER(vp),  # inputs
+        vp,  # src
+        vp,  # out
+        vp,  # dst
+        ctypes.c_int64,  # count
+        ctypes.c_int,  # dtype
+        ctypes.c_int,  # op
+        ctypes.c_int,  # n
+        ctypes.c_int,  # me
+        ctypes.c_int,  # previous
+        ctypes.c_int,  # registered
+        ctypes.POINTER(u64p),  # ready
+        ctypes.POINTER(u64p),  # consumed
+        i32p,  # pids
+        ctypes.POINTER(u64p),  # aborts
+        ctypes.c_uint64,  # epoch
+        ctypes.c_double,  # timeout_s
+        ctypes.c_double,  # spin_s
+        ctypes.c_double,  # yield_s
+        i32p,  # why
+        i32p,  # stage
+    ]
+    lib.cn_one_shot.restype = ctypes.c_int
     return lib
 
 

@@ -23,7 +23,9 @@ copying is the work, and there is no idle core for it to overlap with.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ from coconet.ir import semantics
 from coconet.ir.ops import ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.options import Algorithm, TransportKind
+from coconet.runtime import symmem
 from coconet.runtime.symmem import Phase, SymmetricMemory
 from coconet.runtime.transport import (
     Group,
@@ -43,6 +46,21 @@ from coconet.runtime.transport import (
 __all__ = ["ShmGroup", "SharedMemoryTransport"]
 
 _MIN_BYTES = 1 << 20  # the first segment's data area; it doubles as collectives need more
+
+# An all_reduce of at most this many bytes per rank (of a group of two; the bound shrinks with the
+# group, since every rank reads every input) runs in one round of signals (``_all_reduce_one_shot``)
+# instead of two. Measured on 2 ranks of a 2-core machine (``benchmarks/small_steps.py``).
+ONE_SHOT_BYTES = 256 << 10
+
+
+# The dtypes and reductions cn_one_shot computes (shm_sync.c's codes); floats only SUM and PROD
+_NATIVE = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
+_NATIVE_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
+
+
+def one_shot_bytes(size: int) -> int:
+    """The largest all_reduce (bytes per rank) a group of ``size`` runs in one round."""
+    return ONE_SHOT_BYTES * 2 // max(size, 2)
 
 
 class ShmGroup:
@@ -65,6 +83,16 @@ class ShmGroup:
         # (their memory, numel, dtype); a collective reads the peers' copies in place
         self.registered: dict[int, tuple[SymmetricMemory, int, torch.dtype]] = {}
         self.open_registered = False  # the open one-pass unit reads a registered input in place
+        # Views of every rank's areas by (dtype, numel, offset), made once per segment: a small
+        # collective's time went mostly into rebuilding them (``areas``)
+        self._areas: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] = {}
+        # every rank's copy of each registered tensor (flat), by data pointer (``peer_copies``)
+        self._copies: dict[int, list[torch.Tensor]] = {}
+        # the addresses of every rank's input for cn_one_shot, by (data pointer or 0, dtype,
+        # numel), and the words a failed call's reason comes back in
+        self._pointers: dict[tuple[int, torch.dtype, int], Any] = {}
+        self.why, self.stage = ctypes.c_int32(0), ctypes.c_int32(0)
+        self.words: dict[int, tuple] = {}  # all_reduce_words's arrays, by length
 
     def register(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` in symmetric memory of its own, mapped by every peer.
@@ -81,7 +109,49 @@ class ShmGroup:
         )
         t = mem.buffer(self.index, dtype, numel).view(tuple(shape))
         self.registered[t.data_ptr()] = (mem, numel, dtype)
+        self._copies[t.data_ptr()] = [mem.buffer(j, dtype, numel) for j in range(self.size)]
         return t
+
+    def peer_copies(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
+        """For a registered tensor's whole flat view: every rank's copy of it (flat, by rank),
+        made once at ``register``; None for any other tensor."""
+        copies = self._copies.get(flat.data_ptr())
+        if copies is None or not flat.is_contiguous() or flat.numel() != copies[0].numel():
+            return None
+        return copies if flat.dtype == copies[0].dtype else None
+
+    def input_pointers(
+        self,
+        flat: torch.Tensor | None,
+        copies: list[torch.Tensor] | None,
+        kind: tuple[torch.dtype, int] | None = None,
+    ):
+        """The addresses of every rank's copy of ``flat`` (its registered copies, or the input
+        areas; ``kind``: (dtype, numel) of input areas without a tensor) as the ctypes array
+        ``cn_one_shot`` takes; cached until the segment grows."""
+        dtype, numel = kind if flat is None else (flat.dtype, flat.numel())
+        key = (flat.data_ptr() if copies is not None else 0, dtype, numel)
+        pointers = self._pointers.get(key)
+        if pointers is None:
+            if len(self._pointers) > 64:
+                self._pointers.clear()
+            views = copies if copies is not None else self.areas(dtype, numel)
+            pointers = (ctypes.c_void_p * self.size)(*[v.data_ptr() for v in views])
+            self._pointers[key] = pointers
+        return pointers
+
+    def areas(self, dtype: torch.dtype, numel: int, offset: int = 0) -> list[torch.Tensor]:
+        """``numel`` elements of ``dtype`` at byte ``offset`` of every rank's data area of the
+        current segment (offset 0: the input area, ``self.area``: the output area), by rank;
+        cached until the segment grows."""
+        key = (dtype, numel, offset)
+        views = self._areas.get(key)
+        if views is None:
+            if len(self._areas) > 64:  # many sizes in turn: keep the cache small
+                self._areas.clear()
+            views = [self.mem.buffer(j, dtype, numel, offset) for j in range(self.size)]
+            self._areas[key] = views
+        return views
 
     def publish(
         self, mem: SymmetricMemory, x: torch.Tensor
@@ -137,6 +207,7 @@ class ShmGroup:
         if old is not None:
             old.close()
         self.mem, self.area = mem, area
+        self._areas, self._pointers = {}, {}  # they viewed the old segment
 
     def abort(self) -> None:
         """Tell the peers that this rank's step failed: their waits on it fail at once."""
@@ -150,7 +221,7 @@ class ShmGroup:
             self.mem = None
         for mem, _, _ in self.registered.values():
             mem.close()
-        self.registered = {}
+        self.registered, self._copies, self._areas, self._pointers = {}, {}, {}, {}
 
 
 _INTO = {
@@ -200,14 +271,156 @@ class SharedMemoryTransport:
     ) -> Pending:
         flat = x.reshape(-1)
         st: ShmGroup = group.handle
-        if donate and flat.data_ptr() == x.data_ptr() and st.peer_views(flat) is not None:
+        in_place = donate and flat.data_ptr() == x.data_ptr()
+        if flat.numel() * flat.element_size() <= one_shot_bytes(st.size):
+            return ready(self._all_reduce_one_shot(flat, st, reduce_op, in_place).view(x.shape))
+        if in_place and st.peer_views(flat) is not None:
             return ready(self._all_reduce_in_place(flat, st, reduce_op).view(x.shape))
         parts = self.all_reduce_parts(flat, group, reduce_op=reduce_op)
         # A donated input (a gradient reduced in place, as DDP does) receives the result: its
         # content is already in the segment.
-        out = flat if donate and flat.data_ptr() == x.data_ptr() else torch.empty_like(flat)
+        out = flat if in_place else torch.empty_like(flat)
         parts.copy_into(out)
         return ready(out.view(x.shape))
+
+    def _all_reduce_one_shot(
+        self, flat: torch.Tensor, st: ShmGroup, reduce_op: ReduceOp, in_place: bool
+    ) -> torch.Tensor:
+        """A small all_reduce in one round of signals: every rank publishes its whole input
+        (a registered tensor in place, any other copied into its input area) and posts
+        ``READY``; once every peer has, each rank reduces **all** of every rank's input itself,
+        in rank order 0, 1, ..., n-1 (the simulator's order, so every rank computes the same
+        bits), and posts ``CONSUMED``. The two-round form (each rank reduces one slice, then
+        copies the others' slices) waits twice and moves less data per rank: it wins for large
+        inputs (``one_shot_bytes``).
+
+        The result goes into ``flat`` when donated. A registered ``flat`` is what the peers read,
+        so the result is reduced into this rank's output area first and copied into ``flat``
+        only after every peer posted ``CONSUMED`` (a second wait, which also lets the caller
+        overwrite ``flat`` as soon as this returns); an unregistered input is read by the peers
+        from this rank's input area, which the next collective overwrites only after every peer
+        posted ``CONSUMED`` (its ``begin``).
+
+        Full-width dtypes whose reduction is exact elementwise (sums and products of floats and
+        integers, integer MAX and MIN) run in one C call (``cn_one_shot``: the signals, the copy
+        and the rank-order arithmetic), since the Python around a few microseconds of work cost
+        more than the work; the others (16-bit floats, float MAX and MIN, strided inputs) take
+        the same steps in Python."""
+        numel, dtype = flat.numel(), flat.dtype
+        nbytes = numel * flat.element_size()
+        copies = st.peer_copies(flat)
+        registered = copies is not None
+        code = _NATIVE.get(dtype), _NATIVE_OPS.get(reduce_op)
+        native = None not in code and (dtype.is_floating_point is False or code[1] < 2)
+        if not native or not flat.is_contiguous():
+            return self._one_shot_python(flat, st, reduce_op, in_place, copies)
+        inputs = None if st.mem is None or nbytes > st.area else st.input_pointers(flat, copies)
+        if registered:
+            out = None  # this rank's output area (known once the segment is)
+        elif in_place:
+            out = flat
+        else:
+            out = torch.empty_like(flat)
+        self._native_one_shot(
+            st, nbytes, lambda: st.input_pointers(flat, copies), inputs,
+            None if registered else flat.data_ptr(),
+            (lambda: st.areas(dtype, numel, st.area)[st.index].data_ptr()) if registered
+            else out.data_ptr(),
+            flat.data_ptr() if registered and in_place else None, numel, code, registered,
+        )
+        if registered and not in_place:
+            return st.areas(dtype, numel, st.area)[st.index].clone()
+        return flat if registered else out
+
+    @staticmethod
+    def _native_one_shot(
+        st: ShmGroup, nbytes, make_inputs, inputs, src, out, dst, count, code, registered
+    ) -> None:
+        """One ``cn_one_shot`` call as the next epoch of ``st`` (see ``_all_reduce_one_shot``).
+        ``inputs`` (None: ``make_inputs()`` once the segment is known) and ``out`` (an address,
+        or a function giving it once the segment is known) may name the segment's areas, which
+        move when it grows."""
+        if inputs is None:
+            st.begin(nbytes)  # grows the segment (collectively) after the previous epoch's wait
+            previous = 0
+            inputs = make_inputs()
+        else:
+            st.epoch += 1  # ``begin`` without its wait: cn_one_shot waits (previous=1)
+            previous = 1
+        if callable(out):
+            out = out()
+        mem, e = st.mem, st.epoch
+        ready_, consumed, pids, aborts = mem.signals()
+        why, stage = st.why, st.stage
+        wait = symmem.WAIT
+        late = mem.lib.cn_one_shot(
+            inputs, src, out, dst, count, code[0], code[1], st.size, st.index, previous,
+            int(registered), ready_, consumed, pids, aborts, e, mem.timeout, wait.spin_s,
+            wait.yield_s, why, stage,
+        )
+        if late >= 0:
+            if why.value == 4:
+                raise ValueError(f"cn_one_shot has no reduction coded {code}")  # a bug
+            phase = Phase.READY if stage.value == 1 else Phase.CONSUMED
+            mem._fail(late, phase, e - 1 if stage.value == 0 else e, why.value)
+
+    def all_reduce_words(
+        self, values: Sequence[int], group: Group, *, reduce_op: ReduceOp
+    ) -> list[int]:
+        """All-reduce a short vector of int64 words (the per-step agreement, the commit vote):
+        ``_all_reduce_one_shot`` without tensors, from and into ctypes arrays made once per
+        length. Values outside int64 are a ``ValueError`` (a bug: the callers' words fit)."""
+        st: ShmGroup = group.handle
+        n = len(values)
+        if n and (min(values) < -(1 << 63) or max(values) >= 1 << 63):
+            raise ValueError(f"all_reduce_words: {list(values)} do not fit int64")
+        arrays = st.words.get(n)
+        if arrays is None:
+            arrays = st.words[n] = ((ctypes.c_int64 * n)(), (ctypes.c_int64 * n)())
+        src, out = arrays
+        src[:] = values
+        nbytes = 8 * n
+
+        def inputs():
+            return st.input_pointers(None, None, (torch.int64, n))
+
+        ready_inputs = None if st.mem is None or nbytes > st.area else inputs()
+        code = (_NATIVE[torch.int64], _NATIVE_OPS[reduce_op])
+        self._native_one_shot(
+            st, nbytes, inputs, ready_inputs, ctypes.addressof(src), ctypes.addressof(out),
+            None, n, code, False,
+        )
+        return out[:]
+
+    def _one_shot_python(
+        self,
+        flat: torch.Tensor,
+        st: ShmGroup,
+        reduce_op: ReduceOp,
+        in_place: bool,
+        copies: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """``_all_reduce_one_shot``'s steps in Python (what C does not reduce)."""
+        numel, dtype = flat.numel(), flat.dtype
+        registered = copies is not None
+        mem, e = st.begin(numel * flat.element_size())
+        if copies is None:
+            copies = st.areas(dtype, numel)
+            copies[st.index].copy_(flat)
+        mem.post(Phase.READY, e)
+        mem.wait(Phase.READY, e)
+        if registered:
+            out = st.areas(dtype, numel, st.area)[st.index]
+        elif in_place:
+            out = flat
+        else:
+            out = torch.empty_like(flat)
+        _accumulate(copies, reduce_op, dtype, out=out)
+        mem.post(Phase.CONSUMED, e)
+        if registered:
+            mem.wait(Phase.CONSUMED, e)
+            return flat.copy_(out) if in_place else out.clone()
+        return out
 
     def _all_reduce_in_place(
         self, flat: torch.Tensor, st: ShmGroup, reduce_op: ReduceOp
