@@ -260,7 +260,7 @@ class CompiledStep:
             ordinal=ordinal,
             replicated=replicated,
         )
-        return args, shapes, handshake.settle(comm, report, changed), ordinal, h
+        return args, shapes, handshake.settle(comm, report, changed, h), ordinal, h
 
     def _compiles_kernels(self, comm: Communicator) -> bool:
         return self.options.fused_kernels and comm.world > 1 and len(self.kernels) > 0
