@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from coconet.ir.ops import ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.options import Algorithm, TransportKind
 from coconet.runtime import symmem
+from coconet.runtime.native import OneShotArgs
 from coconet.runtime.symmem import Phase, SymmetricMemory
 from coconet.runtime.transport import (
     Group,
@@ -88,10 +88,8 @@ class ShmGroup:
         self._areas: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] = {}
         # every rank's copy of each registered tensor (flat), by data pointer (``peer_copies``)
         self._copies: dict[int, list[torch.Tensor]] = {}
-        # the addresses of every rank's input for cn_one_shot, by (data pointer or 0, dtype,
-        # numel), and the words a failed call's reason comes back in
-        self._pointers: dict[tuple[int, torch.dtype, int], Any] = {}
-        self.why, self.stage = ctypes.c_int32(0), ctypes.c_int32(0)
+        # cn_one_shot's fixed arguments by kind of call (``one_shot_args``)
+        self._pointers: dict[tuple, tuple] = {}
         self.words: dict[int, tuple] = {}  # all_reduce_words's arrays, by length
 
     def register(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -120,25 +118,38 @@ class ShmGroup:
             return None
         return copies if flat.dtype == copies[0].dtype else None
 
-    def input_pointers(
+    def one_shot_args(
         self,
-        flat: torch.Tensor | None,
-        copies: list[torch.Tensor] | None,
-        kind: tuple[torch.dtype, int] | None = None,
-    ):
-        """The addresses of every rank's copy of ``flat`` (its registered copies, or the input
-        areas; ``kind``: (dtype, numel) of input areas without a tensor) as the ctypes array
-        ``cn_one_shot`` takes; cached until the segment grows."""
-        dtype, numel = kind if flat is None else (flat.dtype, flat.numel())
-        key = (flat.data_ptr() if copies is not None else 0, dtype, numel)
-        pointers = self._pointers.get(key)
-        if pointers is None:
-            if len(self._pointers) > 64:
+        registered: list[torch.Tensor] | None,
+        dtype: torch.dtype,
+        numel: int,
+        code: tuple[int, int],
+    ) -> tuple[OneShotArgs, int]:
+        """``cn_one_shot``'s fixed arguments for a call of this kind (every rank's copy of the
+        input: ``registered``, or the input areas; dtype, size, reduction), and their address;
+        made once per kind, until the segment grows, and renewed when the wait policy
+        (``symmem.WAIT``) is replaced."""
+        key = (0 if registered is None else registered[0].data_ptr(), dtype, numel, code)
+        entry = self._pointers.get(key)
+        if entry is not None and entry[2] is symmem.WAIT:
+            return entry[0], entry[1]
+        if entry is None:
+            if len(self._pointers) > 64:  # many kinds in turn: keep the cache small
                 self._pointers.clear()
-            views = copies if copies is not None else self.areas(dtype, numel)
-            pointers = (ctypes.c_void_p * self.size)(*[v.data_ptr() for v in views])
-            self._pointers[key] = pointers
-        return pointers
+            views = registered if registered is not None else self.areas(dtype, numel)
+            inputs = (ctypes.c_void_p * self.size)(*[v.data_ptr() for v in views])
+            ready_, consumed, pids, aborts = self.mem.signals()
+            args = OneShotArgs(
+                inputs, numel, code[0], code[1], self.size, self.index,
+                int(registered is not None), ready_, consumed, pids, aborts, self.mem.timeout,
+            )
+            keep = inputs  # the struct points into it
+        else:
+            args, keep = entry[0], entry[3]
+        args.spin_s, args.yield_s = symmem.WAIT.spin_s, symmem.WAIT.yield_s
+        entry = (args, ctypes.addressof(args), symmem.WAIT, keep)
+        self._pointers[key] = entry
+        return entry[0], entry[1]
 
     def areas(self, dtype: torch.dtype, numel: int, offset: int = 0) -> list[torch.Tensor]:
         """``numel`` elements of ``dtype`` at byte ``offset`` of every rank's data area of the
@@ -316,7 +327,7 @@ class SharedMemoryTransport:
         if not native or not flat.is_contiguous():
             return self._one_shot_python(flat, st, reduce_op, in_place, copies)
         previous = self._next_epoch(st, nbytes)
-        inputs = st.input_pointers(flat, copies)
+        args = st.one_shot_args(copies, dtype, numel, code)
         if registered:
             out = st.areas(dtype, numel, st.area)[st.index]
         elif in_place:
@@ -324,8 +335,8 @@ class SharedMemoryTransport:
         else:
             out = torch.empty_like(flat)
         self._one_shot_call(
-            st, previous, inputs, None if registered else flat.data_ptr(), out.data_ptr(),
-            flat.data_ptr() if registered and in_place else None, numel, code, registered,
+            st, previous, args, None if registered else flat.data_ptr(), out.data_ptr(),
+            flat.data_ptr() if registered and in_place else None,
         )
         if registered:
             return flat if in_place else out.clone()
@@ -343,25 +354,18 @@ class SharedMemoryTransport:
         return 1
 
     @staticmethod
-    def _one_shot_call(
-        st: ShmGroup, previous, inputs, src, out, dst, count, code, registered
-    ) -> None:
-        """One ``cn_one_shot`` call in ``st``'s current epoch (see ``_all_reduce_one_shot``); a
-        peer that died, aborted or stalled is a ``RuntimeFault`` naming the signal it missed."""
+    def _one_shot_call(st: ShmGroup, previous: int, args, src, out, dst) -> None:
+        """One ``cn_one_shot`` call in ``st``'s current epoch (see ``_all_reduce_one_shot``);
+        ``args``: ``st.one_shot_args``. A peer that died, aborted or stalled is a
+        ``RuntimeFault`` naming the signal it missed."""
         mem, e = st.mem, st.epoch
-        ready_, consumed, pids, aborts = mem.signals()
-        why, stage = st.why, st.stage
-        wait = symmem.WAIT
-        late = mem.lib.cn_one_shot(
-            inputs, src, out, dst, count, code[0], code[1], st.size, st.index, previous,
-            registered, ready_, consumed, pids, aborts, e, mem.timeout, wait.spin_s,
-            wait.yield_s, why, stage,
-        )
+        late = mem.lib.cn_one_shot(args[1], src, out, dst, e, previous)
         if late >= 0:
-            if why.value == 4:
-                raise ValueError(f"cn_one_shot has no reduction coded {code}")  # a bug
-            phase = Phase.READY if stage.value == 1 else Phase.CONSUMED
-            mem._fail(late, phase, e - 1 if stage.value == 0 else e, why.value)
+            fixed = args[0]
+            if fixed.why == 4:
+                raise ValueError(f"cn_one_shot has no reduction coded {fixed.dtype, fixed.op}")
+            phase = Phase.READY if fixed.stage == 1 else Phase.CONSUMED
+            mem._fail(late, phase, e - 1 if fixed.stage == 0 else e, fixed.why)
 
     def all_reduce_words(
         self, values: Sequence[int], group: Group, *, reduce_op: ReduceOp
@@ -375,16 +379,14 @@ class SharedMemoryTransport:
             raise ValueError(f"all_reduce_words: {list(values)} do not fit int64")
         arrays = st.words.get(n)
         if arrays is None:
-            arrays = st.words[n] = ((ctypes.c_int64 * n)(), (ctypes.c_int64 * n)())
-        src, out = arrays
+            src, out = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
+            arrays = st.words[n] = (src, out, ctypes.addressof(src), ctypes.addressof(out))
+        src, out, src_at, out_at = arrays
         src[:] = values
         previous = self._next_epoch(st, 8 * n)
-        inputs = st.input_pointers(None, None, (torch.int64, n))
         code = (_NATIVE[torch.int64], _NATIVE_OPS[reduce_op])
-        self._one_shot_call(
-            st, previous, inputs, ctypes.addressof(src), ctypes.addressof(out), None, n, code,
-            False,
-        )
+        self._one_shot_call(st, previous, st.one_shot_args(None, torch.int64, n, code), src_at,
+                            out_at, None)
         return out[:]
 
     def _one_shot_python(

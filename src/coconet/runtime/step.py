@@ -297,7 +297,7 @@ class CompiledStep:
                 op=f"{self.program.name} step",
                 hint="compile with comm=coconet.runtime.init() (the communicator init returns)",
             )
-        if comm.mesh != self.mesh:
+        if comm.mesh is not self.mesh and comm.mesh != self.mesh:
             raise ConfigError(
                 f"{self.program.name} was compiled for {self.mesh}, the communicator has "
                 f"{comm.mesh}",
@@ -445,6 +445,8 @@ class CompiledStep:
             return t.clone() if t.numel() and t.untyped_storage().data_ptr() in held else t
 
         outputs = {k: own(v) for k, v in outputs.items()}
+        if not updates:
+            return outputs  # nothing to write (a step without updates: a few us less per step)
         updates = {k: own(v) for k, v in updates.items()}
         swap = self.options.commit is CommitMode.SWAP
         # Every rank voted to commit: this rank must end wholly after the step, like the others.
