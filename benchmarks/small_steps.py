@@ -12,6 +12,8 @@ rounds**. Contenders, in alternation within one process group:
   (``comm.symmetric_tensor``), then ``comm.wait``;
 - ``step[shm]``: a compiled coconet step of a program that is one all_reduce (``out =
   all_reduce(g)``), with every default guarantee: the per-step agreement, the commit vote;
+- ``step[shm,no vote]``: the same with ``commit_vote=False``, which trades "a step is all or
+  nothing" (README, *Safety at the edges*) for one round of signals less: what the vote costs;
 - ``step[gloo]``: the same step on a second communicator whose collectives run on gloo.
 
 Every contender's result is checked against the rank-order sum (``x0 + x1``, bitwise) in the same
@@ -50,7 +52,7 @@ from data_parallel_adam import deepspeed_available, remove_deepspeed_segments  #
 
 KIB = 1024
 SIZES = [4 * KIB, 8 * KIB, 64 * KIB, 512 * KIB, 4 << 20, 32 << 20, 64 << 20]
-CONTENDERS = ("deepspeed", "shm_bare", "step[shm]", "step[gloo]")
+CONTENDERS = ("deepspeed", "shm_bare", "step[shm]", "step[shm,no vote]", "step[gloo]")
 # (label, WaitPolicy fields in microseconds) for --wait
 WAITS = (
     ("sleep at once", 0.0, 0.0),
@@ -104,6 +106,8 @@ def worker(comm, cfg: dict) -> dict:
         ds_all_reduce = ds.inference_all_reduce
     steps = {
         "step[shm]": cc.compile(program(), comm=comm),
+        # commit_vote=False trades "a step is all or nothing" for one round of signals less
+        "step[shm,no vote]": cc.compile(program(), comm=comm, commit_vote=False),
         "step[gloo]": cc.compile(program(), comm=gloo),
     }
     results: dict = {"times": {}, "checks": {}, "skipped": {}}
@@ -201,13 +205,16 @@ def main() -> None:
     print("float32 SUM all_reduce, back to back; slowest rank per round, median of "
           f"{cfg['rounds']} rounds; microseconds unless marked")
     main_names = [c for c in CONTENDERS if c in cfg["contenders"]]
-    header = f"{'size':>8} " + " ".join(f"{c:>12}" for c in main_names)
+    widths = [max(12, len(c)) for c in main_names]
+    named = zip(main_names, widths, strict=True)
+    header = f"{'size':>8} " + " ".join(f"{c:>{w}}" for c, w in named)
     header += f" {'bare/ds':>8} {'step/ds':>8} {'step/bare':>9}"
     print(header)
     for nbytes, per in medians.items():
         cells = [(_fmt_us(per[c]) if c in per else "-") for c in main_names]
         ds, bare, step = per.get("deepspeed"), per.get("shm_bare"), per.get("step[shm]")
-        print(f"{_size(nbytes):>8} " + " ".join(f"{c:>12}" for c in cells)
+        print(f"{_size(nbytes):>8} "
+              + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
               + f" {ratio(bare, ds):>8} {ratio(step, ds):>8} {ratio(step, bare):>9}")
     extra = [(nb, k, v) for nb, per in medians.items() for k, v in per.items()
              if k not in CONTENDERS]
