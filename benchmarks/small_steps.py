@@ -12,7 +12,7 @@ rounds**. Contenders, in alternation within one process group:
   (``comm.symmetric_tensor``), then ``comm.wait``;
 - ``step[shm]``: a compiled coconet step of a program that is one all_reduce (``out =
   all_reduce(g)``), with every default guarantee: the per-step agreement, the commit vote;
-- ``step[shm,no vote]``: the same with ``commit_vote=False``, which trades "a step is all or
+- ``step[shm][no vote]``: the same with ``commit_vote=False``, which trades "a step is all or
   nothing" (README, *Safety at the edges*) for one round of signals less: what the vote costs;
 - ``step[gloo]``: the same step on a second communicator whose collectives run on gloo.
 
@@ -52,7 +52,7 @@ from data_parallel_adam import deepspeed_available, remove_deepspeed_segments  #
 
 KIB = 1024
 SIZES = [4 * KIB, 8 * KIB, 64 * KIB, 512 * KIB, 4 << 20, 32 << 20, 64 << 20]
-CONTENDERS = ("deepspeed", "shm_bare", "step[shm]", "step[shm,no vote]", "step[gloo]")
+CONTENDERS = ("deepspeed", "shm_bare", "step[shm]", "step[shm][no vote]", "step[gloo]")
 # (label, WaitPolicy fields in microseconds) for --wait
 WAITS = (
     ("sleep at once", 0.0, 0.0),
@@ -107,7 +107,7 @@ def worker(comm, cfg: dict) -> dict:
     steps = {
         "step[shm]": cc.compile(program(), comm=comm),
         # commit_vote=False trades "a step is all or nothing" for one round of signals less
-        "step[shm,no vote]": cc.compile(program(), comm=comm, commit_vote=False),
+        "step[shm][no vote]": cc.compile(program(), comm=comm, commit_vote=False),
         "step[gloo]": cc.compile(program(), comm=gloo),
     }
     results: dict = {"times": {}, "checks": {}, "skipped": {}}
