@@ -3,7 +3,7 @@
 Two local ranks, back-to-back float32 SUM all_reduces of one tensor, at each size from 4 KiB to
 64 MiB; for every contender the **slowest rank's** time per call of each round (a barrier, then
 ``--iters`` calls back to back, scaled down for large sizes), and the **median of ``--rounds``
-rounds**. Contenders, in alternation within one process group:
+rounds** (7). Contenders, in alternation within every round, in one process group:
 
 - ``deepspeed``: DeepSpeed's CPU shared-memory all_reduce, ``deepspeed.comm.inference_all_reduce``
   (in place; left out, with the reason, when DeepSpeed or its shared-memory op is missing);
@@ -74,17 +74,27 @@ def _iters(nbytes: int, iters: int) -> int:
     return max(3, min(iters, (20 << 20) // nbytes))
 
 
-def _time(fn, n: int, rounds: int) -> list[float]:
-    """Per-call seconds of each round, after a warm-up (this rank's; the caller takes the max)."""
-    for _ in range(max(2, n // 10)):
-        fn()
-    out = []
-    for _ in range(rounds):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n)
+def _alternate(timed, n: int, rounds: int) -> dict[str, list[float]]:
+    """Per-call seconds of each round of each variant (this rank's; the caller takes the max),
+    the variants in alternation within every round (A B C ... A B C ...: a burst of load from
+    another job falls on one round of each, not on all of one), each after a barrier and with a
+    warm-up before the first round."""
+    out: dict[str, list[float]] = {name: [] for name, _, _ in timed}
+    default_rounds = shmem.ONE_SHOT_BYTES
+    for r in range(rounds):
+        for name, fn, setting in timed:
+            symmem.WAIT = setting[1] if setting and setting[0] == "wait" else symmem.WaitPolicy()
+            limit = setting[1] if setting and setting[0] == "rounds" else default_rounds
+            shmem.ONE_SHOT_BYTES = limit
+            if r == 0:
+                for _ in range(max(2, n // 10)):
+                    fn()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            out[name].append((time.perf_counter() - t0) / n)
+    symmem.WAIT, shmem.ONE_SHOT_BYTES = symmem.WaitPolicy(), default_rounds
     return out
 
 
@@ -133,7 +143,8 @@ def worker(comm, cfg: dict) -> dict:
         runs = {"deepspeed": (plain, deepspeed), "shm_bare": (sym, shm_bare)}
         for name, step in steps.items():
             runs[name] = (g, lambda step=step, g=g: step(g=g)["total"])
-        times: dict[str, list[float]] = {}
+        # every timed variant: (name, the call, a setting to apply before it)
+        timed: list[tuple[str, object, object]] = []
         for name in cfg["contenders"]:
             if name not in runs or name in results["skipped"]:
                 continue
@@ -144,18 +155,16 @@ def worker(comm, cfg: dict) -> dict:
             got = buf if out is None or name in ("deepspeed", "shm_bare") else out
             results["checks"][f"{name} {nbytes}"] = bool(torch.equal(got, expected))
             buf.zero_()  # timed on zeros: in-place sums stay finite
-            times[name] = _time(fn, n, cfg["rounds"])
+            timed.append((name, fn, None))
+        bare = runs["shm_bare"][1]
         if cfg["wait"] and nbytes == 8 * KIB:
             for label, spin_us, yield_us in WAITS:
-                symmem.WAIT = symmem.WaitPolicy(spin_us * 1e-6, yield_us * 1e-6)
-                times[f"shm_bare, wait: {label}"] = _time(runs["shm_bare"][1], n, cfg["rounds"])
-            symmem.WAIT = symmem.WaitPolicy()
+                policy = symmem.WaitPolicy(spin_us * 1e-6, yield_us * 1e-6)
+                timed.append((f"shm_bare, wait: {label}", bare, ("wait", policy)))
         if cfg["wait"] and nbytes <= 4 << 20:
-            saved = shmem.ONE_SHOT_BYTES
             for label, limit in (("one round", 1 << 40), ("two rounds", 0)):
-                shmem.ONE_SHOT_BYTES = limit
-                times[f"shm_bare, {label}"] = _time(runs["shm_bare"][1], n, cfg["rounds"])
-            shmem.ONE_SHOT_BYTES = saved
+                timed.append((f"shm_bare, {label}", bare, ("rounds", limit)))
+        times = _alternate(timed, n, cfg["rounds"])
         results["times"][nbytes] = times
     if why_not == "":
         dist.barrier()  # every rank is done with DeepSpeed's workspace
@@ -174,7 +183,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES),
                         help="bytes per rank, comma-separated")
     parser.add_argument("--iters", type=int, default=300, help="calls per round (small sizes)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--wait", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure the ways of waiting and one round vs two")
