@@ -91,14 +91,17 @@ class WaitPolicy:
     sleeping with a doubling interval. Every stage watches the deadline, the peer's life and its
     abort word (every ~10 ms), so none can hang.
 
-    The default polls for 2 ms before it sleeps: a small collective's peer usually posts within
-    microseconds, and a sleeping waiter pays ~60-100 us to wake (on 2 ranks of a 2-core machine
-    that was most of a small all_reduce's time). Yielding, not spinning, after 20 us lets a peer
-    that shares this core (more ranks than cores, or other jobs) run, and the sleeps after 2 ms
-    stop a rank that waits long (a peer computing or compiling) from burning its core.
-    ``benchmarks/small_steps.py`` measures the stages (``--wait``)."""
+    The default polls for 2 ms before it sleeps, yielding at every look and never spinning: a
+    small collective's peer usually posts within microseconds, and a sleeping waiter pays
+    ~60-100 us to wake (on 2 ranks of the 2-core machine that was most of a small all_reduce).
+    Spinning saves ~1 us per wait on an idle machine, but where the cores are shared (2 ranks
+    fill this machine's 2, and other jobs run beside them) a spinning waiter keeps the core its
+    peer needs: ``benchmarks/small_steps.py`` (``--wait``), one run at load 2-4, 8 KiB all_reduce:
+    yield 35 us, spin 20 us then yield 46 us, spin only 514 us, sleep at once 129 us. The
+    sleeps after 2 ms stop a rank that waits long (a peer computing or compiling) from keeping
+    its core busy."""
 
-    spin_s: float = 20e-6
+    spin_s: float = 0.0
     yield_s: float = 2e-3
 
 
