@@ -74,12 +74,12 @@ def settle(
         report.call,
         _replicated_hash(report.replicated),
     ]
+    a, b, c, d = agreed
     flags = comm.agree_max(
-        [*agreed, *(-x for x in agreed), int(need_exchange), int(report.error is not None)], "hash"
+        [a, b, c, d, -a, -b, -c, -d, int(need_exchange), int(report.error is not None)], "hash"
     )
-    n = len(agreed)
-    same = all(flags[i] == -flags[n + i] for i in range(n))
-    if same and not flags[2 * n] and not flags[2 * n + 1]:
+    # equal everywhere: max(x) == -max(-x), for each of the four; and no flag raised
+    if flags[:4] == [-f for f in flags[4:8]] and not flags[8] and not flags[9]:
         return None
     return comm.exchange(report, "input shapes")
 

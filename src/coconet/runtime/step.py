@@ -333,7 +333,7 @@ class CompiledStep:
                 value, text = cached[2], cached[3]
                 args.append(value)
                 shapes[node.name] = ()
-                dtypes[node.name] = str(value.dtype).replace("torch.", "")
+                dtypes[node.name] = _dtype_name(value.dtype)
                 if compare and node.type.layout.is_replicated and node.type.layout.axis is None:
                     replicated[node.name] = text
                 continue
@@ -343,7 +343,7 @@ class CompiledStep:
             args.append(value)
             if value is not None:
                 shapes[node.name] = tuple(value.shape)
-                dtypes[node.name] = str(value.dtype).replace("torch.", "")
+                dtypes[node.name] = _dtype_name(value.dtype)
                 layout = node.type.layout
                 # The same on every rank of the world (Replicated over one axis may differ
                 # between that axis's groups, and the handshake spans the world).
@@ -406,7 +406,7 @@ class CompiledStep:
                 f"input {node.name!r} is {value.dtype}, the program declares "
                 f"{ty.dtype.value} (pass {node.name}.to({dtype}))"
             )
-        if value.device.type != device.type:
+        if (not value.is_cpu if device.type == "cpu" else value.device.type != device.type):
             return None, (
                 f"input {node.name!r} is on {value.device}, this rank computes on {device}"
             )
@@ -419,7 +419,8 @@ class CompiledStep:
             problem = _unwritable(node.name, value)
             if problem:
                 return None, problem
-        return value.detach(), None
+        # a tensor outside autograd needs no detached view (a few us per small step)
+        return (value.detach() if value.requires_grad else value), None
 
     # -- commit ---------------------------------------------------------------------------------
 
@@ -517,6 +518,18 @@ _STEPS: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictiona
 
 def _steps_seen(comm: Any) -> dict[int, int]:
     return _STEPS.setdefault(comm, {})
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for torch.float32 (remembered: the handshake names every input's dtype at
+    every step)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def _shape_change(before: dict | None, now: dict) -> str:
