@@ -49,10 +49,10 @@ _MIN_BYTES = 1 << 20  # the first segment's data area; it doubles as collectives
 
 # An all_reduce of at most this many bytes per rank (of a group of two; the bound shrinks with the
 # group, since every rank reads every input) runs in one round of signals (``_all_reduce_one_shot``)
-# instead of two. On 2 ranks of the 2-core machine (``benchmarks/small_steps.py``, one run, in
-# symmetric memory): one round 121 us against two 414 us at 512 KiB, 300 vs 406 us at 1 MiB,
-# 372 vs 461 us at 2 MiB, 1.63 vs 0.86 ms at 4 MiB, where reading every whole input costs more
-# than the second round saves.
+# instead of two. On 2 ranks of the 2-core machine (``benchmarks/small_steps.py``, in symmetric
+# memory; results/small_steps.txt): one round 110 us against two 146 us at 512 KiB, 0.68 against
+# 0.40 ms at 4 MiB, where reading every whole input costs more than the second round saves; an
+# earlier run at load 3-4: 300 vs 406 us at 1 MiB, 372 vs 461 us at 2 MiB.
 ONE_SHOT_BYTES = 1 << 20
 
 # The dtypes and reductions cn_one_shot computes (shm_sync.c's codes); floats only SUM and PROD
