@@ -61,3 +61,8 @@ done
 # coconet plan's BERT-large table on a DGX-A100-like cluster.
 "$PY" benchmarks/tune_quality.py --examples adam --sizes 1M,16M,64M \
   --json "$R/tune_quality.json" --plot "$R/tune_quality.png" | tee "$R/tune_quality.txt"
+
+# Small steps (issue 19.3): the fixed cost of small all_reduces and of a compiled step, against
+# DeepSpeed's inference_all_reduce, 4 KiB to 64 MiB, with the issue's targets in the JSON.
+"$PY" benchmarks/small_steps.py --json "$R/small_steps.json" | grep -v "^DeepSpeed " \
+  | tee "$R/small_steps.txt"

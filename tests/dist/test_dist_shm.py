@@ -176,3 +176,37 @@ def test_a_swapping_commit_equals_a_copying_one(clean_host):
         assert out["equal"]
         assert out["copy"] == {"same_object": True, "m_moved": False, "p_in_place": True}
         assert out["swap"] == {"same_object": True, "m_moved": True, "p_in_place": True}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_the_one_round_all_reduce_equals_its_meaning(nproc, clean_host):
+    """Small all_reduces run in one round (and in C for the exact dtypes): every dtype and
+    reduction, plain, donated, in symmetric memory, strided and 2-D, at the one-round limit and
+    past it, and the agreement's words, bit for bit the simulator's rank-order reduction."""
+    results = spawn(shm_workers.one_shot_vs_meaning, nproc, options=OPTIONS, timeout=220)
+    for rank, rows in enumerate(results):
+        bad = [
+            r for r in rows if not (r["equal"] and r["input_untouched"] and r.get("in_place", 1))
+        ]
+        assert bad == [], f"rank {rank}: {bad[:5]}"
+        assert len(rows) == len(shm_workers.ONE_SHOT_DTYPES) * 4 * 5 * 6 + 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("words", [False, True], ids=["tensor", "words"])
+@pytest.mark.parametrize("how", ["abort", "kill", "stall"])
+def test_a_failing_peer_in_a_one_round_all_reduce_is_reported(how, words, clean_host):
+    """A peer that aborts, dies or stalls between two one-round all_reduces (the waits poll
+    before they sleep): the other rank gets a RuntimeFault at once (abort, kill) or at the
+    timeout (stall), never a hang."""
+    options = CommOptions(timeout=3)
+    results = spawn(
+        shm_workers.one_shot_fault, 2, how, words, options=options, timeout=80, failures="return"
+    )
+    seen = results[0]
+    assert isinstance(seen, str) and seen.startswith("RuntimeFault after "), seen
+    took = float(seen.split()[2])
+    expected = {"abort": "aborted its step", "kill": "died", "stall": "no answer within 3 s"}
+    assert expected[how] in seen, seen
+    assert took < (6.0 if how == "stall" else 1.0), seen

@@ -313,3 +313,105 @@ def swap_commit(comm: Communicator, size: int) -> dict:
         "copy": {k: v for k, v in out["copy"].items() if k != "state"},
         "swap": {k: v for k, v in out["swap"].items() if k != "state"},
     }
+
+
+ONE_SHOT_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
+
+
+def _ints_or_floats(seed: int, rank: int, shape, dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) * 100).to(dtype)
+    # wide enough that sums and products wrap: torch's and the C reduction's must wrap alike
+    return torch.randint(-(2**30), 2**30, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def one_shot_vs_meaning(comm: Communicator) -> list[dict]:
+    """The one-round all_reduce (small inputs, ``shmem.one_shot_bytes``) against its group
+    meaning, bit for bit: every dtype and reduction (C computes some, Python the others), sizes
+    that do not divide by the world, just under and just over the one-round limit (the two-round
+    form), plain, donated, in symmetric memory (donated or not: untouched then), strided and 2-D
+    inputs; and the agreement's int64 words (``all_reduce_words``)."""
+    from coconet.runtime.shmem import one_shot_bytes
+
+    n, me = comm.world, comm.rank
+    transport, group = comm.route(None)
+    rows = []
+    seed = 0
+    for dtype in ONE_SHOT_DTYPES:
+        width = torch.empty((), dtype=dtype).element_size()
+        limit = one_shot_bytes(n) // width
+        for size in (1, 5, 1001, limit, limit + 1):
+            sym = comm.symmetric_tensor((size,), dtype)  # one per size: each is a rendezvous
+            strided = torch.zeros(2 * size, dtype=dtype)
+            for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN):
+                seed += 1
+                xs = [_ints_or_floats(seed, r, (size,), dtype) for r in range(n)]
+                # (coconet has no float64 element type; the group meaning reads only the
+                # reduction, so a float32 node stands for it)
+                kind = cc.float32 if dtype is torch.float64 else cc.DType.from_torch(dtype)
+                node = make_node(
+                    Op.ALL_REDUCE,
+                    (cc.Tensor("x", kind, [cc.Dim("N")], cc.Local).node,),
+                    {"axis": None, "reduce_op": op},
+                )
+                want = semantics.COLLECTIVES[Op.ALL_REDUCE](node, xs)[me]
+                name = f"{dtype} {op.value} {size}"
+                for mode in ("plain", "donated", "symmetric", "symmetric donated", "strided"):
+                    if mode.startswith("symmetric"):
+                        x = sym
+                        x.copy_(xs[me])
+                    elif mode == "strided":
+                        x = strided[::2]
+                        x.copy_(xs[me])
+                    else:
+                        x = xs[me].clone()
+                    donate = mode.endswith("donated")
+                    w = comm.all_reduce_start(x, op, axis=None, donate=donate, label=name)
+                    got = comm.wait(w)
+                    row = _row(f"{name} {mode}", str(dtype), size, got, want,
+                               None if donate else x, xs[me])
+                    if donate:
+                        row["in_place"] = got.data_ptr() == x.data_ptr()
+                    rows.append(row)
+                # 2-D: the same values as rows x 1
+                x = xs[me].clone().view(size, 1)
+                got = comm.wait(comm.all_reduce_start(x, op, axis=None, donate=False, label=name))
+                rows.append(_row(f"{name} 2-D", str(dtype), size, got, want.view(size, 1), x,
+                                 xs[me].view(size, 1)))
+    for length in (1, 10, 33):
+        mine = [(me + 1) * (k - 16) * 1_000_003 for k in range(length)]
+        want = [max((r + 1) * (k - 16) * 1_000_003 for r in range(n)) for k in range(length)]
+        got = transport.all_reduce_words(mine, group, reduce_op=ReduceOp.MAX)
+        rows.append({"op": f"words {length}", "equal": got == want, "input_untouched": True})
+    return rows
+
+
+def one_shot_fault(comm: Communicator, how: str, words: bool) -> str:
+    """Rank 1 fails between two small all_reduces (``how``: it aborts its step, stalls, or is
+    killed), the one-round form over a tensor or the agreement's words; the other must get a
+    RuntimeFault within the timeout. Returns what rank 0 saw and how long it took."""
+    transport, group = comm.route(None)
+    x = torch.ones(10)
+
+    def one() -> None:
+        if words:
+            comm.agree_max([comm.rank, 1, 2], "words")
+        else:
+            comm.wait(comm.all_reduce_start(x, ReduceOp.SUM, axis=None, donate=False, label="x"))
+
+    one()
+    if comm.rank == 1:
+        if how == "abort":
+            comm.abort("rank 1 failed its step (the test)")
+            return "aborted"
+        if how == "stall":
+            time.sleep(4.5)  # past the peer's 3 s timeout
+            return "stalled"
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        one()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}"
+    return "no error"

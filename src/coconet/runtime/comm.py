@@ -298,15 +298,16 @@ class Communicator:
     ) -> Work:
         """Run ``run(transport, group, algorithm)`` under the fault guard: the algorithm is
         chosen here when the group's transport has several for ``op`` (None otherwise)."""
-        transport, _ = self.route(axis)
+        transport, group = self.route(axis)
+        if transport is not self.torch or not self.torch.algorithms(op):
+            # one way only: nothing to choose (the common small-step path: no closure)
+            return Work(op.value, label, axis, self.guard(op.value, label, axis, run,
+                                                          transport, group, None))
 
         def begin() -> Pending:
-            group = self.route(axis)[1]
-            algorithm = None
-            if transport is self.torch and self.torch.algorithms(op):
-                # a group of one has nothing to choose: its collectives move no data
-                tuned = group.size > 1
-                algorithm = self._algorithm(op, nbytes, group) if tuned else Algorithm.NATIVE
+            # a group of one has nothing to choose: its collectives move no data
+            tuned = group.size > 1
+            algorithm = self._algorithm(op, nbytes, group) if tuned else Algorithm.NATIVE
             return run(transport, group, algorithm)
 
         return Work(op.value, label, axis, self.guard(op.value, label, axis, begin))

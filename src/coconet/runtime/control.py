@@ -74,18 +74,14 @@ class ControlChannel:
 
     def agree_max(self, values: Sequence[int], label: str, op: str = "handshake") -> list[int]:
         """Element-wise MAX over the world of a short int vector (the same length on every rank)."""
+        if self._shm_group is not None and self.world > 1:
+            # one C call: the words go through shared memory without a tensor
+            words = self._shm.all_reduce_words
+            return self._guard(op, label, None, words, values, self._shm_group,
+                               reduce_op=ReduceOp.MAX)
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         if self.world == 1:
             return t.tolist()
-        if self._shm_group is not None:
-            shm, group = self._shm, self._shm_group
-            work = self._guard(
-                op,
-                label,
-                None,
-                lambda: shm.all_reduce(t, group, reduce_op=ReduceOp.MAX, donate=True),
-            )
-            return self._guard(op, label, None, work.wait).tolist()
         work = self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX, async_op=True)
         self._guard(op, label, None, self.wait_work, work)
         return t.tolist()

@@ -56,8 +56,12 @@ def identity_hash(identity: Sequence[tuple[str, str]]) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:16], 16) & _MASK
 
 
-def settle(comm, report: RankReport, need_exchange: bool) -> list[RankReport] | None:
+def settle(
+    comm, report: RankReport, need_exchange: bool, identity: int | None = None
+) -> list[RankReport] | None:
     """Run the handshake; the reports of every rank when a full exchange happened, else None.
+    ``identity``: ``identity_hash(report.identity)`` when the caller has it (a compiled step
+    keeps it: hashing the identity at every step cost more than a small step's agreement).
 
     Every rank must call it at the same point of the step (before any other collective).
     A world of one has nobody to agree with: its own report decides, without hashing.
@@ -65,19 +69,34 @@ def settle(comm, report: RankReport, need_exchange: bool) -> list[RankReport] | 
     if comm.world == 1:
         return [report] if need_exchange or report.error is not None else None
     agreed = [
-        identity_hash(report.identity),
+        identity_hash(report.identity) if identity is None else identity,
         report.ordinal,
         report.call,
-        identity_hash(sorted(report.replicated.items())),
+        _replicated_hash(report.replicated),
     ]
+    a, b, c, d = agreed
     flags = comm.agree_max(
-        [*agreed, *(-x for x in agreed), int(need_exchange), int(report.error is not None)], "hash"
+        [a, b, c, d, -a, -b, -c, -d, int(need_exchange), int(report.error is not None)], "hash"
     )
-    n = len(agreed)
-    same = all(flags[i] == -flags[n + i] for i in range(n))
-    if same and not flags[2 * n] and not flags[2 * n + 1]:
+    # equal everywhere: max(x) == -max(-x), for each of the four; and no flag raised
+    if flags[:4] == [-f for f in flags[4:8]] and not flags[8] and not flags[9]:
         return None
     return comm.exchange(report, "input shapes")
+
+
+_REPLICATED: dict[tuple, int] = {}  # the last few replicated values' hashes (by their items)
+
+
+def _replicated_hash(replicated: Mapping[str, str]) -> int:
+    """``identity_hash`` of the sorted Replicated values, remembered for the few last seen (an
+    optimizer's scalars mostly stay the same from one step to the next)."""
+    items = tuple(sorted(replicated.items()))
+    h = _REPLICATED.get(items)
+    if h is None:
+        if len(_REPLICATED) > 256:
+            _REPLICATED.clear()
+        h = _REPLICATED[items] = identity_hash(items)
+    return h
 
 
 def verdict(

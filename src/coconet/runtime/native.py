@@ -21,7 +21,31 @@ from pathlib import Path
 from coconet.cache import keyed_cache_dir
 from coconet.errors import ConfigError
 
-__all__ = ["sync_library"]
+__all__ = ["OneShotArgs", "sync_library"]
+
+
+class OneShotArgs(ctypes.Structure):
+    """``cn_one_shot_args`` (shm_sync.c): what every call of one kind passes, made once."""
+
+    _u64pp = ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64))
+    _fields_ = [
+        ("inputs", ctypes.POINTER(ctypes.c_void_p)),
+        ("count", ctypes.c_int64),
+        ("dtype", ctypes.c_int32),
+        ("op", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("me", ctypes.c_int32),
+        ("registered", ctypes.c_int32),
+        ("ready", _u64pp),
+        ("consumed", _u64pp),
+        ("pids", ctypes.POINTER(ctypes.c_int32)),
+        ("aborts", _u64pp),
+        ("timeout_s", ctypes.c_double),
+        ("spin_s", ctypes.c_double),
+        ("yield_s", ctypes.c_double),
+        ("why", ctypes.c_int32),
+        ("stage", ctypes.c_int32),
+    ]
 
 _SOURCE = Path(__file__).with_name("shm_sync.c")
 
@@ -50,8 +74,14 @@ def sync_library(cache_dir: str | None = None) -> ctypes.CDLL:
         ctypes.c_double,
         ctypes.POINTER(ctypes.c_int32),
         ctypes.POINTER(u64p),
+        ctypes.c_double,
+        ctypes.c_double,
     ]
     lib.cn_wait_all.restype = ctypes.c_int
+    vp = ctypes.c_void_p
+    # (cn_one_shot_args *args, src, out, dst, epoch, previous): see OneShotArgs
+    lib.cn_one_shot.argtypes = [vp, vp, vp, vp, ctypes.c_uint64, ctypes.c_int]
+    lib.cn_one_shot.restype = ctypes.c_int
     return lib
 
 

@@ -9,7 +9,8 @@
  * function call boundary also keeps the compiler from moving the data stores across it.
  *
  * Waiting spins briefly (the peer is usually about to arrive), then yields, then sleeps with a
- * growing interval up to 200 us, so that ranks outnumbering cores do not starve each other. Every
+ * growing interval up to 200 us, so that ranks outnumbering cores do not starve each other (see
+ * cn_wait_all for the stages and why). Every
  * wait has a deadline and checks every ~10 ms that the peers it waits for are alive (a SIGKILLed
  * peer is a zombie or gone): it never hangs.
  */
@@ -61,12 +62,25 @@ int cn_alive(int32_t pid) {
  * Returns -1 when all arrived; else the index of the peer it gave up on, with *why = 1 (the
  * deadline passed), 2 (that peer died) or 3 (that peer aborted: its *aborts[i] is non-zero, set
  * when its step failed or was interrupted, so that the waiters learn at once and not at the
- * deadline). */
+ * deadline).
+ *
+ * How it waits, in three stages by the time waited so far:
+ * - up to spin_s: busy-polls with a pause between looks: a peer that is about to post (the usual
+ *   case for a small collective) is seen within ~100 ns;
+ * - up to yield_s: polls with sched_yield() between looks: still no wake-up latency, but a rank
+ *   that shares its core with a peer (more ranks than cores, or other jobs) hands the core over
+ *   at every look instead of starving the rank it waits for;
+ * - after that: sleeps with a doubling interval up to 200 us (a peer that is busy for long, a
+ *   slow compile, a stalled peer): a sleeping waiter costs ~60-100 us per wake-up, which is why
+ *   the first two stages exist.
+ * The aborts, the waited-for peer's life and the deadline are looked at every ~10 ms in every
+ * stage, so no stage can hang. */
 int cn_wait_all(uint64_t **counters, const int32_t *pids, int n, uint64_t target,
-                double timeout_s, int32_t *why, uint64_t **aborts) {
-    double start = now_s(), last_check = start;
+                double timeout_s, int32_t *why, uint64_t **aborts, double spin_s,
+                double yield_s) {
+    double start = 0.0, last_check = 0.0;
     long sleep_ns = 1000;
-    for (unsigned long spin = 0;; spin++) {
+    for (unsigned long look = 0;; look++) {
         int waiting = -1;
         for (int i = 0; i < n; i++) {
             if (pids[i] > 0 && __atomic_load_n(counters[i], __ATOMIC_ACQUIRE) < target) {
@@ -75,15 +89,8 @@ int cn_wait_all(uint64_t **counters, const int32_t *pids, int n, uint64_t target
             }
         }
         if (waiting < 0) return -1;
-        if (spin < 4096) {
-            CN_PAUSE();
-            continue;
-        }
-        if (spin < 4096 + 64) {
-            sched_yield();
-            continue;
-        }
         double t = now_s();
+        if (look == 0) start = last_check = t; /* the clock only once it is needed */
         if (t - last_check > 0.01) {
             last_check = t;
             for (int i = 0; i < n; i++) {
@@ -101,8 +108,120 @@ int cn_wait_all(uint64_t **counters, const int32_t *pids, int n, uint64_t target
                 return waiting;
             }
         }
+        double waited = t - start;
+        if (waited < spin_s) {
+            for (int k = 0; k < 8; k++) CN_PAUSE();
+            continue;
+        }
+        if (waited < yield_s) {
+            sched_yield();
+            continue;
+        }
         struct timespec ts = {0, sleep_ns};
         nanosleep(&ts, NULL);
         if (sleep_ns < 200000) sleep_ns *= 2;
     }
+}
+
+/* A small all_reduce in one round of signals (coconet.runtime.shmem's one-shot form), in one call:
+ * the Python around it cost more than the signals and the arithmetic.
+ *
+ * inputs[r]: rank r's copy of the input (count elements), for every rank of the group; src: this
+ * rank's data, copied into inputs[me] once this rank's CONSUMED counters of the previous epoch
+ * show that every peer is done reading it (NULL: inputs[me] already holds it, a registered
+ * tensor); out: where the reduction goes. With `previous`, first waits until every peer posted
+ * CONSUMED for epoch - 1 (the shared-memory transport's begin: this rank's areas are free). With `registered`, inputs[me] is memory the peers read
+ * and may be the caller's own tensor: the result is reduced into `out` (a scratch area) and
+ * copied into `dst` only after every peer posted CONSUMED for this epoch (dst may be NULL: no
+ * copy, but the wait still happens so that the caller may overwrite inputs[me] at once).
+ *
+ * The reduction is elementwise in rank order, ((x0 . x1) . x2) ..., each step one IEEE operation
+ * on two operands (no reassociation, no contraction: this file is built without -ffast-math),
+ * so the result is bitwise what torch's rank-order reduction and coconet's simulator compute.
+ * dtype: 0 float32, 1 float64, 2 int32, 3 int64 (integers wrap, as torch's do); op: 0 SUM,
+ * 1 PROD, 2 MAX, 3 MIN (MAX and MIN only for integers: NaN rules differ between libraries, so
+ * the float ones stay with torch).
+ *
+ * counters: ready[r], consumed[r] point at rank r's READY and CONSUMED counters; pids[me] must be
+ * 0 (oneself is never waited for). Returns -1, or the peer given up on with a->why as for
+ * cn_wait_all (4: no such reduction) and a->stage = 0 (the previous epoch's CONSUMED), 1 (READY),
+ * 2 (CONSUMED). */
+#define CN_REDUCE(T, OPX)                                                                      \
+    do {                                                                                       \
+        T *o = (T *)out;                                                                       \
+        const T *a = (const T *)inputs[0], *b = (const T *)inputs[1];                          \
+        for (int64_t k = 0; k < count; k++) { T x = a[k], y = b[k]; o[k] = OPX; }              \
+        for (int r = 2; r < n; r++) {                                                          \
+            b = (const T *)inputs[r];                                                          \
+            for (int64_t k = 0; k < count; k++) { T x = o[k], y = b[k]; o[k] = OPX; }          \
+        }                                                                                      \
+    } while (0)
+
+__attribute__((optimize("O3"))) static int reduce_into(void **inputs, void *out, int64_t count,
+                                                       int dtype, int op, int n) {
+    if (n == 1) {
+        size_t width = (dtype == 1 || dtype == 3) ? 8 : 4;
+        if (out != inputs[0]) memcpy(out, inputs[0], (size_t)count * width);
+        return 0;
+    }
+    switch (dtype * 4 + op) {
+    case 0: CN_REDUCE(float, x + y); return 0;
+    case 1: CN_REDUCE(float, x * y); return 0;
+    case 4: CN_REDUCE(double, x + y); return 0;
+    case 5: CN_REDUCE(double, x * y); return 0;
+    case 8: CN_REDUCE(uint32_t, x + y); return 0;
+    case 9: CN_REDUCE(uint32_t, x * y); return 0;
+    case 10: CN_REDUCE(int32_t, x > y ? x : y); return 0;
+    case 11: CN_REDUCE(int32_t, x < y ? x : y); return 0;
+    case 12: CN_REDUCE(uint64_t, x + y); return 0;
+    case 13: CN_REDUCE(uint64_t, x * y); return 0;
+    case 14: CN_REDUCE(int64_t, x > y ? x : y); return 0;
+    case 15: CN_REDUCE(int64_t, x < y ? x : y); return 0;
+    default: return -1;
+    }
+}
+
+/* What one kind of call (a group, a dtype, a size, a reduction, where the inputs live) always
+ * passes: made once per kind by the caller, so that a call converts 6 arguments and not 21
+ * (ctypes spends ~0.15 us on each). */
+typedef struct {
+    void **inputs;
+    int64_t count;
+    int32_t dtype, op, n, me, registered;
+    uint64_t **ready, **consumed;
+    const int32_t *pids;
+    uint64_t **aborts;
+    double timeout_s, spin_s, yield_s;
+    int32_t why, stage; /* out: why and where a call gave up */
+} cn_one_shot_args;
+
+int cn_one_shot(cn_one_shot_args *a, const void *src, void *out, void *dst, uint64_t epoch,
+                int previous) {
+    int late, n = a->n, me = a->me;
+    size_t width = (a->dtype == 1 || a->dtype == 3) ? 8 : 4;
+    if (previous) { /* this rank's areas may be overwritten once every peer is done with them */
+        a->stage = 0;
+        late = cn_wait_all(a->consumed, a->pids, n, epoch - 1, a->timeout_s, &a->why, a->aborts,
+                           a->spin_s, a->yield_s);
+        if (late >= 0) return late;
+    }
+    if (src != NULL) memcpy(a->inputs[me], src, (size_t)a->count * width);
+    __atomic_store_n(a->ready[me], epoch, __ATOMIC_RELEASE);
+    a->stage = 1;
+    late = cn_wait_all(a->ready, a->pids, n, epoch, a->timeout_s, &a->why, a->aborts, a->spin_s,
+                       a->yield_s);
+    if (late >= 0) return late;
+    if (reduce_into(a->inputs, out, a->count, a->dtype, a->op, n) != 0) {
+        a->why = 4;
+        return me;
+    }
+    __atomic_store_n(a->consumed[me], epoch, __ATOMIC_RELEASE);
+    if (a->registered) {
+        a->stage = 2;
+        late = cn_wait_all(a->consumed, a->pids, n, epoch, a->timeout_s, &a->why, a->aborts,
+                           a->spin_s, a->yield_s);
+        if (late >= 0) return late;
+        if (dst != NULL && dst != out) memcpy(dst, out, (size_t)a->count * width);
+    }
+    return -1;
 }

@@ -23,6 +23,7 @@ copying is the work, and there is no idle core for it to overlap with.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +33,8 @@ from coconet.ir import semantics
 from coconet.ir.ops import ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.options import Algorithm, TransportKind
+from coconet.runtime import symmem
+from coconet.runtime.native import OneShotArgs
 from coconet.runtime.replica import HostReplica, replica_bytes
 from coconet.runtime.symmem import Phase, SymmetricMemory
 from coconet.runtime.transport import (
@@ -44,6 +47,23 @@ from coconet.runtime.transport import (
 __all__ = ["ShmGroup", "SharedMemoryTransport"]
 
 _MIN_BYTES = 1 << 20  # the first segment's data area; it doubles as collectives need more
+
+# An all_reduce of at most this many bytes per rank (of a group of two; the bound shrinks with the
+# group, since every rank reads every input) runs in one round of signals (``_all_reduce_one_shot``)
+# instead of two. On 2 ranks of the 2-core machine (``benchmarks/small_steps.py``, in symmetric
+# memory; results/small_steps.txt): one round 110 us against two 146 us at 512 KiB, 0.68 against
+# 0.40 ms at 4 MiB, where reading every whole input costs more than the second round saves; an
+# earlier run at load 3-4: 300 vs 406 us at 1 MiB, 372 vs 461 us at 2 MiB.
+ONE_SHOT_BYTES = 1 << 20
+
+# The dtypes and reductions cn_one_shot computes (shm_sync.c's codes); floats only SUM and PROD
+_NATIVE = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
+_NATIVE_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
+
+
+def one_shot_bytes(size: int) -> int:
+    """The largest all_reduce (bytes per rank) a group of ``size`` runs in one round."""
+    return ONE_SHOT_BYTES * 2 // max(size, 2)
 
 
 class ShmGroup:
@@ -69,6 +89,14 @@ class ShmGroup:
         # host replicas (``HostReplica``), by the data pointer of each of their two buffers
         self.replicas: dict[int, HostReplica] = {}
         self.open_replica: HostReplica | None = None  # the open unit gathers into this one
+        # Views of every rank's areas by (dtype, numel, offset), made once per segment: a small
+        # collective's time went mostly into rebuilding them (``areas``)
+        self._areas: dict[tuple[torch.dtype, int, int], list[torch.Tensor]] = {}
+        # every rank's copy of each registered tensor (flat), by data pointer (``peer_copies``)
+        self._copies: dict[int, list[torch.Tensor]] = {}
+        # cn_one_shot's fixed arguments by kind of call (``one_shot_args``)
+        self._pointers: dict[tuple, tuple] = {}
+        self.words: dict[int, tuple] = {}  # all_reduce_words's arrays, by length
 
     def register(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` in symmetric memory of its own, mapped by every peer.
@@ -85,6 +113,7 @@ class ShmGroup:
         )
         t = mem.buffer(self.index, dtype, numel).view(tuple(shape))
         self.registered[t.data_ptr()] = (mem, numel, dtype)
+        self._copies[t.data_ptr()] = [mem.buffer(j, dtype, numel) for j in range(self.size)]
         return t
 
     def replica(self, shape: Sequence[int], dtype: torch.dtype) -> HostReplica:
@@ -108,6 +137,59 @@ class ShmGroup:
         """The replica whose live buffer ``t`` is, if it is one."""
         r = self.replicas.get(t.data_ptr())
         return r if r is not None and r.holds(t) else None
+    def peer_copies(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
+        """For a registered tensor's whole flat view: every rank's copy of it (flat, by rank),
+        made once at ``register``; None for any other tensor."""
+        copies = self._copies.get(flat.data_ptr())
+        if copies is None or not flat.is_contiguous() or flat.numel() != copies[0].numel():
+            return None
+        return copies if flat.dtype == copies[0].dtype else None
+
+    def one_shot_args(
+        self,
+        registered: list[torch.Tensor] | None,
+        dtype: torch.dtype,
+        numel: int,
+        code: tuple[int, int],
+    ) -> tuple[OneShotArgs, int]:
+        """``cn_one_shot``'s fixed arguments for a call of this kind (every rank's copy of the
+        input: ``registered``, or the input areas; dtype, size, reduction), and their address;
+        made once per kind, until the segment grows, and renewed when the wait policy
+        (``symmem.WAIT``) is replaced."""
+        key = (0 if registered is None else registered[0].data_ptr(), dtype, numel, code)
+        entry = self._pointers.get(key)
+        if entry is not None and entry[2] is symmem.WAIT:
+            return entry[0], entry[1]
+        if entry is None:
+            if len(self._pointers) > 64:  # many kinds in turn: keep the cache small
+                self._pointers.clear()
+            views = registered if registered is not None else self.areas(dtype, numel)
+            inputs = (ctypes.c_void_p * self.size)(*[v.data_ptr() for v in views])
+            ready_, consumed, pids, aborts = self.mem.signals()
+            args = OneShotArgs(
+                inputs, numel, code[0], code[1], self.size, self.index,
+                int(registered is not None), ready_, consumed, pids, aborts, self.mem.timeout,
+            )
+            keep = inputs  # the struct points into it
+        else:
+            args, keep = entry[0], entry[3]
+        args.spin_s, args.yield_s = symmem.WAIT.spin_s, symmem.WAIT.yield_s
+        entry = (args, ctypes.addressof(args), symmem.WAIT, keep)
+        self._pointers[key] = entry
+        return entry[0], entry[1]
+
+    def areas(self, dtype: torch.dtype, numel: int, offset: int = 0) -> list[torch.Tensor]:
+        """``numel`` elements of ``dtype`` at byte ``offset`` of every rank's data area of the
+        current segment (offset 0: the input area, ``self.area``: the output area), by rank;
+        cached until the segment grows."""
+        key = (dtype, numel, offset)
+        views = self._areas.get(key)
+        if views is None:
+            if len(self._areas) > 64:  # many sizes in turn: keep the cache small
+                self._areas.clear()
+            views = [self.mem.buffer(j, dtype, numel, offset) for j in range(self.size)]
+            self._areas[key] = views
+        return views
 
     def publish(
         self, mem: SymmetricMemory, x: torch.Tensor
@@ -163,6 +245,7 @@ class ShmGroup:
         if old is not None:
             old.close()
         self.mem, self.area = mem, area
+        self._areas, self._pointers = {}, {}  # they viewed the old segment
 
     def abort(self) -> None:
         """Tell the peers that this rank's step failed: their waits on it fail at once."""
@@ -176,7 +259,7 @@ class ShmGroup:
             self.mem = None
         for mem, _, _ in self.registered.values():
             mem.close()
-        self.registered = {}
+        self.registered, self._copies, self._areas, self._pointers = {}, {}, {}, {}
         for r in set(self.replicas.values()):
             r.close()
         self.replicas, self.open_replica = {}, None
@@ -227,16 +310,144 @@ class SharedMemoryTransport:
         donate: bool,
         algorithm: Algorithm | None = None,
     ) -> Pending:
-        flat = x.reshape(-1)
+        flat = x if x.dim() == 1 else x.reshape(-1)  # (a reshape costs ~1 us, a view ~2 us)
         st: ShmGroup = group.handle
-        if donate and flat.data_ptr() == x.data_ptr() and st.peer_views(flat) is not None:
+        in_place = donate and flat.data_ptr() == x.data_ptr()
+        if flat.numel() * flat.element_size() <= one_shot_bytes(st.size):
+            out = self._all_reduce_one_shot(flat, st, reduce_op, in_place)
+            return ready(out if x.dim() == 1 else out.view(x.shape))
+        if in_place and st.peer_views(flat) is not None:
             return ready(self._all_reduce_in_place(flat, st, reduce_op).view(x.shape))
         parts = self.all_reduce_parts(flat, group, reduce_op=reduce_op)
         # A donated input (a gradient reduced in place, as DDP does) receives the result: its
         # content is already in the segment.
-        out = flat if donate and flat.data_ptr() == x.data_ptr() else torch.empty_like(flat)
+        out = flat if in_place else torch.empty_like(flat)
         parts.copy_into(out)
         return ready(out.view(x.shape))
+
+    def _all_reduce_one_shot(
+        self, flat: torch.Tensor, st: ShmGroup, reduce_op: ReduceOp, in_place: bool
+    ) -> torch.Tensor:
+        """A small all_reduce in one round of signals: every rank publishes its whole input
+        (a registered tensor in place, any other copied into its input area) and posts
+        ``READY``; once every peer has, each rank reduces **all** of every rank's input itself,
+        in rank order 0, 1, ..., n-1 (the simulator's order, so every rank computes the same
+        bits), and posts ``CONSUMED``. The two-round form (each rank reduces one slice, then
+        copies the others' slices) waits twice and moves less data per rank: it wins for large
+        inputs (``one_shot_bytes``).
+
+        The result goes into ``flat`` when donated. A registered ``flat`` is what the peers read,
+        so the result is reduced into this rank's output area first and copied into ``flat``
+        only after every peer posted ``CONSUMED`` (a second wait, which also lets the caller
+        overwrite ``flat`` as soon as this returns); an unregistered input is read by the peers
+        from this rank's input area, which the next collective overwrites only after every peer
+        posted ``CONSUMED`` (its ``begin``).
+
+        Full-width dtypes whose reduction is exact elementwise (sums and products of floats and
+        integers, integer MAX and MIN) run in one C call (``cn_one_shot``: the signals, the copy
+        and the rank-order arithmetic), since the Python around a few microseconds of work cost
+        more than the work; the others (16-bit floats, float MAX and MIN, strided inputs) take
+        the same steps in Python."""
+        numel, dtype = flat.numel(), flat.dtype
+        nbytes = numel * flat.element_size()
+        copies = st.peer_copies(flat)
+        registered = copies is not None
+        code = _NATIVE.get(dtype), _NATIVE_OPS.get(reduce_op)
+        native = None not in code and (dtype.is_floating_point is False or code[1] < 2)
+        if not native or not flat.is_contiguous():
+            return self._one_shot_python(flat, st, reduce_op, in_place, copies)
+        previous = self._next_epoch(st, nbytes)
+        args = st.one_shot_args(copies, dtype, numel, code)
+        if registered:
+            out = st.areas(dtype, numel, st.area)[st.index]
+        elif in_place:
+            out = flat
+        else:
+            out = torch.empty_like(flat)
+        self._one_shot_call(
+            st, previous, args, None if registered else flat.data_ptr(), out.data_ptr(),
+            flat.data_ptr() if registered and in_place else None,
+        )
+        if registered:
+            return flat if in_place else out.clone()
+        return out
+
+    @staticmethod
+    def _next_epoch(st: ShmGroup, nbytes: int) -> int:
+        """Start ``st``'s next epoch for a ``cn_one_shot`` call of ``nbytes`` per area: its
+        ``previous`` argument (1: the call waits for the previous epoch's ``CONSUMED`` itself;
+        0: ``begin`` waited, since the segment had to grow, collectively, first)."""
+        if st.mem is None or nbytes > st.area:
+            st.begin(nbytes)
+            return 0
+        st.epoch += 1
+        return 1
+
+    @staticmethod
+    def _one_shot_call(st: ShmGroup, previous: int, args, src, out, dst) -> None:
+        """One ``cn_one_shot`` call in ``st``'s current epoch (see ``_all_reduce_one_shot``);
+        ``args``: ``st.one_shot_args``. A peer that died, aborted or stalled is a
+        ``RuntimeFault`` naming the signal it missed."""
+        mem, e = st.mem, st.epoch
+        late = mem.lib.cn_one_shot(args[1], src, out, dst, e, previous)
+        if late >= 0:
+            fixed = args[0]
+            if fixed.why == 4:
+                raise ValueError(f"cn_one_shot has no reduction coded {fixed.dtype, fixed.op}")
+            phase = Phase.READY if fixed.stage == 1 else Phase.CONSUMED
+            mem._fail(late, phase, e - 1 if fixed.stage == 0 else e, fixed.why)
+
+    def all_reduce_words(
+        self, values: Sequence[int], group: Group, *, reduce_op: ReduceOp
+    ) -> list[int]:
+        """All-reduce a short vector of int64 words (the per-step agreement, the commit vote):
+        ``_all_reduce_one_shot`` without tensors, from and into ctypes arrays made once per
+        length. Values outside int64 are a ``ValueError`` (a bug: the callers' words fit)."""
+        st: ShmGroup = group.handle
+        n = len(values)
+        if n and (min(values) < -(1 << 63) or max(values) >= 1 << 63):
+            raise ValueError(f"all_reduce_words: {list(values)} do not fit int64")
+        arrays = st.words.get(n)
+        if arrays is None:
+            src, out = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
+            arrays = st.words[n] = (src, out, ctypes.addressof(src), ctypes.addressof(out))
+        src, out, src_at, out_at = arrays
+        src[:] = values
+        previous = self._next_epoch(st, 8 * n)
+        code = (_NATIVE[torch.int64], _NATIVE_OPS[reduce_op])
+        self._one_shot_call(st, previous, st.one_shot_args(None, torch.int64, n, code), src_at,
+                            out_at, None)
+        return out[:]
+
+    def _one_shot_python(
+        self,
+        flat: torch.Tensor,
+        st: ShmGroup,
+        reduce_op: ReduceOp,
+        in_place: bool,
+        copies: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """``_all_reduce_one_shot``'s steps in Python (what C does not reduce)."""
+        numel, dtype = flat.numel(), flat.dtype
+        registered = copies is not None
+        mem, e = st.begin(numel * flat.element_size())
+        if copies is None:
+            copies = st.areas(dtype, numel)
+            copies[st.index].copy_(flat)
+        mem.post(Phase.READY, e)
+        mem.wait(Phase.READY, e)
+        if registered:
+            out = st.areas(dtype, numel, st.area)[st.index]
+        elif in_place:
+            out = flat
+        else:
+            out = torch.empty_like(flat)
+        _accumulate(copies, reduce_op, dtype, out=out)
+        mem.post(Phase.CONSUMED, e)
+        if registered:
+            mem.wait(Phase.CONSUMED, e)
+            return flat.copy_(out) if in_place else out.clone()
+        return out
 
     def _all_reduce_in_place(
         self, flat: torch.Tensor, st: ShmGroup, reduce_op: ReduceOp

@@ -333,7 +333,7 @@ class CompiledStep:
             ordinal=ordinal,
             replicated=replicated,
         )
-        return args, shapes, handshake.settle(comm, report, changed), ordinal, h
+        return args, shapes, handshake.settle(comm, report, changed, h), ordinal, h
 
     def _compiles_kernels(self, comm: Communicator) -> bool:
         return self.options.fused_kernels and comm.world > 1 and len(self.kernels) > 0
@@ -370,7 +370,7 @@ class CompiledStep:
                 op=f"{self.program.name} step",
                 hint="compile with comm=coconet.runtime.init() (the communicator init returns)",
             )
-        if comm.mesh != self.mesh:
+        if comm.mesh is not self.mesh and comm.mesh != self.mesh:
             raise ConfigError(
                 f"{self.program.name} was compiled for {self.mesh}, the communicator has "
                 f"{comm.mesh}",
@@ -406,7 +406,7 @@ class CompiledStep:
                 value, text = cached[2], cached[3]
                 args.append(value)
                 shapes[node.name] = ()
-                dtypes[node.name] = str(value.dtype).replace("torch.", "")
+                dtypes[node.name] = _dtype_name(value.dtype)
                 if compare and node.type.layout.is_replicated and node.type.layout.axis is None:
                     replicated[node.name] = text
                 continue
@@ -416,7 +416,7 @@ class CompiledStep:
             args.append(value)
             if value is not None:
                 shapes[node.name] = tuple(value.shape)
-                dtypes[node.name] = str(value.dtype).replace("torch.", "")
+                dtypes[node.name] = _dtype_name(value.dtype)
                 layout = node.type.layout
                 # The same on every rank of the world (Replicated over one axis may differ
                 # between that axis's groups, and the handshake spans the world).
@@ -479,7 +479,7 @@ class CompiledStep:
                 f"input {node.name!r} is {value.dtype}, the program declares "
                 f"{ty.dtype.value} (pass {node.name}.to({dtype}))"
             )
-        if value.device.type != device.type:
+        if (not value.is_cpu if device.type == "cpu" else value.device.type != device.type):
             return None, (
                 f"input {node.name!r} is on {value.device}, this rank computes on {device}"
             )
@@ -492,7 +492,8 @@ class CompiledStep:
             problem = _unwritable(node.name, value)
             if problem:
                 return None, problem
-        return value.detach(), None
+        # a tensor outside autograd needs no detached view (a few us per small step)
+        return (value.detach() if value.requires_grad else value), None
 
     # -- commit ---------------------------------------------------------------------------------
 
@@ -518,6 +519,8 @@ class CompiledStep:
             return t.clone() if t.numel() and t.untyped_storage().data_ptr() in held else t
 
         outputs = {k: own(v) for k, v in outputs.items()}
+        if not updates:
+            return outputs  # nothing to write (a step without updates: a few us less per step)
         updates = {k: own(v) for k, v in updates.items()}
         swap = self.options.commit is CommitMode.SWAP
         # Every rank voted to commit: this rank must end wholly after the step, like the others.
@@ -588,6 +591,18 @@ _STEPS: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictiona
 
 def _steps_seen(comm: Any) -> dict[int, int]:
     return _STEPS.setdefault(comm, {})
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for torch.float32 (remembered: the handshake names every input's dtype at
+    every step)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def _shape_change(before: dict | None, now: dict) -> str:

@@ -34,7 +34,7 @@ import torch
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.runtime.native import sync_library
 
-__all__ = ["Phase", "SymmetricMemory", "host_identity"]
+__all__ = ["Phase", "SymmetricMemory", "WaitPolicy", "host_identity"]
 
 _LINE = 64  # bytes per signal: one cache line each, so writers never share a line
 _MAGIC = 0x636F636F6E657431  # "coconet1": the header word a mapper checks
@@ -82,6 +82,31 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How a rank waits for its peers' signals (``cn_wait_all`` in shm_sync.c): busy-polling up
+    to ``spin_s`` seconds, then polling with ``sched_yield`` between looks up to ``yield_s``, then
+    sleeping with a doubling interval. Every stage watches the deadline, the peer's life and its
+    abort word (every ~10 ms), so none can hang.
+
+    The default polls for 2 ms before it sleeps, yielding at every look and never spinning: a
+    small collective's peer usually posts within microseconds, and a sleeping waiter pays
+    ~60-100 us to wake (on 2 ranks of the 2-core machine that was most of a small all_reduce).
+    Spinning saves ~1 us per wait on an idle machine, but where the cores are shared (2 ranks
+    fill this machine's 2, and other jobs run beside them) a spinning waiter keeps the core its
+    peer needs: ``benchmarks/small_steps.py`` (``--wait``), an 8 KiB all_reduce, in a run at load
+    2-4: yield 35 us, spin 20 us then yield 46 us, spin only 514 us, sleep at once 129 us; in
+    results/small_steps.txt (load 1-2.5): 14.4, 12.8, 12.2 and 107 us. The
+    sleeps after 2 ms stop a rank that waits long (a peer computing or compiling) from keeping
+    its core busy."""
+
+    spin_s: float = 0.0
+    yield_s: float = 2e-3
+
+
+WAIT = WaitPolicy()  # the process's policy (a benchmark may replace it: symmem.WAIT = ...)
 
 
 @dataclass(frozen=True)
@@ -178,7 +203,10 @@ class SymmetricMemory:
                     op="shared memory",
                     hint="report this: the rendezvous mapped the wrong memory",
                 )
-        self._wait_args: dict[Phase, tuple] = {}
+        # the ctypes arguments of each (phase, peers) wait (``_make_wait_args``), and the word
+        # a failed wait's reason comes back in
+        self._wait_args: dict[tuple[Phase, tuple[int, ...] | None], tuple] = {}
+        self._why = ctypes.c_int32(0)
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -210,42 +238,71 @@ class SymmetricMemory:
     def wait(self, phase: Phase, epoch: int, peers: Sequence[int] | None = None) -> None:
         """Until every peer in ``peers`` (default: all others) posted ``phase`` >= ``epoch``;
         a ``RuntimeFault`` when one dies or the deadline passes."""
-        peers = [p for p in (range(self.size) if peers is None else peers) if p != self.index]
-        if not peers:
+        key = (phase, None if peers is None else tuple(peers))
+        args = self._wait_args.get(key)
+        if args is None:
+            args = self._wait_args[key] = self._make_wait_args(phase, peers)
+        listed, counters, pids, n, aborts = args
+        if not n:
             return
-        n = len(peers)
-        counters = (ctypes.POINTER(ctypes.c_uint64) * n)(
-            *[ctypes.cast(self._counter(p, phase), ctypes.POINTER(ctypes.c_uint64)) for p in peers]
-        )
-        pids = (ctypes.c_int32 * n)(*[self.pids[p] for p in peers])
-        aborts = (ctypes.POINTER(ctypes.c_uint64) * n)(
-            *[
-                ctypes.cast(self._base[p] + _ABORT_OFFSET, ctypes.POINTER(ctypes.c_uint64))
-                for p in peers
-            ]
-        )
-        why = ctypes.c_int32(0)
+        why = self._why
         late = self.lib.cn_wait_all(
-            counters, pids, n, epoch, self.timeout, ctypes.byref(why), aborts
+            counters, pids, n, epoch, self.timeout, why, aborts, WAIT.spin_s, WAIT.yield_s
         )
         if late >= 0:
-            peer = peers[late]
-            if why.value == 3:
-                cause = "a peer rank aborted its step (it failed or was interrupted)"
-            elif why.value == 2:
-                cause = "a peer rank died"
-            else:
-                cause = f"no answer within {self.timeout:g} s: a peer rank stalled or died"
-            raise RuntimeFault(
-                cause,
-                op="shared memory",
-                details=[
-                    f"waiting for group rank {peer} (pid {self.pids[peer]}) to reach "
-                    f"{phase.name.lower()} epoch {epoch}; it is at {self.value(peer, phase)}",
-                ],
-                hint="look at the other ranks' output for the first failure; this job cannot "
-                "continue: end it (coconet.runtime.shutdown) and restart it",
+            self._fail(listed[late], phase, epoch, why.value)
+
+    def _make_wait_args(self, phase: Phase, peers: Sequence[int] | None) -> tuple:
+        """The ctypes arrays ``cn_wait_all`` takes for (phase, peers): made once per key, not at
+        every wait (building them cost more than a wait that finds its peers arrived)."""
+        listed = [p for p in (range(self.size) if peers is None else peers) if p != self.index]
+        n = len(listed)
+        u64p = ctypes.POINTER(ctypes.c_uint64)
+        counters = (u64p * n)(*[ctypes.cast(self._counter(p, phase), u64p) for p in listed])
+        pids = (ctypes.c_int32 * n)(*[self.pids[p] for p in listed])
+        aborts = (u64p * n)(*[ctypes.cast(self._base[p] + _ABORT_OFFSET, u64p) for p in listed])
+        return listed, counters, pids, n, aborts
+
+    def signals(self) -> tuple:
+        """Every rank's READY and CONSUMED counters, pids (0 for this rank: never waited for) and
+        abort words, as the ctypes arrays ``cn_one_shot`` takes; made once."""
+        cached = self._wait_args.get(("signals", None))
+        if cached is None:
+            u64p = ctypes.POINTER(ctypes.c_uint64)
+            ranks = range(self.size)
+
+            def counters(phase: Phase):
+                return (u64p * self.size)(*[ctypes.cast(self._counter(p, phase), u64p)
+                                            for p in ranks])
+
+            pids = (ctypes.c_int32 * self.size)(
+                *[0 if p == self.index else self.pids[p] for p in ranks]
             )
+            aborts = (u64p * self.size)(
+                *[ctypes.cast(self._base[p] + _ABORT_OFFSET, u64p) for p in ranks]
+            )
+            cached = (counters(Phase.READY), counters(Phase.CONSUMED), pids, aborts)
+            self._wait_args[("signals", None)] = cached
+        return cached
+
+    def _fail(self, peer: int, phase: Phase, epoch: int, why: int) -> None:
+        """The ``RuntimeFault`` of a wait that gave up on ``peer`` (``why``: cn_wait_all's)."""
+        if why == 3:
+            cause = "a peer rank aborted its step (it failed or was interrupted)"
+        elif why == 2:
+            cause = "a peer rank died"
+        else:
+            cause = f"no answer within {self.timeout:g} s: a peer rank stalled or died"
+        raise RuntimeFault(
+            cause,
+            op="shared memory",
+            details=[
+                f"waiting for group rank {peer} (pid {self.pids[peer]}) to reach "
+                f"{phase.name.lower()} epoch {epoch}; it is at {self.value(peer, phase)}",
+            ],
+            hint="look at the other ranks' output for the first failure; this job cannot "
+            "continue: end it (coconet.runtime.shutdown) and restart it",
+        )
 
     def abort(self) -> None:
         """Tell every peer waiting on this rank that it will not post again (its step failed or
@@ -256,6 +313,7 @@ class SymmetricMemory:
     def close(self) -> None:
         """Drop this rank's mappings (the memory goes when every rank dropped them)."""
         self._bytes, self._base = [], []
+        self._wait_args = {}  # they point into the mappings
         for m in self._maps:
             if m is not None:
                 try:

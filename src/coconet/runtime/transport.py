@@ -156,9 +156,23 @@ class Published:
             self._release = None
 
 
+class _Ready(Pending):
+    """A collective whose result is already there: waiting for it is returning it."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.works, self._value = [], value
+
+    def finish(self) -> torch.Tensor:
+        return self._value
+
+    def wait(self, waiter: Callable[[Any], None] | None = None) -> torch.Tensor:
+        return self._value
+
+
 def ready(value: torch.Tensor) -> Pending:
-    """A collective that needed no communication (a group of one)."""
-    return Pending([], lambda: value)
+    """A collective that needed no communication (a group of one), or whose work is done when it
+    starts (shared memory's: the copying is the work)."""
+    return _Ready(value)
 
 
 class Transport(Protocol):
