@@ -52,6 +52,8 @@ def test_a_rank_killed_while_its_peer_compiles_is_noticed_during_the_compile(
 def test_a_differing_lr_is_named_as_the_users_lr(transport):
     options = CommOptions(timeout=20.0, algorithms="exact", transport=transport)
     for out in spawn(edge_workers.differing_lr, 2, options=options, timeout=80):
+        assert "the ranks hold different parameters" in out["built"], out["built"]
+        assert "lr=0.1" in out["built"] and "lr=0.2" in out["built"], out["built"]
         assert out["status"] == "RuntimeFault" and out["unchanged"], out
         head = out["message"].splitlines()[0]
         assert "Replicated inputs differ across ranks: lr" in head, out["message"]

@@ -81,12 +81,22 @@ def killed_while_peer_compiles(comm: Communicator, victim: int, watch_pids: bool
 
 
 def differing_lr(comm: Communicator) -> dict:
-    """The ranks' coconet.optim.AdamW differ in ``lr``: the error names ``lr``, which the user
-    set, not only the program's derived inputs (``step_size``, ``decay``)."""
+    """The ranks' coconet.optim.AdamW differ in ``lr``: built so, the construction refuses on
+    every rank (the param groups are compared when added); changed on one rank afterwards (a
+    scheduler stepped on one rank only), the step's error names ``lr``, which the user set, not
+    only the program's derived inputs (``step_size``, ``decay``)."""
     import coconet.optim
+    from coconet.errors import ConfigError
 
     w = torch.nn.Parameter(torch.ones(8))
-    opt = coconet.optim.AdamW([w], lr=0.1 if comm.rank == 0 else 0.2, comm=comm)
+    try:
+        coconet.optim.AdamW([w], lr=0.1 if comm.rank == 0 else 0.2, comm=comm)
+        built = "no error"
+    except ConfigError as exc:
+        built = str(exc)
+    opt = coconet.optim.AdamW([w], lr=0.1, comm=comm)
+    if comm.rank == 1:
+        opt.param_groups[0]["lr"] = 0.2
     w.sum().backward()
     before = w.detach().clone()
     try:
@@ -94,4 +104,5 @@ def differing_lr(comm: Communicator) -> dict:
         status, message = "no error", ""
     except RuntimeFault as exc:
         status, message = "RuntimeFault", str(exc)
-    return dict(status=status, message=message, unchanged=torch.equal(before, w.detach()))
+    return dict(status=status, message=message, unchanged=torch.equal(before, w.detach()),
+                built=built)

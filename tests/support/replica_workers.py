@@ -87,6 +87,17 @@ def equals_per_rank(comm: Communicator, example: str, size: int, steps: int) -> 
     }
 
 
+def _dies_after(fn):
+    """``fn``, after which this process is SIGKILLed."""
+
+    def then_dies(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    return then_dies
+
+
 def killed_before_flip(comm: Communicator, victim: int, where: str) -> dict:
     """Rank ``victim`` dies after it wrote its slice of the spare buffer: before it posted that
     (``where="kernel"``), or after the gather closed, before the commit vote
@@ -104,26 +115,12 @@ def killed_before_flip(comm: Communicator, victim: int, where: str) -> dict:
     before = {name: mine[name].clone() for name in ("p", "m", "v")}
     live_before = replica.live().clone()
     if comm.rank == victim:
-        channel = comm.one_pass(None)
-        if where == "kernel":
+        if where == "kernel":  # its slice written, not yet posted
             kernel = step.kernels._kernels["fused_1"]
-            run = kernel.fn
-
-            def dies_after_writing(*args, **kwargs):
-                out = run(*args, **kwargs)
-                os.kill(os.getpid(), signal.SIGKILL)
-                return out
-
-            kernel.fn = dies_after_writing
-        else:
-            finish = channel.finish
-
-            def dies_after_gather(*args, **kwargs):
-                out = finish(*args, **kwargs)
-                os.kill(os.getpid(), signal.SIGKILL)
-                return out
-
-            channel.finish = dies_after_gather
+            kernel.fn = _dies_after(kernel.fn)
+        else:  # posted and gathered, before the vote
+            channel = comm.one_pass(None)
+            channel.finish = _dies_after(channel.finish)
     mine["g"] = _grad(1, comm.rank, size)
     mine["step"] = 2.0
     t0 = time.perf_counter()

@@ -98,19 +98,19 @@ class ShmGroup:
         self._pointers: dict[tuple, tuple] = {}
         self.words: dict[int, tuple] = {}  # all_reduce_words's arrays, by length
 
+    def _segment(self, nbytes: int) -> SymmetricMemory:
+        """A new ``SymmetricMemory`` over the group with ``nbytes`` in this rank's segment
+        (collective)."""
+        return SymmetricMemory(
+            nbytes, self.index, self.size, self.gather, timeout=self.timeout,
+            cache_dir=self.cache_dir,
+        )
+
     def register(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` in symmetric memory of its own, mapped by every peer.
         Collective: every rank of the group calls it at the same point."""
         numel = _numel(shape)
-        nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
-        mem = SymmetricMemory(
-            nbytes,
-            self.index,
-            self.size,
-            self.gather,
-            timeout=self.timeout,
-            cache_dir=self.cache_dir,
-        )
+        mem = self._segment(max(1, numel) * torch.empty((), dtype=dtype).element_size())
         t = mem.buffer(self.index, dtype, numel).view(tuple(shape))
         self.registered[t.data_ptr()] = (mem, numel, dtype)
         self._copies[t.data_ptr()] = [mem.buffer(j, dtype, numel) for j in range(self.size)]
@@ -119,15 +119,7 @@ class ShmGroup:
     def replica(self, shape: Sequence[int], dtype: torch.dtype) -> HostReplica:
         """A ``HostReplica`` of ``shape`` in the group's first rank's segment, mapped by every
         rank. Collective: every rank of the group calls it at the same point."""
-        nbytes = replica_bytes(shape, dtype) if self.index == 0 else 0
-        mem = SymmetricMemory(
-            nbytes,
-            self.index,
-            self.size,
-            self.gather,
-            timeout=self.timeout,
-            cache_dir=self.cache_dir,
-        )
+        mem = self._segment(replica_bytes(shape, dtype) if self.index == 0 else 0)
         r = HostReplica(mem, shape, dtype, owner=0)
         for ptr in r.buffers():
             self.replicas[ptr] = r
@@ -230,15 +222,7 @@ class ShmGroup:
         while area < nbytes:
             area *= 2
         old = self.mem
-        # Collective: every rank needs the same size at the same epoch.
-        mem = SymmetricMemory(
-            2 * area,
-            self.index,
-            self.size,
-            self.gather,
-            timeout=self.timeout,
-            cache_dir=self.cache_dir,
-        )
+        mem = self._segment(2 * area)  # collective: the same size at the same epoch everywhere
         for phase in Phase:  # a new segment's signals start where the group's epoch is
             mem.post(phase, self.epoch)
         self.gather(None)  # every rank posted: waits on the new segments are meaningful
