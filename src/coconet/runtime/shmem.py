@@ -257,6 +257,16 @@ _INTO = {
 }
 
 
+def _one_shot_out(st: ShmGroup, flat: torch.Tensor, registered: bool, in_place: bool
+                  ) -> torch.Tensor:
+    """Where a one-round all_reduce writes: a registered input's scratch (this rank's output
+    area: its peers still read the input), the input itself when it is donated, or a new
+    tensor."""
+    if registered:
+        return st.areas(flat.dtype, flat.numel(), st.area)[st.index]
+    return flat if in_place else torch.empty_like(flat)
+
+
 def _accumulate(
     parts: Sequence[torch.Tensor], op: ReduceOp, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -342,12 +352,7 @@ class SharedMemoryTransport:
             return self._one_shot_python(flat, st, reduce_op, in_place, copies)
         previous = self._next_epoch(st, nbytes)
         args = st.one_shot_args(copies, dtype, numel, code)
-        if registered:
-            out = st.areas(dtype, numel, st.area)[st.index]
-        elif in_place:
-            out = flat
-        else:
-            out = torch.empty_like(flat)
+        out = _one_shot_out(st, flat, registered, in_place)
         self._one_shot_call(
             st, previous, args, None if registered else flat.data_ptr(), out.data_ptr(),
             flat.data_ptr() if registered and in_place else None,
@@ -420,12 +425,7 @@ class SharedMemoryTransport:
             copies[st.index].copy_(flat)
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
-        if registered:
-            out = st.areas(dtype, numel, st.area)[st.index]
-        elif in_place:
-            out = flat
-        else:
-            out = torch.empty_like(flat)
+        out = _one_shot_out(st, flat, registered, in_place)
         _accumulate(copies, reduce_op, dtype, out=out)
         mem.post(Phase.CONSUMED, e)
         if registered:
