@@ -27,6 +27,7 @@ the user's file and line and a hint; see ``coconet.errors``.
 # module docstring); the others are in ``__all__``.
 from coconet import ops as ops  # every DSL op, sum/max/abs/pow included: cc.ops.sum
 from coconet import optim as optim  # drop-in data-parallel optimizers: cc.optim.Adam, ...
+from coconet.autodiff import grad
 from coconet.compiler import CompileOptions as CompileOptions
 from coconet.compiler import compile as compile
 from coconet.dsl import (
@@ -34,6 +35,7 @@ from coconet.dsl import (
     Tensor,
     all_gather,
     all_reduce,
+    axis_index,
     broadcast,
     cast,
     clamp,
@@ -42,6 +44,7 @@ from coconet.dsl import (
     eq,
     erf,
     exp,
+    expand_as,
     ge,
     gelu,
     gt,
@@ -49,6 +52,7 @@ from coconet.dsl import (
     log,
     lt,
     matmul,
+    matmul_tn,
     maximum,
     mean,
     minimum,
@@ -66,6 +70,8 @@ from coconet.dsl import (
     silu,
     sqrt,
     tanh,
+    transpose,
+    unsqueeze,
     update,
     where,
     world_size,
@@ -129,6 +135,7 @@ __all__ = [
     "eq",
     "erf",
     "exp",
+    "expand_as",
     "ge",
     "gelu",
     "gt",
@@ -136,6 +143,7 @@ __all__ = [
     "log",
     "lt",
     "matmul",
+    "matmul_tn",
     "maximum",
     "mean",
     "minimum",
@@ -149,19 +157,23 @@ __all__ = [
     "silu",
     "sqrt",
     "tanh",
+    "transpose",
+    "unsqueeze",
     "where",
     "world_size",
     # communication
     "all_gather",
     "all_reduce",
+    "axis_index",
     "broadcast",
     "reduce",
     "reduce_scatter",
     "scatter",
     "send",
     "update",
-    # programs, their schedules and their meaning (compile: cc.compile)
+    # programs, their schedules, gradients and meaning (compile: cc.compile)
     "Program",
+    "grad",
     "Schedule",
     "simulate",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "abs",
     "all_gather",
     "all_reduce",
+    "axis_index",
     "broadcast",
     "cast",
     "clamp",
@@ -37,6 +38,7 @@ __all__ = [
     "eq",
     "erf",
     "exp",
+    "expand_as",
     "ge",
     "gelu",
     "gt",
@@ -44,6 +46,7 @@ __all__ = [
     "log",
     "lt",
     "matmul",
+    "matmul_tn",
     "max",
     "maximum",
     "mean",
@@ -64,6 +67,8 @@ __all__ = [
     "sqrt",
     "sum",
     "tanh",
+    "transpose",
+    "unsqueeze",
     "update",
     "where",
     "world_size",
@@ -593,6 +598,40 @@ def matmul(x: Tensor, w: Tensor) -> Tensor:
     return _wrap(Op.MATMUL, (_node(x, None, Op.MATMUL), _node(w, None, Op.MATMUL)))
 
 
+def matmul_tn(x: Tensor, y: Tensor) -> Tensor:
+    """``x[..., K]`` transposed times ``y[..., N]``, summed over every leading dim: ``[K, N]``.
+
+    The gradient of ``matmul(x, w)``'s weight is ``matmul_tn(x, ct)``. Rows sliced alike give
+    Local partial sums; a Replicated ``x`` with ``y`` sliced on its last dim gives Sliced(1)
+    (column-parallel), ``x`` sliced on its last dim with a Replicated ``y`` Sliced(0)."""
+    return _wrap(Op.MATMUL_TN, (_node(x, None, Op.MATMUL_TN), _node(y, None, Op.MATMUL_TN)))
+
+
+def transpose(w: Tensor, name: str | None = None) -> Tensor:
+    """The matrix ``w[K, N]`` as ``[N, K]`` (Sliced(0) becomes Sliced(1) and back)."""
+    return _wrap(Op.TRANSPOSE, (_node(w, None, Op.TRANSPOSE),), name=name)
+
+
+def unsqueeze(x: Tensor, dim: int, name: str | None = None) -> Tensor:
+    """``x`` with a dim of size 1 inserted at ``dim`` (``torch.unsqueeze``)."""
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise DSLError(
+            f"unsqueeze's dim must be an int, got {dim!r}",
+            op="unsqueeze",
+            loc=capture_loc(),
+            hint="unsqueeze(x, 0) adds a leading dim of size 1",
+        )
+    return _wrap(Op.UNSQUEEZE, (_node(x, None, Op.UNSQUEEZE),), dim=dim, name=name)
+
+
+def expand_as(x: Any, like: Tensor, name: str | None = None) -> Tensor:
+    """``x`` broadcast to the shape of ``like`` as a new tensor (``like``'s values are unread)."""
+    lk = like.node if isinstance(like, Tensor) else None
+    return _wrap(
+        Op.EXPAND_AS, (_node(x, lk, Op.EXPAND_AS), _node(like, None, Op.EXPAND_AS)), name=name
+    )
+
+
 sum = _sum  # noqa: A001 - the DSL's reduction; builtins.sum is still builtins.sum
 max = _max  # noqa: A001
 
@@ -613,6 +652,19 @@ def world_size(axis: str | None = None, dtype: DType = DType.float32) -> Tensor:
             hint="coconet.float32 (the default) or coconet.int64",
         )
     return _wrap(Op.WORLD_SIZE, (), axis=axis, dtype=dtype)
+
+
+def axis_index(axis: str | None = None, dtype: DType = DType.int64) -> Tensor:
+    """This rank's index along mesh ``axis`` (its world rank for None), a 0-d Local value."""
+    _check_axis("axis_index", axis)
+    if not isinstance(dtype, DType):
+        raise DSLError(
+            f"axis_index's dtype must be a coconet DType, got {dtype!r}",
+            op="axis_index",
+            loc=capture_loc(),
+            hint="coconet.int64 (the default) or coconet.float32",
+        )
+    return _wrap(Op.AXIS_INDEX, (), axis=axis, dtype=dtype)
 
 
 def _reduce_op(op: Any, who: str) -> ReduceOp:

@@ -10,6 +10,7 @@ The classes, by what went wrong:
   ``DSLValueError``, ``DSLTypeError`` and ``UnknownNameError`` are also ``ValueError``,
   ``TypeError`` and ``KeyError``: what ``Dim``, ``Sliced``, ``Mesh`` and ``Program.node`` raised
   before they raised coconet errors, so ``except KeyError`` around a lookup keeps working;
+- ``DifferentiationError`` (a ``DSLError``): a program ``coconet.grad`` cannot differentiate;
 - ``ScheduleError``: a schedule primitive that does not apply; ``SimulationError``: inputs that do
   not fit ``simulate``; ``CodegenError``: a program ``compile`` cannot turn into code;
 - ``ConfigError``: a bad option or setup of the compiler or the runtime (``CompileOptionError``
@@ -35,6 +36,7 @@ __all__ = [
     "DSLTypeError",
     "DSLValueError",
     "DTypeError",
+    "DifferentiationError",
     "GradientError",
     "LayoutError",
     "RuntimeFault",
@@ -178,6 +180,12 @@ class ShapeError(DSLError):
 
 class DTypeError(DSLError):
     """Operands whose element types do not fit this op."""
+
+
+class DifferentiationError(DSLError):
+    """A program ``coconet.grad`` cannot differentiate as asked: an input that is not a float
+    tensor, an op without a gradient rule for these attributes, or a gradient whose layout the
+    layout rules cannot express."""
 
 
 class ScheduleError(CoconetError):

@@ -33,6 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "dsl": {"ir"},
     "ops": {"dsl"},
     "sim": {"ir"},
+    # reverse mode: an IR -> IR transform reading the op specs' vector-Jacobian rules
+    "autodiff": {"ir"},
     "accounting": {"ir"},
     "schedule": {"ir"},
     "codegen": {"ir", "options"},
@@ -45,7 +47,9 @@ ALLOWED: dict[str, set[str]] = {
         "options",
     },
     "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options", "tune"},
-    "coconet": {"ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting", "optim"},
+    "coconet": {
+        "ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting", "optim", "autodiff",
+    },
     "cli": {"ir", "schedule", "compiler", "runtime", "cache", "coconet", "tune", "options"},
 }
 

@@ -7,7 +7,15 @@ import pytest
 import coconet as cc
 from coconet.accounting import account
 from coconet.ir import semantics
-from coconet.ir.ops import COLLECTIVES, COMMUNICATION, POINTWISE, REDUCTIONS, Op
+from coconet.ir.ops import (
+    COLLECTIVES,
+    COMMUNICATION,
+    COMPUTATION,
+    POINTWISE,
+    REDUCTIONS,
+    SHAPES,
+    Op,
+)
 from coconet.ir.opspec import SPECS, Lowering, Prop, missing_parts, ops_with, spec
 from coconet.ir.rules import RULES
 
@@ -21,11 +29,13 @@ def test_every_op_has_a_complete_spec():
 
 def test_properties_match_the_op_groups():
     """The sets that codegen, overlap and reorder used to keep for themselves."""
-    assert ops_with(Prop.KERNEL) == POINTWISE | REDUCTIONS | {Op.MATMUL}
-    assert ops_with(Prop.FRESH) == (POINTWISE - {Op.CAST}) | REDUCTIONS | {Op.MATMUL} | (
-        COLLECTIVES | {Op.SEND}
-    )
-    assert ops_with(Prop.REORDERABLE) == POINTWISE | REDUCTIONS | {Op.SEND}
+    assert ops_with(Prop.KERNEL) == COMPUTATION
+    assert ops_with(Prop.FRESH) == (POINTWISE - {Op.CAST}) | REDUCTIONS | {
+        Op.MATMUL, Op.MATMUL_TN
+    } | (COLLECTIVES | {Op.SEND})
+    # expand_as spreads one row over many: neither reorderable nor row-wise
+    assert ops_with(Prop.REORDERABLE) == (POINTWISE - {Op.EXPAND_AS}) | REDUCTIONS | {Op.SEND}
+    assert not ops_with(Prop.ROWWISE) & (SHAPES | {Op.EXPAND_AS, Op.MATMUL_TN})
     assert ops_with(Prop.COMMUNICATES) == COMMUNICATION
     assert Op.REDUCE not in ops_with(Prop.ROWWISE)
     assert {Op.MATMUL, Op.SCATTER, Op.ALL_GATHER, Op.SEND} <= ops_with(Prop.ROWWISE)

@@ -367,6 +367,49 @@ LEGAL: list[tuple[str, Callable[[], Tensor], TensorType]] = [
         lambda: cc.scatter(T("x", [N]), axis="tp"),
         ty(float32, [N], Sliced(0, "tp")),
     ),
+    # -- the ops gradients are made of ----------------------------------------------------------
+    (
+        "matmul_tn of row-sliced operands: partial sums",
+        lambda: cc.matmul_tn(T("x", [B, K], Sliced(0)), T("y", [B, N], Sliced(0))),
+        ty(float32, [K, N], Local),
+    ),
+    (
+        "matmul_tn column-parallel",
+        lambda: cc.matmul_tn(T("x", [B, M, K]), T("y", [B, M, N], Sliced(2))),
+        ty(float32, [K, N], Sliced(1)),
+    ),
+    (
+        "matmul_tn row-parallel",
+        lambda: cc.matmul_tn(T("x", [B, K], Sliced(1, "tp")), T("y", [B, N], Replicated("tp"))),
+        ty(float32, [K, N], Sliced(0, "tp")),
+    ),
+    (
+        "matmul_tn Local",
+        lambda: cc.matmul_tn(T("x", [B, K], Local), T("y", [B, N])),
+        ty(float32, [K, N], Local),
+    ),
+    ("transpose", lambda: cc.transpose(T("w", [K, N], Sliced(1))), ty(float32, [N, K], Sliced(0))),
+    (
+        "unsqueeze moves the sliced dim",
+        lambda: cc.unsqueeze(T("x", [B, N], Sliced(1)), 0),
+        ty(float32, [1, B, N], Sliced(2)),
+    ),
+    (
+        "unsqueeze after the sliced dim",
+        lambda: cc.unsqueeze(T("x", [B, N], Sliced(0)), -1),
+        ty(float32, [B, N, 1], Sliced(0)),
+    ),
+    (
+        "expand_as a Local partial over a Sliced part",
+        lambda: cc.expand_as(T("c", [B, 1], Local), T("x", [B, N], Sliced(1))),
+        ty(float32, [B, N], Sliced(1)),
+    ),
+    (
+        "expand_as a constant",
+        lambda: cc.expand_as(0.0, T("x", [B, N], Local)),
+        ty(float32, [B, N], Local),
+    ),
+    ("axis_index", lambda: cc.axis_index("tp") + 1, ty(int64, [], Local)),
     # -- update ---------------------------------------------------------------------------------
     (
         "update Replicated",
@@ -686,6 +729,18 @@ ILLEGAL: list[tuple[str, Callable[[], object], type, str]] = [
         cc.LayoutError,
         "Replicated(axis=tp)",
     ),
+    ("matmul_tn different rows", lambda: cc.matmul_tn(T("x", [B, K]), T("y", [N, M])),
+     cc.ShapeError, "leading dims differ"),
+    ("matmul_tn rows sliced on one side", lambda: cc.matmul_tn(
+        T("x", [B, K], Sliced(0)), T("y", [B, N])), cc.LayoutError, "rows are sliced"),
+    ("matmul_tn both sliced on the last dim", lambda: cc.matmul_tn(
+        T("x", [B, K], Sliced(1)), T("y", [B, N], Sliced(1))), cc.LayoutError, "rows sliced alike"),
+    ("transpose a vector", lambda: cc.transpose(T("x", [N])), cc.ShapeError, "a matrix"),
+    ("unsqueeze out of range", lambda: cc.unsqueeze(T("x", [N]), 3), cc.ShapeError, "out of range"),
+    ("expand_as to a smaller shape", lambda: cc.expand_as(T("x", [B, N]), T("y", [N])),
+     cc.ShapeError, "does not broadcast"),
+    ("expand_as spanning a sliced dim", lambda: cc.expand_as(T("x", [B, N], Local),
+     T("y", [B, N], Sliced(1))), cc.LayoutError, "spans the sliced dim"),
     ("cast to a torch dtype", lambda: cc.cast(T("a", [N]), "float16"), cc.DSLError, "DType"),
     ("Sliced dim out of range", lambda: T("a", [N], Sliced(1)), cc.DSLError, "rank 1"),
     ("negative size", lambda: T("a", [-1]), cc.DSLError, "sizes are ints >= 0"),

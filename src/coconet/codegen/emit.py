@@ -405,6 +405,9 @@ _EXPRESSIONS: dict[Lowering, Callable[[Node, list[str], GeoRef], str]] = {
     Lowering.POINTWISE: lambda n, a, geo: f"_{n.op.value}({', '.join(a)})",
     Lowering.REDUCTION: _reduction_expr,
     Lowering.MATMUL: lambda n, a, geo: f"torch.matmul({a[0]}, {a[1]})",
+    Lowering.FUNCTION: lambda n, a, geo: f"_ops.FUNCTIONS[Op.{n.op.name}]("
+    + ", ".join([*a, *(f"{k}={v!r}" for k, v in n.attrs)])
+    + ")",
     Lowering.SCATTER: lambda n, a, geo: f"{a[0]}.narrow({n.type.layout.dim}, *{geo(n, 'bounds')})",
 }
 

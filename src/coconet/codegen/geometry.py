@@ -33,7 +33,8 @@ class Geometry:
     """What the generated ``step`` reads about sizes on this rank (keyed by program value name).
 
     - ``sizes``: each Dim's global size;
-    - ``values[v]``: the integer of a ``size`` or ``world_size`` value (``semantics.size_value``);
+    - ``values[v]``: the integer of a ``size``, ``world_size`` or ``axis_index`` value
+      (``semantics.size_value``);
     - ``bounds[v]``: ``(start, length)`` of this rank's slice, for ``scatter`` values;
     - ``parts[v]``: the part size of every rank of the group, for ``all_gather`` values;
     - ``shapes[v]`` / ``offsets[v]``: global shape and this rank's block start, for ``dropout``;
@@ -134,7 +135,7 @@ def geometry(program: Program, mesh: Mesh, rank: int, sizes: Mapping[str, int]) 
     for node in program.nodes:
         form = spec(node.op)
         if form.lowering is Lowering.SIZE:
-            geo.values[node.name] = semantics.size_value(node, sizes, mesh)
+            geo.values[node.name] = semantics.size_value(node, sizes, mesh, rank)
         elif form.lowering is Lowering.SCATTER:  # its bounds
             lay = node.type.layout
             total = resolve_shape(node.type.shape, sizes)[lay.dim]

@@ -13,6 +13,7 @@ __all__ = [
     "LEAVES",
     "POINTWISE",
     "REDUCTIONS",
+    "SHAPES",
     "SIZES",
     "UNARY",
     "Op",
@@ -27,6 +28,8 @@ class Op(enum.Enum):
     # sizes known when the step runs, as 0-d values: a product of Dims, a mesh axis's rank count
     SIZE = "size"
     WORLD_SIZE = "world_size"
+    # this rank's index along a mesh axis, as a 0-d value (Local: it differs between ranks)
+    AXIS_INDEX = "axis_index"
     # pointwise, one operand
     NEG = "neg"
     SQRT = "sqrt"
@@ -59,11 +62,21 @@ class Op(enum.Enum):
     NE = "ne"
     # pointwise, three operands (CoCoNet's Ite)
     WHERE = "where"
+    # the first operand broadcast to the second's shape (the second's values are not read): how
+    # a gradient spreads a reduced value back over what was reduced
+    EXPAND_AS = "expand_as"
+    # shape ops with static attributes (their gradients need them): a size-1 dim inserted at
+    # ``dim``; a matrix transposed
+    UNSQUEEZE = "unsqueeze"
+    TRANSPOSE = "transpose"
     # reductions over all elements or one dim
     SUM = "sum"
     MAX = "max"
     NORM = "norm"
     MATMUL = "matmul"
+    # x[..., K] transposed times y[..., N], summed over every leading dim: [K, N] (the gradient
+    # of a matmul's weight; x.reshape(-1, K).T @ y.reshape(-1, N))
+    MATMUL_TN = "matmul_tn"
     # communication
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
@@ -93,7 +106,7 @@ class ReduceOp(enum.Enum):
         return self.value
 
 
-SIZES = frozenset({Op.SIZE, Op.WORLD_SIZE})
+SIZES = frozenset({Op.SIZE, Op.WORLD_SIZE, Op.AXIS_INDEX})
 LEAVES = frozenset({Op.INPUT, Op.CONST}) | SIZES
 UNARY = frozenset(
     {Op.NEG, Op.SQRT, Op.RSQRT, Op.EXP, Op.LOG, Op.ABS, Op.RELU, Op.GELU, Op.CAST, Op.DROPOUT}
@@ -101,8 +114,9 @@ UNARY = frozenset(
 )
 COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAXIMUM, Op.MINIMUM}) | COMPARISONS
-POINTWISE = UNARY | BINARY | {Op.WHERE}
+POINTWISE = UNARY | BINARY | {Op.WHERE, Op.EXPAND_AS}
+SHAPES = frozenset({Op.UNSQUEEZE, Op.TRANSPOSE})
 REDUCTIONS = frozenset({Op.SUM, Op.MAX, Op.NORM})
-COMPUTATION = POINTWISE | REDUCTIONS | {Op.MATMUL}
+COMPUTATION = POINTWISE | SHAPES | REDUCTIONS | {Op.MATMUL, Op.MATMUL_TN}
 COLLECTIVES = frozenset({Op.ALL_REDUCE, Op.REDUCE_SCATTER, Op.ALL_GATHER, Op.BROADCAST, Op.REDUCE})
 COMMUNICATION = COLLECTIVES | {Op.SEND}

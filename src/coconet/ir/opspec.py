@@ -12,6 +12,8 @@ ad-hoc set or an if-chain over ops of its own:
   passes (``arguments``);
 - the **cost model**: ``sent`` (bytes a rank sends, ring algorithms; ``coconet.accounting``) and
   ``work`` (bytes read and written and flops of the local computation, for cost models);
+- its **vector-Jacobian rule** (``vjp``, ``coconet.ir.adjoints``): what ``coconet.grad`` builds
+  for the op's operands from its cotangent;
 - its **properties** (``Prop``): row-wise (``overlap`` may chunk it), kernel-able (may be part of
   a fused kernel), fresh result (a collective may reuse its buffer), reorderable (may run on
   slices before an all_gather), communicates, and the exactness classes of
@@ -29,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from coconet.ir import semantics
-from coconet.ir.ops import BINARY, UNARY, Op
+from coconet.ir import adjoints, semantics
+from coconet.ir.ops import BINARY, LEAVES, UNARY, Op
 from coconet.ir.rules import RULES
 from coconet.ir.types import Layout, Sliced, TensorType
 
@@ -65,6 +67,7 @@ class Lowering(enum.Enum):
     DROPOUT = "dropout"  # the counter-based mask needs the block's place in the whole tensor
     REDUCTION = "reduction"  # semantics.reduction(op, x, dim, keepdim)
     MATMUL = "matmul"
+    FUNCTION = "function"  # semantics.FUNCTIONS[op](*operands, **the node's attributes)
     SCATTER = "scatter"  # this rank's slice: a view of its bounds
     UPDATE = "update"  # committed by the runtime after the step
     COLLECTIVE = "collective"  # a transport start/wait pair over a group
@@ -164,6 +167,9 @@ class OpSpec:
     # operands read whole when the op runs chunk by chunk (``overlap``): a matmul's weight,
     # dropout's seed and step; the others are chunked with the chain's rows
     whole_operands: frozenset[int] = frozenset()
+    # the vector-Jacobian rule (coconet.ir.adjoints): (node, cotangent, builder) -> one gradient
+    # contribution per operand (None where none flows); every op but a leaf and update has one
+    vjp: adjoints.Rule | None = None
 
     @property
     def rule(self) -> Callable:
@@ -194,6 +200,14 @@ def _matmul_work(node: Node, sizes: Sizes, rank: int) -> Work:
     contracted = sizes.local_shape(a.type, rank)[-1]
     flops = 2 * sizes.local_numel(node.type, rank) * contracted
     read = sizes.local_bytes(a.type, rank) + sizes.local_bytes(b.type, rank)
+    return Work(read, sizes.local_bytes(node.type, rank), flops)
+
+
+def _matmul_tn_work(node: Node, sizes: Sizes, rank: int) -> Work:
+    x, y = node.inputs
+    rows = sizes.local_numel(x.type, rank) // max(sizes.local_shape(x.type, rank)[-1], 1)
+    flops = 2 * sizes.local_numel(node.type, rank) * rows
+    read = sizes.local_bytes(x.type, rank) + sizes.local_bytes(y.type, rank)
     return Work(read, sizes.local_bytes(node.type, rank), flops)
 
 
@@ -245,15 +259,29 @@ _ROUNDS = frozenset({Op.EXP, Op.LOG, Op.GELU, Op.POW, Op.TANH, Op.SIGMOID, Op.ER
 
 
 def _pointwise(op: Op) -> OpSpec:
+    vjp = adjoints.RULES[op]
     if op is Op.CAST:
         # a cast to the same dtype returns its operand: not a fresh tensor
-        return OpSpec(op, Lowering.CAST, _COMPUTE & ~Prop.FRESH, work=_elementwise_work)
+        return OpSpec(op, Lowering.CAST, _COMPUTE & ~Prop.FRESH, work=_elementwise_work, vjp=vjp)
     if op is Op.DROPOUT:
         return OpSpec(
-            op, Lowering.DROPOUT, _COMPUTE, work=_elementwise_work, whole_operands=frozenset({1, 2})
+            op, Lowering.DROPOUT, _COMPUTE, work=_elementwise_work,
+            whole_operands=frozenset({1, 2}), vjp=vjp,
         )
+    if op is Op.EXPAND_AS:
+        # not row-wise: its first operand may be one row spread over every row of the chunk
+        props = Prop.KERNEL | Prop.FRESH
+        return OpSpec(op, Lowering.POINTWISE, props, semantics.POINTWISE[op],
+                      work=_elementwise_work, vjp=vjp)  # fmt: skip
     props = _COMPUTE | (Prop.ROUNDS_PER_KERNEL if op in _ROUNDS else Prop.NONE)
-    return OpSpec(op, Lowering.POINTWISE, props, semantics.POINTWISE[op], work=_elementwise_work)
+    return OpSpec(
+        op, Lowering.POINTWISE, props, semantics.POINTWISE[op], work=_elementwise_work, vjp=vjp
+    )
+
+
+def _shape_op(op: Op) -> OpSpec:
+    """unsqueeze and transpose: views (not fresh), that change which elements are rows."""
+    return OpSpec(op, Lowering.FUNCTION, Prop.KERNEL, work=_no_work, vjp=adjoints.RULES[op])
 
 
 def _collective(
@@ -270,6 +298,7 @@ def _collective(
         sent=sent,
         comm_cost=cost,
         work=_no_work,
+        vjp=adjoints.RULES[op],
     )
 
 
@@ -282,13 +311,16 @@ SPECS: dict[Op, OpSpec] = {
     # computed once at the start of the step, from the bound sizes and the mesh, like an input
     Op.SIZE: OpSpec(Op.SIZE, Lowering.SIZE, work=_no_work),
     Op.WORLD_SIZE: OpSpec(Op.WORLD_SIZE, Lowering.SIZE, work=_no_work),
-    **{op: _pointwise(op) for op in UNARY | BINARY | {Op.WHERE}},
+    Op.AXIS_INDEX: OpSpec(Op.AXIS_INDEX, Lowering.SIZE, work=_no_work),
+    **{op: _pointwise(op) for op in UNARY | BINARY | {Op.WHERE, Op.EXPAND_AS}},
+    **{op: _shape_op(op) for op in (Op.UNSQUEEZE, Op.TRANSPOSE)},
     **{
         op: OpSpec(
             op,
             Lowering.REDUCTION,
             _COMPUTE | (Prop.REASSOCIATES if op is not Op.MAX else Prop.NONE),
             work=_reduction_work,
+            vjp=adjoints.RULES[op],
         )
         for op in (Op.SUM, Op.MAX, Op.NORM)
     },
@@ -299,6 +331,15 @@ SPECS: dict[Op, OpSpec] = {
         Prop.KERNEL | Prop.FRESH | Prop.ROWWISE | Prop.REASSOCIATES,
         work=_matmul_work,
         whole_operands=frozenset({1}),
+        vjp=adjoints.RULES[Op.MATMUL],
+    ),
+    # contracts the rows: neither row-wise nor reorderable
+    Op.MATMUL_TN: OpSpec(
+        Op.MATMUL_TN,
+        Lowering.FUNCTION,
+        Prop.KERNEL | Prop.FRESH | Prop.REASSOCIATES,
+        work=_matmul_tn_work,
+        vjp=adjoints.RULES[Op.MATMUL_TN],
     ),
     Op.ALL_REDUCE: _collective(
         Op.ALL_REDUCE, Arg.REDUCE_OP, cost=CommCost(CurveBytes.INPUT, Traffic.RING, 2, True)
@@ -326,8 +367,11 @@ SPECS: dict[Op, OpSpec] = {
         sent=_send_sent,
         comm_cost=CommCost(CurveBytes.OWN, Traffic.POINT_TO_POINT),
         work=_no_work,
+        vjp=adjoints.RULES[Op.SEND],
     ),
-    Op.SCATTER: OpSpec(Op.SCATTER, Lowering.SCATTER, Prop.ROWWISE, work=_no_work),
+    Op.SCATTER: OpSpec(
+        Op.SCATTER, Lowering.SCATTER, Prop.ROWWISE, work=_no_work, vjp=adjoints.RULES[Op.SCATTER]
+    ),
     Op.UPDATE: OpSpec(Op.UPDATE, Lowering.UPDATE),
 }
 
@@ -350,6 +394,10 @@ def missing_parts() -> list[str]:
             problems.append(f"SPECS[{op}] describes {s.op}")
         if op not in RULES:
             problems.append(f"{op} has no typing rule (coconet.ir.rules.RULES)")
+        if op not in LEAVES and op is not Op.UPDATE and s.vjp is None:
+            problems.append(f"{op} has no vector-Jacobian rule (coconet.ir.adjoints.RULES)")
+        if s.lowering is Lowering.FUNCTION and op not in semantics.FUNCTIONS:
+            problems.append(f"{op} has no local meaning (coconet.ir.semantics.FUNCTIONS)")
         if s.lowering is Lowering.POINTWISE and s.local is None:
             problems.append(f"{op} has no local meaning (coconet.ir.semantics.POINTWISE)")
         if s.lowering is Lowering.COLLECTIVE and op not in semantics.COLLECTIVES:

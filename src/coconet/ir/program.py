@@ -293,9 +293,9 @@ class Program:
             return format_attr(n.attr("value"))
         if n.op is Op.SIZE:  # x / N prints as div(x, N)
             return "*".join(str(d) for d in n.attr("dims")) or "1"
-        if n.op is Op.WORLD_SIZE:
+        if n.op in (Op.WORLD_SIZE, Op.AXIS_INDEX):
             axis = n.attr("axis")
-            return f"world_size({axis})" if axis is not None else "world_size()"
+            return f"{n.op}({axis})" if axis is not None else f"{n.op}()"
         return n.name
 
     def format_node(self, n: Node) -> str:

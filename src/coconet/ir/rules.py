@@ -422,6 +422,139 @@ def _matmul(inputs, attrs) -> TensorType:
     return TensorType(dtype, shape, _merge_replicated([la, lb]))
 
 
+def _matmul_tn(inputs, attrs) -> TensorType:
+    """``x[..., K]`` transposed times ``y[..., N]``, summed over every leading dim: ``[K, N]``.
+
+    Layouts (what the gradient of a matmul's weight needs):
+
+    - rows of both sliced alike (a sequence-parallel or data-parallel weight gradient): Local
+      partial sums, added up by ``all_reduce``;
+    - ``x`` Replicated, ``y`` Sliced on its last dim (column-parallel): Sliced(1);
+    - ``x`` Sliced on its last dim, ``y`` Replicated (row-parallel): Sliced(0);
+    - otherwise Local if either is Local, else Replicated.
+    """
+    x, y = inputs
+    tx, ty = x.type, y.type
+    if tx.rank < 1 or tx.rank != ty.rank:
+        raise _Violation(
+            ShapeError,
+            f"matmul_tn takes x[..., K] and y[..., N] with the same leading dims; got "
+            f"{format_shape(tx.shape)} and {format_shape(ty.shape)}",
+            "both operands carry the same rows: the activations and the output gradient",
+        )
+    if any(not _same_size(a, b) for a, b in zip(tx.shape[:-1], ty.shape[:-1], strict=True)):
+        raise _Violation(
+            ShapeError,
+            f"leading dims differ: {format_shape(tx.shape)} vs {format_shape(ty.shape)}",
+            "the rows summed over must be the same rows",
+        )
+    dtype = _pointwise_dtype((x, y))
+    if dtype is DType.bool:
+        raise _Violation(DTypeError, "matmul_tn does not take bool operands", "cast(x, float32)")
+    shape = (tx.shape[-1], ty.shape[-1])
+    lx, ly = tx.layout, ty.layout
+    last = tx.rank - 1
+    if lx.is_sliced and ly.is_sliced:
+        if lx.dim == ly.dim and lx.dim != last and lx.axis == ly.axis:
+            return TensorType(dtype, shape, Local)  # each rank's rows: partial sums
+        raise _Violation(
+            LayoutError,
+            f"matmul_tn of {lx} by {ly}: only rows sliced alike give partial sums",
+            "slice both operands' rows along the same dim and axis, or all_gather one of them",
+        )
+    for sliced, other, out_dim in ((lx, ly, 0), (ly, lx, 1)):
+        if not sliced.is_sliced:
+            continue
+        if sliced.dim != last:
+            raise _Violation(
+                LayoutError,
+                f"matmul_tn of {lx} by {ly}: one operand's rows are sliced, the other's are not",
+                "scatter(...) the other operand along the same rows",
+            )
+        if other.is_local or not _axis_fits(other.axis, sliced.axis):
+            raise _Violation(
+                LayoutError,
+                f"matmul_tn of {lx} by {ly}",
+                "the operand that is not sliced must be Replicated over the sliced one's axis",
+            )
+        return TensorType(dtype, shape, Sliced(out_dim, sliced.axis))
+    if lx.is_local or ly.is_local:
+        return TensorType(dtype, shape, Local)
+    return TensorType(dtype, shape, _merge_replicated([lx, ly]))
+
+
+def _transpose(inputs, attrs) -> TensorType:
+    (x,) = inputs
+    ty = x.type
+    if ty.rank != 2:
+        raise _Violation(
+            ShapeError,
+            f"transpose takes a matrix, got shape {format_shape(ty.shape)}",
+            "transpose swaps the two dims of a weight w[K, N]",
+        )
+    lay = ty.layout
+    if lay.is_sliced:
+        lay = Sliced(1 - lay.dim, lay.axis)
+    return TensorType(ty.dtype, (ty.shape[1], ty.shape[0]), lay)
+
+
+def _unsqueeze(inputs, attrs) -> TensorType:
+    (x,) = inputs
+    ty = x.type
+    dim = _norm_dim(attrs.get("dim"), ty.rank + 1, "unsqueeze dim")
+    lay = ty.layout
+    if lay.is_sliced and lay.dim >= dim:
+        lay = Sliced(lay.dim + 1, lay.axis)
+    return TensorType(ty.dtype, ty.shape[:dim] + (1,) + ty.shape[dim:], lay)
+
+
+def _expand_as(inputs, attrs) -> TensorType:
+    """``a`` broadcast to the shape of ``b`` (``b``'s values are not read).
+
+    The layout is ``b``'s when ``b`` is Sliced and ``a`` does not span the sliced dim: each rank
+    spreads its own ``a`` over its own part (``a`` may be Local there: the gradient of a sum over
+    a sliced dim spreads each rank's partial cotangent over that rank's part). Otherwise the
+    pointwise rule."""
+    a, b = inputs
+    shape = broadcast_shapes([a.type.shape, b.type.shape])
+    if shape != b.type.shape:
+        raise _Violation(
+            ShapeError,
+            f"expand_as: {format_shape(a.type.shape)} does not broadcast to "
+            f"{format_shape(b.type.shape)}",
+            "each dim of the first operand is 1 or the second's size",
+        )
+    lb, la = b.type.layout, a.type.layout
+    if lb.is_sliced and not la.is_sliced:
+        j = lb.dim - (b.type.rank - a.type.rank)
+        if 0 <= j < a.type.rank and a.type.shape[j] != 1:
+            raise _Violation(
+                LayoutError,
+                f"expand_as of {a.describe()} over the Sliced {b.describe()}: it spans the sliced "
+                f"dim {lb.dim}",
+                "scatter(...) the first operand along that dim",
+            )
+        if la.is_replicated and not _axis_fits(la.axis, lb.axis):
+            raise _Violation(
+                LayoutError, f"expand_as of {la} over {lb}", "replicate it over the same axis"
+            )
+        return TensorType(a.type.dtype, shape, lb)
+    return TensorType(a.type.dtype, shape, pointwise_layout((a, b), shape))
+
+
+def _axis_index(inputs, attrs) -> TensorType:
+    dtype = attrs.get("dtype")
+    if not isinstance(dtype, DType) or dtype is DType.bool:
+        raise _Violation(DTypeError, f"a rank index is a number, got dtype {dtype!r}", "int64")
+    if attrs.get("axis") is not None and not isinstance(attrs["axis"], str):
+        raise _Violation(
+            DSLError,
+            f"axis must be a mesh axis name or None, got {attrs['axis']!r}",
+            "axis_index('tp') is this rank's index along tp; axis_index() its world rank",
+        )
+    return TensorType(dtype, (), Local)  # it differs between ranks
+
+
 def _collective_input_local(op: Op, x: Node) -> None:
     lay = x.type.layout
     if lay.is_local:
@@ -626,10 +759,15 @@ RULES: dict[Op, Callable[[tuple, dict], TensorType]] = {
     Op.CONST: _const,
     Op.SIZE: _size(Op.SIZE),
     Op.WORLD_SIZE: _size(Op.WORLD_SIZE),
+    Op.AXIS_INDEX: _axis_index,
     **{op: _pointwise(op) for op in UNARY | BINARY},
     Op.WHERE: _where,
+    Op.EXPAND_AS: _expand_as,
+    Op.UNSQUEEZE: _unsqueeze,
+    Op.TRANSPOSE: _transpose,
     **{op: _reduction(op) for op in (Op.SUM, Op.MAX, Op.NORM)},
     Op.MATMUL: _matmul,
+    Op.MATMUL_TN: _matmul_tn,
     Op.ALL_REDUCE: _all_reduce,
     Op.REDUCE_SCATTER: _reduce_scatter,
     Op.ALL_GATHER: _all_gather,

@@ -20,6 +20,7 @@ from coconet.random import dropout_mask
 
 __all__ = [
     "COLLECTIVES",
+    "FUNCTIONS",
     "POINTWISE",
     "apply_dropout",
     "combine",
@@ -56,15 +57,32 @@ POINTWISE: dict[Op, Callable[..., torch.Tensor]] = {
     Op.EQ: torch.eq,
     Op.NE: torch.ne,
     Op.WHERE: torch.where,
+    # a fresh tensor: expand alone would alias a's storage and have zero strides
+    Op.EXPAND_AS: lambda a, b: a.expand_as(b).clone(),
 }
 
 
-def size_value(node: Any, sizes: Mapping[str, int], mesh: Any) -> int:
-    """The integer a ``size`` or ``world_size`` node stands for: the product of its sizes (each
-    Dim at its bound global size, whatever slice a rank holds), or the number of ranks along its
-    mesh axis (the whole world for ``axis=None``)."""
+def _matmul_tn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x.reshape(-1, x.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
+
+
+# Local ops whose meaning needs the node's static attributes: FUNCTIONS[op](*operands, **attrs)
+FUNCTIONS: dict[Op, Callable[..., torch.Tensor]] = {
+    Op.UNSQUEEZE: lambda x, dim: x.unsqueeze(dim),
+    Op.TRANSPOSE: lambda x: x.t(),
+    Op.MATMUL_TN: _matmul_tn,
+}
+
+
+def size_value(node: Any, sizes: Mapping[str, int], mesh: Any, rank: int) -> int:
+    """The integer a ``size``, ``world_size`` or ``axis_index`` node stands for on ``rank``: the
+    product of its sizes (each Dim at its bound global size, whatever slice a rank holds), the
+    number of ranks along its mesh axis (the whole world for ``axis=None``), or the rank's index
+    along that axis."""
     if node.op is Op.WORLD_SIZE:
         return mesh.axis_size(node.attr("axis"))
+    if node.op is Op.AXIS_INDEX:
+        return mesh.index_in(rank, node.attr("axis"))
     return math.prod(sizes[d.name] if isinstance(d, Dim) else d for d in node.attr("dims"))
 
 

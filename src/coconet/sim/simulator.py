@@ -74,6 +74,8 @@ def simulate(
     program: Program,
     inputs: Mapping[str, Any],
     world: int | Mesh,
+    *,
+    differentiable: bool = False,
 ) -> SimResult:
     """Run ``program`` on ``world`` virtual ranks (an int, or a Mesh with named axes).
 
@@ -85,6 +87,10 @@ def simulate(
       rank's slice).
 
     The caller's tensors are never modified; updates come back in ``SimResult.updates``.
+
+    ``differentiable=True`` keeps torch's autograd graph from the inputs that require grad (they
+    are not detached), so ``torch.autograd`` can differentiate the simulated step: this is how
+    ``coconet.grad``'s programs are checked.
     """
     if not isinstance(program, Program):
         raise SimulationError(
@@ -97,7 +103,7 @@ def simulate(
             hint="simulate(program, {'g': torch.ones(8), ...}, world)",
         )
     mesh = _as_mesh(program, world)
-    sim = _Simulator(program, mesh)
+    sim = _Simulator(program, mesh, differentiable=bool(differentiable))
     sim.bind_inputs(inputs)
     return sim.run()
 
@@ -121,7 +127,8 @@ def _as_mesh(program: Program, world: int | Mesh) -> Mesh:
 
 
 class _Simulator:
-    def __init__(self, program: Program, mesh: Mesh) -> None:
+    def __init__(self, program: Program, mesh: Mesh, *, differentiable: bool = False) -> None:
+        self.differentiable = differentiable
         self.program = program
         self.mesh = mesh
         self.world = mesh.size
@@ -238,7 +245,7 @@ class _Simulator:
                 f"{node.type.dtype.value}",
                 hint=f"pass {node.name}.to({dtype})",
             )
-        return value.detach()
+        return value if self.differentiable else value.detach()
 
     def _bind_shape(self, node: Node, actual: tuple[int, ...], rank: int | None = None) -> None:
         declared = node.type.shape
@@ -324,8 +331,11 @@ class _Simulator:
         return [t] * self.world
 
     def _size(self, node: Node, args: list[PerRank], rows) -> PerRank:
-        value = semantics.size_value(node, self.sizes, self.mesh)
-        return [torch.tensor(value, dtype=node.type.dtype.torch)] * self.world
+        dtype = node.type.dtype.torch
+        return [
+            torch.tensor(semantics.size_value(node, self.sizes, self.mesh, r), dtype=dtype)
+            for r in range(self.world)
+        ]
 
     def _cast(self, node: Node, args: list[PerRank], rows) -> PerRank:
         return [a.to(node.type.dtype.torch) for a in args[0]]
@@ -355,6 +365,10 @@ class _Simulator:
 
     def _matmul(self, node: Node, args: list[PerRank], rows) -> PerRank:
         return [torch.matmul(a, b) for a, b in zip(args[0], args[1], strict=True)]
+
+    def _function(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        fn, attrs = semantics.FUNCTIONS[node.op], dict(node.attrs)
+        return [fn(*(a[r] for a in args), **attrs) for r in range(self.world)]
 
     def _scatter(self, node: Node, args: list[PerRank], rows) -> PerRank:
         dim = node.type.layout.dim
@@ -391,6 +405,7 @@ class _Simulator:
         Lowering.POINTWISE: _pointwise,
         Lowering.REDUCTION: _reduction,
         Lowering.MATMUL: _matmul,
+        Lowering.FUNCTION: _function,
         Lowering.SCATTER: _scatter,
         Lowering.UPDATE: _update,
         Lowering.COLLECTIVE: _collective,
