@@ -109,7 +109,7 @@ def _resolve(program: Program, refs: Iterable[Any], what: str, *, inputs: bool) 
     out: list[Node] = []
     for ref in refs:
         try:
-            node = program.input(ref) if inputs and isinstance(ref, str) else program.node(ref)
+            node = program.node(ref)
         except UnknownNameError as e:
             raise DifferentiationError(
                 f"grad's {what} names {ref!r}, which program {program.name} does not have",
@@ -251,6 +251,10 @@ class _Reverse:
                               axis=lay.axis)  # fmt: skip
                     terms.append(self.label(rs, f"d_{n.name}_rs"))
         elif lay.is_replicated:
+            takes_partial = spec(n.op).vjp_takes_partial
+            if partial and not exact and takes_partial and not _all_replicated(partial):
+                # the rule takes the partial sum as it is (all_gather: a reduce_scatter)
+                return self.total(partial, b)
             if exact:
                 terms.append(self.total(exact, b))
             if partial:
@@ -365,6 +369,10 @@ class _Reverse:
         outs = {k: rebuild(v) for k, v in outputs.items()}
         inputs = [*self.program.inputs, *saved_inputs.values(), *cotangents]
         return Program(name, inputs, outs)
+
+
+def _all_replicated(nodes: list[Node]) -> bool:
+    return all(c.type.layout.is_replicated for c in nodes)
 
 
 def _covers(layout: Layout, axis: str | None) -> bool:

@@ -268,6 +268,8 @@ def _reduce_scatter(n, ct, b):
 
 def _all_gather(n, ct, b):
     lay = n.inputs[0].type.layout
+    if ct.type.layout.is_local:  # a partial cotangent (the op spec's vjp_takes_partial)
+        return (b.op(Op.REDUCE_SCATTER, ct, reduce_op=ReduceOp.SUM, dim=lay.dim, axis=lay.axis),)
     return (b.op(Op.SCATTER, ct, dim=lay.dim, axis=lay.axis),)
 
 

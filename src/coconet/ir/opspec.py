@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from coconet.ir import adjoints, semantics
@@ -170,6 +170,10 @@ class OpSpec:
     # the vector-Jacobian rule (coconet.ir.adjoints): (node, cotangent, builder) -> one gradient
     # contribution per operand (None where none flows); every op but a leaf and update has one
     vjp: adjoints.Rule | None = None
+    # its rule takes a partial cotangent (Local values the ranks' add up to) of its Replicated
+    # result as it is: all_gather reduce_scatters it (Megatron's sequence-parallel backward)
+    # where an all_reduce and a scatter would move twice the bytes
+    vjp_takes_partial: bool = False
 
     @property
     def rule(self) -> Callable:
@@ -351,9 +355,12 @@ SPECS: dict[Op, OpSpec] = {
         cost=CommCost(CurveBytes.INPUT, Traffic.RING, 1, True),
     ),
     # an all_gather's input is a slice it copies from: never donated
-    Op.ALL_GATHER: _collective(
-        Op.ALL_GATHER, Arg.GATHER_DIM, cost=CommCost(CurveBytes.OUTPUT, Traffic.RING, 1),
-        donate=False,
+    Op.ALL_GATHER: replace(
+        _collective(
+            Op.ALL_GATHER, Arg.GATHER_DIM, cost=CommCost(CurveBytes.OUTPUT, Traffic.RING, 1),
+            donate=False,
+        ),
+        vjp_takes_partial=True,
     ),
     Op.BROADCAST: _collective(Op.BROADCAST, Arg.ROOT, cost=_ROOTED),
     # reduce leaves zeros on the other ranks: not row-wise for overlap

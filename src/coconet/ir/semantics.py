@@ -63,7 +63,8 @@ POINTWISE: dict[Op, Callable[..., torch.Tensor]] = {
 
 
 def _matmul_tn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(x.reshape(-1, x.shape[-1]).t(), y.reshape(-1, y.shape[-1]))
+    rows = math.prod(x.shape[:-1])  # not reshape(-1, ...): a part may hold no element
+    return torch.matmul(x.reshape(rows, x.shape[-1]).t(), y.reshape(rows, y.shape[-1]))
 
 
 # Local ops whose meaning needs the node's static attributes: FUNCTIONS[op](*operands, **attrs)
