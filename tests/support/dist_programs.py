@@ -252,11 +252,42 @@ def mesh_program_inputs(mesh, size, dtype=torch.float32, seed=0):
     }
 
 
+def megatron_mlp_grad():
+    """The backward program coconet.grad derives for a Megatron MLP (column-parallel, gelu,
+    row-parallel, biases, residual): matmul_tn, transpose, expand-free sums, one all_reduce."""
+    B, K, C = cc.Dim("B"), cc.Dim("K"), cc.Dim("C")
+    x = cc.Tensor("x", cc.float32, [B, K], cc.Replicated)
+    w1 = cc.Tensor("w1", cc.float32, [K, C], cc.Sliced(1))
+    b1 = cc.Tensor("b1", cc.float32, [C], cc.Sliced(0))
+    w2 = cc.Tensor("w2", cc.float32, [C, K], cc.Sliced(0))
+    b2 = cc.Tensor("b2", cc.float32, [K], cc.Replicated)
+    h = cc.gelu(cc.matmul(x, w1) + b1).named("h")
+    y = cc.all_reduce(cc.matmul(h, w2), name="y")
+    out = (y + b2 + x).named("out")
+    forward = cc.Program("mlp", [x, w1, b1, w2, b2], {"out": out})
+    return cc.grad(forward, ["x", "w1", "b1", "w2", "b2"], saved=["h"])
+
+
+def megatron_mlp_grad_inputs(world, size, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k, c, b = size, size + 1, 3
+    return {
+        "x": torch.randn(b, k, generator=gen),
+        "w1": torch.randn(k, c, generator=gen),
+        "b1": torch.randn(c, generator=gen),
+        "w2": torch.randn(c, k, generator=gen),
+        "b2": torch.randn(k, generator=gen),
+        "h": torch.randn(b, c, generator=gen),
+        "d_out": torch.randn(b, k, generator=gen),
+    }
+
+
 PROGRAMS = {
     "collectives": (collectives, collectives_inputs),
     "prod_and_ints": (prod_and_ints, prod_and_ints_inputs),
     "update_state": (update_state, update_state_inputs),
     "fused_mix": (fused_mix, fused_mix_inputs),
     "user_ops": (user_ops, user_ops_inputs),
+    "megatron_mlp_grad": (megatron_mlp_grad, megatron_mlp_grad_inputs),
     "lion": (lion, lion_inputs),
 }
