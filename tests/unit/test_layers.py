@@ -47,6 +47,8 @@ ALLOWED: dict[str, set[str]] = {
         "options",
     },
     "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options", "tune"},
+    # tensor-parallel layers: DSL programs, their gradients, compiled steps
+    "nn": {"ir", "dsl", "autodiff", "compiler", "runtime"},
     "coconet": {
         "ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting", "optim", "autodiff",
     },

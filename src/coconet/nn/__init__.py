@@ -1,0 +1,10 @@
+"""``coconet.nn``: tensor-parallel layers users put in their models.
+
+Each layer is an ``nn.Module`` with plain shard ``Parameter``s whose forward and backward are
+compiled coconet steps (the backward derived by ``coconet.grad``) inside one
+``torch.autograd.Function``; see ``coconet.nn.layers``.
+"""
+
+from coconet.nn.layers import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]

@@ -1,0 +1,361 @@
+"""Tensor-parallel linear layers whose forward and backward are compiled coconet steps.
+
+Each layer is an ``nn.Module`` holding plain shard ``Parameter``s (torch's ``[out, in]``
+convention, each rank its ``tensor_split`` part). Its forward is a DSL program (Megatron's
+layers written with layouts, below); its backward is that program's ``coconet.grad``; both run
+as ``coconet.compile``d steps inside one ``torch.autograd.Function``, so the layer trains under
+any torch optimizer and stacks with ordinary modules. Programs are built and compiled per input
+rank, dtype and set of inputs that need a gradient (the sizes are Dims: any batch and sequence
+length runs the same step).
+
+- ``ColumnParallelLinear``: ``x`` Replicated over the tp axis (or Sliced along the sequence when
+  ``sequence_parallel``: all_gather first), the weight sliced by output features:
+  ``y = x @ w.T + b`` is Sliced on its last dim (``gather_output`` all_gathers it). Backward:
+  the input gradient's partial sums are all_reduced (reduce_scattered along the sequence).
+- ``RowParallelLinear``: ``x`` Sliced on its last dim (``input_is_parallel``; else its slice is
+  taken), the weight sliced by input features: the partial products are all_reduced
+  (reduce_scattered along the sequence), then bias, ``dropout`` (coconet's counter-based mask:
+  the same on every rank and in backward) and an optional ``residual``. Backward: no
+  communication for the input gradient; the cotangent is all_gathered in sequence parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from coconet import dsl as cc
+from coconet.autodiff import grad
+from coconet.compiler import compile as cc_compile
+from coconet.errors import ConfigError
+from coconet.ir.program import Program
+from coconet.ir.types import Dim, DType, Layout, Replicated, Sliced, slice_bounds
+from coconet.runtime.comm import Communicator
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+@dataclass(frozen=True)
+class _Key:
+    rank: int  # the input's number of dims
+    dtype: torch.dtype
+    residual: bool
+    dropout: bool  # training with dropout: the program draws a mask
+    needs: tuple[str, ...]  # the inputs that need a gradient
+
+
+class _Steps:
+    """A layer's forward program, its backward programs and their compiled steps."""
+
+    def __init__(self, forward: Program, comm: Communicator, fused: bool) -> None:
+        self.forward_program = forward
+        self.forward = cc_compile(forward, comm=comm, fused_kernels=fused)
+        self.comm = comm
+        self.fused = fused
+        self.backward: dict[tuple[str, ...], Any] = {}
+
+    def backward_step(self, needs: tuple[str, ...]):
+        if needs not in self.backward:
+            program = grad(self.forward_program, list(needs), name=f"{self.forward_program.name}"
+                           "_backward")  # fmt: skip
+            self.backward[needs] = cc_compile(program, comm=self.comm, fused_kernels=self.fused)
+        return self.backward[needs]
+
+
+class _Apply(torch.autograd.Function):
+    """Runs a layer's compiled forward step; its backward runs the compiled gradient step."""
+
+    @staticmethod
+    def forward(ctx, layer, steps, scalars, names, *tensors):
+        inputs = dict(zip(names, (t.detach() for t in tensors), strict=True))
+        out = steps.forward(**inputs, **scalars)["y"]
+        ctx.layer, ctx.steps, ctx.scalars, ctx.names = layer, steps, scalars, names
+        ctx.save_for_backward(*tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_y):
+        tensors = ctx.saved_tensors
+        needs = tuple(n for n, need in zip(ctx.names, ctx.needs_input_grad[4:], strict=True)
+                      if need)  # fmt: skip
+        if not needs:
+            return (None,) * (4 + len(tensors))
+        step = ctx.steps.backward_step(needs)
+        inputs = dict(zip(ctx.names, (t.detach() for t in tensors), strict=True))
+        grads = step(**inputs, **ctx.scalars, d_y=d_y.contiguous())
+        return (None, None, None, None, *(grads.get(f"d_{n}") for n in ctx.names))
+
+
+class _ParallelLinear(nn.Module):
+    """What both layers share: shard parameters, the per-call program cache, conversion."""
+
+    # which dim of torch's [out, in] weight is split over the ranks
+    _weight_dim: int
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        *,
+        comm: Communicator,
+        axis: str | None,
+        sequence_parallel: bool,
+        sequence_dim: int,
+        fused_kernels: bool,
+        dtype: torch.dtype,
+        device: Any,
+    ) -> None:
+        super().__init__()
+        if not isinstance(comm, Communicator):
+            raise ConfigError(
+                f"{type(self).__name__} needs the communicator of its ranks, got {comm!r}",
+                op=type(self).__name__,
+                hint="comm = coconet.runtime.init(); layer = ColumnParallelLinear(..., comm=comm)",
+            )
+        for what, v in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(
+                    f"{type(self).__name__}: {what} must be a positive int, got {v!r}",
+                    op=type(self).__name__,
+                    hint="the sizes of the whole layer, as nn.Linear(in_features, out_features)",
+                )
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.axis = comm, axis
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
+        self.fused_kernels = fused_kernels
+        self.parts = comm.mesh.axis_size(axis)
+        self.index = comm.mesh.index_in(comm.rank, axis)
+        full = (out_features, in_features)
+        lo, hi = self._bounds(full[self._weight_dim])
+        shape = list(full)
+        shape[self._weight_dim] = hi - lo
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.empty(shape[0], dtype=dtype, device=device))
+            if bias else None
+        )  # fmt: skip
+        self._programs: dict[_Key, _Steps] = {}
+        self.reset_parameters()
+
+    def _bounds(self, size: int) -> tuple[int, int]:
+        return slice_bounds(size, self.parts, self.index)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation of the whole layer, sliced: every rank draws the whole
+        weight from torch's generator (seed it alike on every rank) and keeps its part, so the
+        layer equals an nn.Linear built after the same seed."""
+        full = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                         dtype=self.weight.dtype, device=self.weight.device)  # fmt: skip
+        self._load_full(full)
+
+    @torch.no_grad()
+    def _load_full(self, linear: nn.Linear) -> None:
+        lo, hi = self._bounds(linear.weight.shape[self._weight_dim])
+        self.weight.copy_(linear.weight.narrow(self._weight_dim, lo, hi - lo))
+        if self.bias is not None:
+            b = linear.bias
+            if self._weight_dim == 0:  # column-parallel: the bias is sliced with the outputs
+                b = b[slice(*self._bounds(b.shape[0]))]
+            self.bias.copy_(b)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, comm: Communicator, **kwargs: Any):
+        """This rank's part of ``linear`` (the same nn.Linear on every rank)."""
+        if not isinstance(linear, nn.Linear):
+            raise ConfigError(
+                f"{cls.__name__}.from_linear takes an nn.Linear, got {type(linear).__name__}",
+                op=f"{cls.__name__}.from_linear",
+                hint="convert each nn.Linear of the model; coconet.nn.parallelize does it by name",
+            )
+        layer = cls(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, comm=comm,
+            dtype=linear.weight.dtype, device=linear.weight.device, **kwargs,
+        )  # fmt: skip
+        layer._load_full(linear)
+        return layer
+
+    @torch.no_grad()
+    def to_full(self) -> nn.Linear:
+        """The whole layer as one nn.Linear on every rank (its parts all_gathered)."""
+        full = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                         dtype=self.weight.dtype, device=self.weight.device)  # fmt: skip
+        dim = self._weight_dim
+        full.weight.copy_(self._gather(self.weight, dim, full.weight.shape[dim]))
+        if self.bias is not None:
+            column = dim == 0  # the bias is sliced with the output features
+            full.bias.copy_(self._gather(self.bias, 0, self.out_features) if column else self.bias)
+        return full
+
+    def _gather(self, part: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        shape = [size if d == dim else s for d, s in enumerate(part.shape)]
+        t = cc.Tensor("part", DType.from_torch(part.dtype), shape, Sliced(dim, self.axis))
+        program = Program("gather_parts", [t], {"whole": cc.all_gather(t, axis=self.axis)})
+        step = cc_compile(program, comm=self.comm, fused_kernels=False)
+        return step(part=part.detach().contiguous())["whole"]
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _call(self, x: torch.Tensor, residual: torch.Tensor | None, scalars: dict[str, Any]):
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self._x_features():
+            raise ConfigError(
+                f"{type(self).__name__}: the input's last dim must be {self._x_features()}, got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
+                op=type(self).__name__,
+                hint="this rank's part of the features when the input is parallel, else all",
+            )
+        tensors = {"x": x.contiguous(), "w": self.weight}
+        if self.bias is not None:
+            tensors["b"] = self.bias
+        if residual is not None:
+            tensors["r"] = residual.contiguous()
+        needs = tuple(k for k, t in tensors.items() if t.requires_grad)
+        key = _Key(x.dim(), x.dtype, residual is not None, bool(scalars), needs)
+        steps = self._programs.get(key)
+        if steps is None:
+            program = self._program(x.dim(), DType.from_torch(x.dtype), residual is not None)
+            steps = self._programs[key] = _Steps(program, self.comm, self.fused_kernels)
+        names = tuple(tensors)
+        return _Apply.apply(self, steps, scalars, names, *tensors.values())
+
+    def _x_features(self) -> int:
+        return self.in_features
+
+    def _dims(self, rank: int) -> list[Dim]:
+        return [Dim(f"D{i}") for i in range(rank - 1)]
+
+    def _seq_layout(self, rank: int) -> Layout:
+        dim = self.sequence_dim % max(rank - 1, 1)
+        return Sliced(dim, self.axis)
+
+    def _program(self, rank: int, dtype: DType, residual: bool) -> Program:
+        raise NotImplementedError  # pragma: no cover - each layer writes its own
+
+    def _replicated(self) -> Layout:
+        return Replicated(self.axis) if self.axis is not None else Replicated
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, axis={self.axis!r}, parts={self.parts}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ w.T + b`` with the output features split over the ranks of ``axis``.
+
+    ``gather_output=False`` (Megatron's default) leaves ``y`` as this rank's part of the
+    features, ready for a ``RowParallelLinear``; ``True`` all_gathers it.
+    """
+
+    _weight_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 comm: Communicator, axis: str | None = None, gather_output: bool = False,
+                 sequence_parallel: bool = False, sequence_dim: int = 0,
+                 fused_kernels: bool = False, dtype: torch.dtype = torch.float32,
+                 device: Any = None) -> None:  # fmt: skip
+        self.gather_output = bool(gather_output)
+        super().__init__(in_features, out_features, bias, comm=comm, axis=axis,
+                         sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                         fused_kernels=fused_kernels, dtype=dtype, device=device)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._call(x, None, {})
+
+    def _program(self, rank: int, dtype: DType, residual: bool) -> Program:
+        dims = self._dims(rank)
+        x_layout = self._seq_layout(rank) if self.sequence_parallel else self._replicated()
+        x = cc.Tensor("x", dtype, [*dims, self.in_features], x_layout)
+        w = cc.Tensor("w", dtype, [self.out_features, self.in_features], Sliced(0, self.axis))
+        inputs = [x, w]
+        full = cc.all_gather(x, axis=self.axis, name="x_full") if self.sequence_parallel else x
+        y = cc.matmul(full, cc.transpose(w, name="w_t")).named("xw")
+        if self.bias is not None:
+            b = cc.Tensor("b", dtype, [self.out_features], Sliced(0, self.axis))
+            inputs.append(b)
+            y = (y + b).named("xw_b")
+        if self.gather_output:
+            y = cc.all_gather(y, axis=self.axis, name="y_ag")
+        return Program("column_parallel_linear", inputs, {"y": y})
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = dropout(all_reduce(x @ w.T) + b) + residual`` with the input features split over
+    the ranks of ``axis`` (the second layer of a tensor-parallel MLP, attention's output).
+
+    ``input_is_parallel=True`` (Megatron's default) takes this rank's part of the features;
+    ``False`` takes them all and uses its part. ``dropout`` is applied in training mode with
+    coconet's counter-based mask, keyed by ``seed`` and the layer's call count (the same on
+    every rank, in backward, and on one process with ``coconet.random.dropout_mask``).
+    """
+
+    _weight_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 comm: Communicator, axis: str | None = None, input_is_parallel: bool = True,
+                 dropout: float = 0.0, seed: int = 0, sequence_parallel: bool = False,
+                 sequence_dim: int = 0, fused_kernels: bool = False,
+                 dtype: torch.dtype = torch.float32, device: Any = None) -> None:  # fmt: skip
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
+            0.0 <= dropout < 1.0
+        ):
+            raise ConfigError(
+                f"RowParallelLinear: dropout must be a probability in [0, 1), got {dropout!r}",
+                op="RowParallelLinear",
+                hint="dropout=0.1 zeroes one element in ten while training",
+            )
+        self.input_is_parallel = bool(input_is_parallel)
+        self.p = float(dropout)
+        self.seed = int(seed)
+        self.calls = 0  # the dropout mask's step: one per training forward
+        super().__init__(in_features, out_features, bias, comm=comm, axis=axis,
+                         sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                         fused_kernels=fused_kernels, dtype=dtype, device=device)  # fmt: skip
+
+    def _x_features(self) -> int:
+        if not self.input_is_parallel:
+            return self.in_features
+        lo, hi = self._bounds(self.in_features)
+        return hi - lo
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        scalars: dict[str, Any] = {}
+        if self.p > 0.0 and self.training:
+            scalars = {"seed": self.seed, "step": self.calls}
+            self.calls += 1
+        return self._call(x, residual, scalars)
+
+    def _program(self, rank: int, dtype: DType, residual: bool) -> Program:
+        dims = self._dims(rank)
+        x_layout = Sliced(rank - 1, self.axis) if self.input_is_parallel else self._replicated()
+        x = cc.Tensor("x", dtype, [*dims, self.in_features], x_layout)
+        w = cc.Tensor("w", dtype, [self.out_features, self.in_features], Sliced(1, self.axis))
+        inputs = [x, w]
+        part = x if self.input_is_parallel else cc.scatter(x, dim=-1, axis=self.axis)
+        partial = cc.matmul(part, cc.transpose(w, name="w_t")).named("partial")
+        if self.sequence_parallel:
+            y = cc.reduce_scatter(partial, axis=self.axis, dim=self._seq_layout(rank).dim,
+                                  name="y_rs")  # fmt: skip
+            out_layout = self._seq_layout(rank)
+        else:
+            y = cc.all_reduce(partial, axis=self.axis, name="y_ar")
+            out_layout = self._replicated()
+        if self.bias is not None:
+            b = cc.Tensor("b", dtype, [self.out_features], self._replicated())
+            inputs.append(b)
+            y = (y + b).named("biased")
+        if self.p > 0.0 and self.training:
+            seed, step = cc.Scalar("seed", DType.int64), cc.Scalar("step", DType.int64)
+            inputs += [seed, step]
+            y = cc.dropout(y, self.p, seed, step).named("dropped")
+        if residual:
+            r = cc.Tensor("r", dtype, [*dims, self.out_features], out_layout)
+            inputs.append(r)
+            y = (y + r).named("out")
+        return Program("row_parallel_linear", inputs, {"y": y})
+

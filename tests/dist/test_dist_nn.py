@@ -1,0 +1,31 @@
+"""coconet.nn's tensor-parallel layers on 2 and 4 ranks equal torch.nn on one process: outputs,
+input, weight and bias gradients, dropout masks, three SGD steps of an MLP, inference, and
+sequence parallel (uneven features and tokens). Float32 to 1e-5 relative (the all_reduce adds
+the ranks' partial products in another order than one matmul does).
+"""
+
+from __future__ import annotations
+
+import pytest
+from support import nn_workers
+
+from coconet.runtime import CommOptions, spawn
+
+OPTIONS = CommOptions(timeout=60)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_layers_equal_torch(nproc):
+    results = spawn(nn_workers.layers_vs_torch, nproc, options=OPTIONS, timeout=220)
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"
+
+
+@pytest.mark.timeout(180)
+def test_sequence_parallel_equals_torch():
+    results = spawn(nn_workers.sequence_parallel_vs_torch, 2, options=OPTIONS, timeout=160)
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"

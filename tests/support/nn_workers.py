@@ -1,0 +1,123 @@
+"""Rank bodies for tests/dist/test_dist_nn.py: coconet.nn layers against torch.nn on one process.
+
+Every rank builds the same torch modules from one seed (the single-process reference) and the
+tensor-parallel layers from them (``from_linear``), runs both on the same global inputs and
+reports the largest error of each output and gradient, relative to its largest value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coconet.ir.types import slice_bounds
+from coconet.nn import ColumnParallelLinear, RowParallelLinear
+from coconet.random import dropout_mask
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    scale = max(want.abs().max().item(), 1e-30) if want.numel() else 1.0
+    return (got.double() - want.double()).abs().max().item() / scale if got.numel() else 0.0
+
+
+def _part(t: torch.Tensor, dim: int, comm) -> torch.Tensor:
+    lo, hi = slice_bounds(t.shape[dim], comm.world, comm.rank)
+    return t.narrow(dim, lo, hi - lo)
+
+
+def layers_vs_torch(comm, dtype_name: str = "float32") -> dict[str, float]:
+    dtype = getattr(torch, dtype_name)
+    errors: dict[str, float] = {}
+    torch.manual_seed(0)
+    lin1 = nn.Linear(6, 9, dtype=dtype)  # 9 features over the ranks: uneven on 2 and 4
+    lin2 = nn.Linear(9, 6, dtype=dtype)
+    x = torch.randn(2, 3, 6, dtype=dtype)
+    ct = torch.randn(2, 3, 6, dtype=dtype)
+
+    # column-parallel, output gathered: y and every gradient
+    col = ColumnParallelLinear.from_linear(lin1, comm=comm, gather_output=True)
+    xa = x.clone().requires_grad_()
+    y = col(xa)
+    ref_x = x.clone().requires_grad_()
+    ref = lin1(ref_x)
+    ct9 = torch.randn(2, 3, 9, dtype=dtype)
+    (y * ct9).sum().backward()
+    (ref * ct9).sum().backward()
+    errors["column y"] = _err(y, ref)
+    errors["column dx"] = _err(xa.grad, ref_x.grad)
+    errors["column dw"] = _err(col.weight.grad, _part(lin1.weight.grad, 0, comm))
+    errors["column db"] = _err(col.bias.grad, _part(lin1.bias.grad, 0, comm))
+    lin1.zero_grad()
+
+    # row-parallel over the whole input (its part taken inside)
+    row = RowParallelLinear.from_linear(lin2, comm=comm, input_is_parallel=False)
+    h = torch.randn(2, 3, 9, dtype=dtype)
+    ha, ref_h = h.clone().requires_grad_(), h.clone().requires_grad_()
+    y, ref = row(ha), lin2(ref_h)
+    (y * ct).sum().backward()
+    (ref * ct).sum().backward()
+    errors["row y"] = _err(y, ref)
+    errors["row dx"] = _err(ha.grad, ref_h.grad)
+    errors["row dw"] = _err(row.weight.grad, _part(lin2.weight.grad, 1, comm))
+    errors["row db"] = _err(row.bias.grad, lin2.bias.grad)
+    lin2.zero_grad()
+
+    # the MLP: column -> gelu -> row with dropout and the residual, trained 3 SGD steps
+    p = 0.25
+    col = ColumnParallelLinear.from_linear(lin1, comm=comm)
+    row = RowParallelLinear.from_linear(lin2, comm=comm, dropout=p, seed=5)
+    params = [col.weight, col.bias, row.weight, row.bias]
+    opt = torch.optim.SGD(params, lr=0.1)
+    ref_opt = torch.optim.SGD([*lin1.parameters(), *lin2.parameters()], lr=0.1)
+    for step in range(3):
+        xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = row(F.gelu(col(xa)), residual=xa)
+        keep = dropout_mask(5, step, p, tuple(ct.shape))
+        ref_out = torch.where(keep, lin2(F.gelu(lin1(ref_x))) / (1 - p), 0.0) + ref_x
+        errors[f"mlp out step {step}"] = _err(out, ref_out)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        (out * ct).sum().backward()
+        (ref_out * ct).sum().backward()
+        errors[f"mlp dx step {step}"] = _err(xa.grad, ref_x.grad)
+        opt.step()
+        ref_opt.step()
+    full1, full2 = col.to_full(), row.to_full()
+    errors["mlp trained w1"] = _err(full1.weight, lin1.weight)
+    errors["mlp trained b1"] = _err(full1.bias, lin1.bias)
+    errors["mlp trained w2"] = _err(full2.weight, lin2.weight)
+    errors["mlp trained b2"] = _err(full2.bias, lin2.bias)
+
+    # inference: no graph, no dropout in eval mode, inference_mode tensors
+    row.eval()
+    with torch.inference_mode():
+        out = row(F.gelu(col(x)), residual=x)
+    errors["mlp eval"] = _err(out, lin2(F.gelu(lin1(x))).detach() + x)
+    return errors
+
+
+def sequence_parallel_vs_torch(comm) -> dict[str, float]:
+    """Sequence parallel: each rank holds its part of the sequence (dim 0: [T, B, H]) before
+    and after the MLP; all_gather in, reduce_scatter out, and their adjoints in backward."""
+    errors: dict[str, float] = {}
+    torch.manual_seed(1)
+    lin1, lin2 = nn.Linear(4, 6), nn.Linear(6, 4)
+    x = torch.randn(5, 2, 4)  # 5 tokens: uneven over 2 ranks
+    ct = torch.randn(5, 2, 4)
+    col = ColumnParallelLinear.from_linear(lin1, comm=comm, sequence_parallel=True)
+    row = RowParallelLinear.from_linear(lin2, comm=comm, sequence_parallel=True)
+    mine = _part(x, 0, comm).clone().requires_grad_()
+    out = row(F.gelu(col(mine)), residual=mine)
+    ref_x = x.clone().requires_grad_()
+    ref = lin2(F.gelu(lin1(ref_x))) + ref_x
+    (out * _part(ct, 0, comm)).sum().backward()
+    (ref * ct).sum().backward()
+    errors["sp out"] = _err(out, _part(ref, 0, comm))
+    errors["sp dx"] = _err(mine.grad, _part(ref_x.grad, 0, comm))
+    errors["sp dw1"] = _err(col.weight.grad, _part(lin1.weight.grad, 0, comm))
+    errors["sp dw2"] = _err(row.weight.grad, _part(lin2.weight.grad, 1, comm))
+    errors["sp db2"] = _err(row.bias.grad, lin2.bias.grad)
+    return errors
