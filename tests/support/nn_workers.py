@@ -121,3 +121,43 @@ def sequence_parallel_vs_torch(comm) -> dict[str, float]:
     errors["sp dw2"] = _err(row.weight.grad, _part(lin2.weight.grad, 1, comm))
     errors["sp db2"] = _err(row.bias.grad, lin2.bias.grad)
     return errors
+
+
+MLP_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
+def parallelized_gpt_vs_torch(comm, steps: int = 4) -> dict[str, float]:
+    """A nanoGPT-style model with its MLPs parallelized, trained with torch.optim.AdamW next to
+    the same model on one process: losses per step and the final weights (gathered)."""
+    import copy
+
+    from coconet.nn import parallelize
+    from support.nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(3)
+    reference = GPT(GPTConfig())
+    model = parallelize(copy.deepcopy(reference), comm, MLP_PLAN)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    errors: dict[str, float] = {}
+    kinds = {type(m).__name__ for m in model.modules()}
+    errors["swapped"] = 0.0 if {"ColumnParallelLinear", "RowParallelLinear"} <= kinds else 1.0
+    for step in range(steps):
+        idx = torch.randint(0, 32, (2, 16), generator=gen)
+        targets = torch.randint(0, 32, (2, 16), generator=gen)
+        loss, ref_loss = model(idx, targets), reference(idx, targets)
+        errors[f"loss step {step}"] = _err(loss.detach(), ref_loss.detach())
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+    for name, block in enumerate(model.transformer.h):
+        ref_block = reference.transformer.h[name]
+        errors[f"h.{name}.c_fc"] = _err(block.mlp.c_fc.to_full().weight, ref_block.mlp.c_fc.weight)
+        errors[f"h.{name}.c_proj"] = _err(block.mlp.c_proj.to_full().weight,
+                                          ref_block.mlp.c_proj.weight)  # fmt: skip
+        errors[f"h.{name}.attn"] = _err(block.attn.c_attn.weight, ref_block.attn.c_attn.weight)
+    return errors

@@ -6,5 +6,6 @@ compiled coconet steps (the backward derived by ``coconet.grad``) inside one
 """
 
 from coconet.nn.layers import ColumnParallelLinear, RowParallelLinear
+from coconet.nn.parallelize import Style, parallelize
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "Style", "parallelize"]
