@@ -124,9 +124,43 @@ def sequence_parallel_vs_torch(comm) -> dict[str, float]:
 
 
 MLP_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+BLOCK_PLAN = {**MLP_PLAN, "transformer.h.*.attn": "attention"}
 
 
-def parallelized_gpt_vs_torch(comm, steps: int = 4) -> dict[str, float]:
+def attention_vs_torch(comm) -> dict[str, float]:
+    """ParallelSelfAttention from a nanoGPT attention: output, gradients, and decoding with a
+    KV cache (a prefill, then tokens one by one) equal to the full causal forward."""
+    from coconet.nn import ParallelSelfAttention
+    from support.nanogpt import CausalSelfAttention, GPTConfig
+
+    errors: dict[str, float] = {}
+    torch.manual_seed(2)
+    config = GPTConfig(n_head=4, n_embd=16)
+    ref = CausalSelfAttention(config)
+    attn = ParallelSelfAttention.from_modules(ref.c_attn, ref.c_proj, 4, comm=comm)
+    x = torch.randn(2, 7, 16)
+    ct = torch.randn(2, 7, 16)
+    xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, want = attn(xa), ref(ref_x)
+    (y * ct).sum().backward()
+    (want * ct).sum().backward()
+    errors["attn y"] = _err(y, want)
+    errors["attn dx"] = _err(xa.grad, ref_x.grad)
+    c_attn, c_proj = attn.to_full()
+    errors["attn to_full"] = _err(c_attn.weight, ref.c_attn.weight) + _err(
+        c_proj.weight, ref.c_proj.weight)  # fmt: skip
+    order = attn._order()
+    mine = slice(*slice_bounds(48, comm.world, comm.rank))
+    errors["attn dw_qkv"] = _err(attn.qkv.weight.grad, ref.c_attn.weight.grad[order][mine])
+    with torch.no_grad():
+        cache = attn.new_cache()
+        steps = [attn(x[:, :4], cache=cache)] + [attn(x[:, t : t + 1], cache=cache)
+                                                for t in range(4, 7)]  # fmt: skip
+        errors["attn decode"] = _err(torch.cat(steps, dim=1), want.detach())
+    return errors
+
+
+def parallelized_gpt_vs_torch(comm, steps: int = 4, plan: str = "mlp") -> dict[str, float]:
     """A nanoGPT-style model with its MLPs parallelized, trained with torch.optim.AdamW next to
     the same model on one process: losses per step and the final weights (gathered)."""
     import copy
@@ -136,7 +170,8 @@ def parallelized_gpt_vs_torch(comm, steps: int = 4) -> dict[str, float]:
 
     torch.manual_seed(3)
     reference = GPT(GPTConfig())
-    model = parallelize(copy.deepcopy(reference), comm, MLP_PLAN)
+    model = parallelize(copy.deepcopy(reference), comm,
+                        BLOCK_PLAN if plan == "block" else MLP_PLAN)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
@@ -159,5 +194,10 @@ def parallelized_gpt_vs_torch(comm, steps: int = 4) -> dict[str, float]:
         errors[f"h.{name}.c_fc"] = _err(block.mlp.c_fc.to_full().weight, ref_block.mlp.c_fc.weight)
         errors[f"h.{name}.c_proj"] = _err(block.mlp.c_proj.to_full().weight,
                                           ref_block.mlp.c_proj.weight)  # fmt: skip
-        errors[f"h.{name}.attn"] = _err(block.attn.c_attn.weight, ref_block.attn.c_attn.weight)
+        if plan == "block":
+            errors[f"h.{name}.attn"] = _err(block.attn.to_full()[0].weight,
+                                            ref_block.attn.c_attn.weight)  # fmt: skip
+        else:
+            errors[f"h.{name}.attn"] = _err(block.attn.c_attn.weight,
+                                            ref_block.attn.c_attn.weight)  # fmt: skip
     return errors
