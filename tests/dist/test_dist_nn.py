@@ -49,3 +49,13 @@ def test_parallelize_a_nanogpt_model(plan):
     for rank, errors in enumerate(results):
         bad = {k: v for k, v in errors.items() if not v <= 1e-5}
         assert bad == {}, f"rank {rank}: {bad}"
+
+
+@pytest.mark.timeout(240)
+def test_paper_schedules_of_the_layers_equal_torch():
+    """MM_AR_C, MM_RS_C_AG and ol_MM_fuse_RS_C_AG on the row-parallel forward and on the
+    column-parallel backward, eager kernels."""
+    results = spawn(nn_workers.schedules_vs_torch, 2, options=OPTIONS, timeout=220)
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"

@@ -201,3 +201,32 @@ def parallelized_gpt_vs_torch(comm, steps: int = 4, plan: str = "mlp") -> dict[s
             errors[f"h.{name}.attn"] = _err(block.attn.c_attn.weight,
                                             ref_block.attn.c_attn.weight)  # fmt: skip
     return errors
+
+
+def schedules_vs_torch(comm, fused_kernels: bool = False) -> dict[str, float]:
+    """Every paper schedule of the layers (row-parallel forward with bias, dropout and residual;
+    column-parallel backward's input-gradient all_reduce) equals torch.nn."""
+    from coconet.nn.layers import SCHEDULES
+
+    errors: dict[str, float] = {}
+    torch.manual_seed(4)
+    lin1, lin2 = nn.Linear(6, 10), nn.Linear(10, 6)
+    x, ct = torch.randn(5, 3, 6), torch.randn(5, 3, 6)
+    for name in SCHEDULES:
+        col = ColumnParallelLinear.from_linear(lin1, comm=comm, schedule=name,
+                                               fused_kernels=fused_kernels)  # fmt: skip
+        row = RowParallelLinear.from_linear(lin2, comm=comm, dropout=0.2, seed=9, schedule=name,
+                                            fused_kernels=fused_kernels)  # fmt: skip
+        xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = row(F.gelu(col(xa)), residual=xa)
+        keep = dropout_mask(9, 0, 0.2, tuple(ct.shape))
+        ref = torch.where(keep, lin2(F.gelu(lin1(ref_x))) / 0.8, 0.0) + ref_x
+        (out * ct).sum().backward()
+        (ref * ct).sum().backward()
+        errors[f"{name} out"] = _err(out, ref)
+        errors[f"{name} dx"] = _err(xa.grad, ref_x.grad)
+        errors[f"{name} dw1"] = _err(col.weight.grad, _part(lin1.weight.grad, 0, comm))
+        errors[f"{name} dw2"] = _err(row.weight.grad, _part(lin2.weight.grad, 1, comm))
+        lin1.zero_grad()
+        lin2.zero_grad()
+    return errors

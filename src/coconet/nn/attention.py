@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coconet.errors import ConfigError
-from coconet.nn.layers import ColumnParallelLinear, RowParallelLinear
+from coconet.nn.layers import ColumnParallelLinear, LayerSchedule, RowParallelLinear
 from coconet.runtime.comm import Communicator
 
 __all__ = ["KVCache", "ParallelMLP", "ParallelSelfAttention"]
@@ -74,12 +74,14 @@ class ParallelSelfAttention(nn.Module):
 
     def __init__(self, d_model: int, n_head: int, bias: bool = True, *, comm: Communicator,
                  axis: str | None = None, causal: bool = True, fused_kernels: bool = False,
-                 dtype: torch.dtype = torch.float32, device: Any = None) -> None:  # fmt: skip
+                 schedule: LayerSchedule = None, dtype: torch.dtype = torch.float32,
+                 device: Any = None) -> None:  # fmt: skip
         super().__init__()
         self.local_heads = _heads(n_head, d_model, comm, axis, "ParallelSelfAttention")
         self.d_model, self.n_head, self.causal = d_model, n_head, bool(causal)
         self.head_dim = d_model // n_head
-        kw = dict(comm=comm, axis=axis, fused_kernels=fused_kernels, dtype=dtype, device=device)
+        kw = dict(comm=comm, axis=axis, fused_kernels=fused_kernels, schedule=schedule,
+                  dtype=dtype, device=device)  # fmt: skip
         self.qkv = ColumnParallelLinear(d_model, 3 * d_model, bias, **kw)
         self.proj = RowParallelLinear(d_model, d_model, bias, **kw)
 
@@ -163,10 +165,11 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, d_model: int, d_hidden: int, bias: bool = True, *, comm: Communicator,
                  axis: str | None = None, dropout: float = 0.0, seed: int = 0,
-                 fused_kernels: bool = False, dtype: torch.dtype = torch.float32,
-                 device: Any = None) -> None:  # fmt: skip
+                 fused_kernels: bool = False, schedule: LayerSchedule = None,
+                 dtype: torch.dtype = torch.float32, device: Any = None) -> None:  # fmt: skip
         super().__init__()
-        kw = dict(comm=comm, axis=axis, fused_kernels=fused_kernels, dtype=dtype, device=device)
+        kw = dict(comm=comm, axis=axis, fused_kernels=fused_kernels, schedule=schedule,
+                  dtype=dtype, device=device)  # fmt: skip
         self.fc = ColumnParallelLinear(d_model, d_hidden, bias, **kw)
         self.proj = RowParallelLinear(d_hidden, d_model, bias, dropout=dropout, seed=seed, **kw)
 
