@@ -59,3 +59,11 @@ def test_paper_schedules_of_the_layers_equal_torch():
     for rank, errors in enumerate(results):
         bad = {k: v for k, v in errors.items() if not v <= 1e-5}
         assert bad == {}, f"rank {rank}: {bad}"
+
+
+@pytest.mark.timeout(300)
+def test_torch_compile_of_a_model_holding_layers():
+    results = spawn(nn_workers.compiled_model_vs_torch, 2, options=OPTIONS, timeout=280)
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"

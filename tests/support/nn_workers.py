@@ -230,3 +230,30 @@ def schedules_vs_torch(comm, fused_kernels: bool = False) -> dict[str, float]:
         lin1.zero_grad()
         lin2.zero_grad()
     return errors
+
+
+def compiled_model_vs_torch(comm) -> dict[str, float]:
+    """torch.compile of a model holding coconet layers: each layer is a graph break (its own
+    compiled step), the LayerNorm and gelu around it are compiled; forward and x's gradient
+    equal the eager single-process model."""
+    torch.manual_seed(0)
+    lin1, lin2, ln = nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = ln
+            self.fc = ColumnParallelLinear.from_linear(lin1, comm=comm)
+            self.proj = RowParallelLinear.from_linear(lin2, comm=comm)
+
+        def forward(self, x):
+            return self.proj(F.gelu(self.fc(self.ln(x))), residual=x)
+
+    model = torch.compile(Block())
+    x = torch.randn(2, 3, 8)
+    xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = model(xa)
+    ref = lin2(F.gelu(lin1(ln(ref_x)))) + ref_x
+    y.sum().backward()
+    ref.sum().backward()
+    return {"compiled y": _err(y, ref), "compiled dx": _err(xa.grad, ref_x.grad)}

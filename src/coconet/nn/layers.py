@@ -248,6 +248,10 @@ class _ParallelLinear(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
+    # torch.compile of a model holding the layer: the layer's step is its own compiled code
+    # (generated module, torch.distributed or shared-memory collectives) that dynamo cannot
+    # trace; it runs as a graph break, the rest of the model is compiled around it
+    @torch.compiler.disable
     def _call(self, x: torch.Tensor, residual: torch.Tensor | None, scalars: dict[str, Any]):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self._x_features():
             raise ConfigError(
