@@ -1,0 +1,117 @@
+"""Train ``train_gpt.py``'s GPT tensor-parallel: its blocks split over the ranks with coconet.nn.
+
+Each block's attention becomes a ``coconet.nn.ParallelSelfAttention`` (``heads / tp`` heads per
+rank, q/k/v column-parallel, the output projection row-parallel with the residual fused into its
+program) and its MLP a ``coconet.nn.ParallelMLP``; the embeddings, LayerNorms and the head stay
+as they are, replicated. Every rank sees the whole batch; the optimizer is plain
+``torch.optim.AdamW`` over each rank's parameters (its shards and the replicated rest). The
+losses must follow one process training the same model on the same batches::
+
+    python examples/train_gpt_tp.py                  # TP = 2, 40 steps
+    python examples/train_gpt_tp.py --world 4        # TP = 4 (oversubscribes a 2-core machine)
+
+The exit status is non-zero when any step's loss differs from one process's by more than
+``--tolerance`` (relative). Not yet here: DP x TP (``coconet.optim`` reduces over the whole world;
+a 2-D mesh needs its steps per axis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import train_gpt  # noqa: E402 - the model, data and reference run of the data-parallel example
+
+
+class TPBlock(nn.Module):
+    """``train_gpt.Block`` with its attention and MLP split over the ranks of ``comm``."""
+
+    def __init__(self, block: train_gpt.Block, comm) -> None:
+        super().__init__()
+        from coconet.nn import ParallelMLP, ParallelSelfAttention
+
+        self.ln1, self.ln2 = block.ln1, block.ln2
+        self.attn = ParallelSelfAttention.from_modules(block.qkv, block.proj, block.heads,
+                                                       comm=comm)  # fmt: skip
+        self.mlp = ParallelMLP.from_modules(block.up, block.down, comm=comm)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        x = self.attn(self.ln1(x), cache=cache, residual=x)
+        return self.mlp(self.ln2(x), residual=x)
+
+
+def tensor_parallel(net: train_gpt.GPT, comm) -> train_gpt.GPT:
+    """``net`` with every block replaced by its TPBlock (in place)."""
+    net.blocks = nn.ModuleList(TPBlock(b, comm) for b in net.blocks)
+    return net
+
+
+def ranks(comm, cfg: train_gpt.Config) -> dict:
+    data = train_gpt.corpus()
+    net = tensor_parallel(train_gpt.model(cfg), comm)
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    losses, ms = [], []
+    for k in range(cfg.steps):
+        x, y = train_gpt.batch(data, cfg, k)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = train_gpt.loss_of(net, x, y)
+        loss.backward()
+        opt.step()
+        ms.append((time.perf_counter() - t0) * 1e3)
+        losses.append(loss.item())
+    shards = sum(p.numel() for b in net.blocks for p in b.parameters()) - sum(
+        p.numel() for b in net.blocks for p in (*b.ln1.parameters(), *b.ln2.parameters()))
+    return {"loss": losses, "ms": ms, "shard_parameters": shards}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--world", type=int, default=2, help="tensor-parallel ranks (divide heads)")
+    ap.add_argument("--d-model", type=int, default=train_gpt.Config.d_model)
+    ap.add_argument("--layers", type=int, default=train_gpt.Config.layers)
+    ap.add_argument("--heads", type=int, default=train_gpt.Config.heads)
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="relative, on the losses")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if args.heads % args.world or args.d_model % args.heads:
+        ap.error(f"--world {args.world} must divide --heads {args.heads}, which must divide "
+                 f"--d-model {args.d_model}")  # fmt: skip
+    cfg = replace(train_gpt.Config(), steps=args.steps, d_model=args.d_model, layers=args.layers,
+                  heads=args.heads, world=args.world)  # fmt: skip
+    from coconet.runtime import CommOptions, spawn
+
+    params = sum(p.numel() for p in train_gpt.model(cfg).parameters())
+    print(f"GPT: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, {params:,} "
+          f"parameters; tensor parallel over {cfg.world} ranks; {cfg.steps} steps")
+    t0 = time.perf_counter()
+    res = spawn(ranks, cfg.world, cfg, options=CommOptions(timeout=300), timeout=1800)[0]
+    ref = train_gpt.single(cfg)
+    drift = max(abs(a - b) / abs(b) for a, b in zip(res["loss"], ref, strict=True))
+    print(f"\n{'step':>4} {'single':>10} {'tp':>10} {'tp ms':>8}")
+    for k in range(cfg.steps):
+        note = "   <- compiles each layer's forward and backward steps (once)" if k == 0 else ""
+        print(f"{k + 1:>4} {ref[k]:>10.5f} {res['loss'][k]:>10.5f} {res['ms'][k]:>8.1f}{note}")
+    print(f"\nlosses vs one process (max relative): {drift:.1e} (tolerance {args.tolerance:g}); "
+          f"wall {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"losses": {"single": ref, "tp": res["loss"]}, "loss_drift": drift,
+             "ms": res["ms"], "world": cfg.world}, indent=1) + "\n")  # fmt: skip
+    ok = all(math.isfinite(x) for x in res["loss"]) and drift <= args.tolerance
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
