@@ -67,3 +67,18 @@ def test_torch_compile_of_a_model_holding_layers():
     for rank, errors in enumerate(results):
         bad = {k: v for k, v in errors.items() if not v <= 1e-5}
         assert bad == {}, f"rank {rank}: {bad}"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["torch.distributed", "shared memory"])
+def test_a_rank_killed_in_backward(transport):
+    from coconet.runtime import RankFailure
+
+    options = CommOptions(timeout=30, transport=transport)
+    survivor, victim = spawn(nn_workers.killed_in_backward, 2, 1, options=options, timeout=80,
+                             failures="return")  # fmt: skip
+    assert isinstance(victim, RankFailure)
+    assert survivor["status"] == "fault", survivor
+    assert "a peer rank died" in survivor["message"]
+    assert survivor["seconds"] < 15
+    assert survivor["unchanged"]

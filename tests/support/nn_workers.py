@@ -257,3 +257,32 @@ def compiled_model_vs_torch(comm) -> dict[str, float]:
     y.sum().backward()
     ref.sum().backward()
     return {"compiled y": _err(y, ref), "compiled dx": _err(xa.grad, ref_x.grad)}
+
+
+def killed_in_backward(comm, victim: int) -> dict:
+    """``victim`` dies inside the column-parallel layer's backward (at its input gradient's
+    all_reduce); the survivor must get a RuntimeFault within the timeout, its parameters as
+    they were."""
+    import os
+    import signal
+    import time
+
+    from coconet.errors import RuntimeFault
+
+    torch.manual_seed(0)
+    col = ColumnParallelLinear.from_linear(nn.Linear(6, 8), comm=comm)
+    row = RowParallelLinear.from_linear(nn.Linear(8, 6), comm=comm)
+    x = torch.randn(2, 6, requires_grad=True)
+    row(F.gelu(col(x))).sum().backward()  # a good step first: warm, agreed steps
+    before = {k: v.detach().clone() for k, v in (*col.named_parameters(), *row.named_parameters())}
+    out = row(F.gelu(col(x)))
+    if comm.rank == victim:
+        comm.all_reduce_start = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.perf_counter()
+    try:
+        out.sum().backward()
+    except RuntimeFault as e:
+        after = dict((*col.named_parameters(), *row.named_parameters()))
+        return {"status": "fault", "message": str(e), "seconds": time.perf_counter() - t0,
+                "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+    return {"status": "no error"}
