@@ -82,3 +82,11 @@ def test_a_rank_killed_in_backward(transport):
     assert "a peer rank died" in survivor["message"]
     assert survivor["seconds"] < 15
     assert survivor["unchanged"]
+
+
+@pytest.mark.timeout(300)
+def test_auto_schedule_equals_torch():
+    results = spawn(nn_workers.auto_schedule_vs_torch, 2, options=OPTIONS, timeout=280)
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"

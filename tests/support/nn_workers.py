@@ -286,3 +286,22 @@ def killed_in_backward(comm, victim: int) -> dict:
         return {"status": "fault", "message": str(e), "seconds": time.perf_counter() - t0,
                 "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
     return {"status": "no error"}
+
+
+def auto_schedule_vs_torch(comm) -> dict[str, float]:
+    """schedule="auto": the tuner picks each layer program's schedule at its first call's
+    shape; the result equals torch.nn, and the picks are reported."""
+    errors: dict[str, float] = {}
+    torch.manual_seed(6)
+    lin1, lin2 = nn.Linear(8, 16), nn.Linear(16, 8)
+    col = ColumnParallelLinear.from_linear(lin1, comm=comm, schedule="auto")
+    row = RowParallelLinear.from_linear(lin2, comm=comm, schedule="auto")
+    x, ct = torch.randn(4, 8), torch.randn(4, 8)
+    xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = row(F.gelu(col(xa)), residual=xa), lin2(F.gelu(lin1(ref_x))) + ref_x
+    (out * ct).sum().backward()
+    (ref * ct).sum().backward()
+    errors["auto out"] = _err(out, ref)
+    errors["auto dx"] = _err(xa.grad, ref_x.grad)
+    errors["tuned"] = 0.0 if row.tuning else 1.0  # the row forward was tuned
+    return errors

@@ -38,6 +38,7 @@ from coconet.errors import ConfigError
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Layout, Replicated, Sliced, slice_bounds
+from coconet.options import CompileOptions
 from coconet.runtime.comm import Communicator
 from coconet.schedule import Schedule, paper
 
@@ -63,31 +64,28 @@ SCHEDULES: dict[str, Callable[[Program], Schedule]] = {
 }
 
 LayerSchedule = str | Callable[[Program], Schedule] | None
+AUTO = "auto"  # the tuner's choice per program and input shape (coconet.tune)
 
 
-def _schedule_of(schedule: Any, who: str) -> Callable[[Program], Schedule] | None:
-    if schedule is None or callable(schedule):
+def _schedule_of(schedule: Any, who: str) -> Callable[[Program], Schedule] | str | None:
+    if schedule is None or callable(schedule) or schedule == AUTO:
         return schedule
     if isinstance(schedule, str) and schedule in SCHEDULES:
         return SCHEDULES[schedule]
     raise ConfigError(
         f"{who}: schedule={schedule!r} is not a layer schedule",
         op=who,
-        hint="one of " + ", ".join(repr(k) for k in SCHEDULES) + ", a function Program -> "
-        "Schedule, or None (the program as written)",
+        hint="one of " + ", ".join(repr(k) for k in SCHEDULES) + ", 'auto' (the tuner's choice "
+        "per input shape), a function Program -> Schedule, or None (the program as written)",
     )
 
 
-def _scheduled(program: Program, schedule: Callable[[Program], Schedule] | None):
-    """``schedule(program)`` when the program has the all_reduce it works on with computation
-    after it, else the program as written (a column-parallel backward whose input gradient is
-    the all_reduce's result has nothing to fuse or move: its all_reduce runs as it is)."""
-    if schedule is None:
-        return program
+def _schedulable(program: Program) -> bool:
+    """Whether the program has the one all_reduce a layer schedule works on, with computation
+    after it (a column-parallel backward whose input gradient is the all_reduce's result has
+    nothing to fuse or move: its all_reduce runs as it is)."""
     reduced = [n.name for n in program.nodes if n.op is Op.ALL_REDUCE and n.type.rank]
-    if len(reduced) != 1 or not Schedule(program).computations(reduced[0]):
-        return program
-    return schedule(program)
+    return len(reduced) == 1 and bool(Schedule(program).computations(reduced[0]))
 
 
 def _compiled(target: Any, comm: Communicator, fused: bool):
@@ -100,22 +98,44 @@ def _compiled(target: Any, comm: Communicator, fused: bool):
 class _Steps:
     """A layer's forward program, its backward programs and their compiled steps."""
 
-    def __init__(self, forward: Program, comm: Communicator, fused: bool,
-                 schedule: Callable[[Program], Schedule] | None) -> None:  # fmt: skip
+    def __init__(self, forward: Program, comm: Communicator, fused: bool, schedule: Any,
+                 sizes: dict[str, int], scalars: dict[str, Any]) -> None:  # fmt: skip
         self.forward_program = forward
         self.schedule = schedule
-        self.forward = _compiled(_scheduled(forward, schedule), comm, fused)
         self.comm = comm
         self.fused = fused
+        self.sizes, self.scalars = sizes, scalars  # what "auto" tunes at: the first call's
+        self.tuning: list[Any] = []  # the TuneResults of "auto" (explain() says why)
+        self.forward = _compiled(self._scheduled(forward), comm, fused)
         self.backward: dict[tuple[str, ...], Any] = {}
 
     def backward_step(self, needs: tuple[str, ...]):
         if needs not in self.backward:
             program = grad(self.forward_program, list(needs), name=f"{self.forward_program.name}"
                            "_backward")  # fmt: skip
-            self.backward[needs] = _compiled(_scheduled(program, self.schedule), self.comm,
-                                             self.fused)  # fmt: skip
+            self.backward[needs] = _compiled(self._scheduled(program), self.comm, self.fused)
         return self.backward[needs]
+
+    def _scheduled(self, program: Program) -> Program | Schedule:
+        if self.schedule is None or not _schedulable(program):
+            return program
+        if self.schedule != AUTO:
+            return self.schedule(program)
+        from coconet.tune import tune  # imported when first asked for: it is heavy
+
+        result = tune(
+            program, self.comm, dict(self.sizes), scalars=self.scalars,
+            options=CompileOptions(fused_kernels=self.fused, commit_vote=False),
+            transports=[self.comm.transport_of(program_axis(program))], top=2, reps=5,
+            fix_algorithms=False,
+        )  # fmt: skip
+        self.tuning.append(result)
+        return result.winner.target
+
+
+def program_axis(program: Program) -> str | None:
+    """The mesh axis of the program's all_reduce (what runs it decides the transport)."""
+    return next(n.attr("axis") for n in program.nodes if n.op is Op.ALL_REDUCE)
 
 
 class _Apply(torch.autograd.Function):
@@ -276,10 +296,16 @@ class _ParallelLinear(nn.Module):
         steps = self._programs.get(key)
         if steps is None:
             program = self._program(x.dim(), DType.from_torch(x.dtype), residual is not None)
+            sizes = {d.name: n for d, n in zip(self._dims(x.dim()), x.shape, strict=False)}
             steps = self._programs[key] = _Steps(program, self.comm, self.fused_kernels,
-                                                 self.schedule)  # fmt: skip
+                                                 self.schedule, sizes, dict(scalars))  # fmt: skip
         names = tuple(tensors)
         return _Apply.apply(self, steps, scalars, names, *tensors.values())
+
+    @property
+    def tuning(self) -> list[Any]:
+        """With ``schedule="auto"``: the ``TuneResult`` of each program tuned (``explain()``)."""
+        return [r for steps in self._programs.values() for r in steps.tuning]
 
     def _x_features(self) -> int:
         return self.in_features
