@@ -763,11 +763,13 @@ def reduce(
     )
 
 
-def send(x: Tensor, axis: str, name: str | None = None) -> Tensor:
+def send(x: Tensor, axis: str, name: str | None = None, reverse: bool = False) -> Tensor:
     """Point-to-point along a mesh axis: the result on rank i of ``axis`` is rank i-1's ``x``.
 
     This is a pipeline boundary: each stage sends to the next and receives from the previous.
-    The first rank of the axis receives nothing and holds zeros.
+    The first rank of the axis receives nothing and holds zeros. ``reverse=True`` sends the
+    other way (rank i gets rank i+1's; the last holds zeros): a gradient going back a stage,
+    the adjoint ``coconet.grad`` builds for a send.
     """
     if not isinstance(axis, str):
         raise DSLError(
@@ -776,7 +778,16 @@ def send(x: Tensor, axis: str, name: str | None = None) -> Tensor:
             loc=capture_loc(),
             hint="send(x, axis='pp'): rank i of the axis receives rank i-1's x",
         )
-    return _wrap(Op.SEND, (_node(x, None, Op.SEND),), axis=axis, name=name)
+    if not isinstance(reverse, bool):
+        raise DSLError(
+            f"send's reverse must be True or False, got {reverse!r}",
+            op="send",
+            loc=capture_loc(),
+            hint="reverse=True sends to the previous rank of the axis",
+        )
+    # reverse is stored only when set, so forward sends print and hash as they always did
+    extra = {"reverse": True} if reverse else {}
+    return _wrap(Op.SEND, (_node(x, None, Op.SEND),), axis=axis, name=name, **extra)
 
 
 def scatter(x: Tensor, dim: int = 0, axis: str | None = None, name: str | None = None) -> Tensor:

@@ -139,6 +139,9 @@ def test_pipeline_on_2x2_mesh(four_ranks, name, schedule):
 
 @pytest.mark.timeout(300)
 def test_mesh_axes_program(four_ranks):
+    """mesh_program and its gradient program (reverse sends, axis_index) on a 2x2 mesh."""
+    assert {r["example"] for r in four_ranks["mesh_program"]} == {"mesh_program",
+                                                                  "mesh_program_grad"}
     for r in four_ranks["mesh_program"]:
         assert r["status"] == "ok", r["status"]
         assert r["abs"] == 0.0, r

@@ -282,6 +282,32 @@ def megatron_mlp_grad_inputs(world, size, dtype=torch.float32, seed=0):
     }
 
 
+def mesh_program_grad():
+    """coconet.grad of a program with sends both ways and a broadcast along tp on a 2x2 mesh:
+    the sends' adjoints (a send back and one forward) and the broadcast's (axis_index)."""
+    B, H = cc.Dim("B"), cc.Dim("H")
+    x = cc.Tensor("x", cc.float32, [B, H], cc.Local)
+    r = cc.Tensor("r", cc.float32, [B, H], cc.Replicated("tp"))
+    y = cc.send(x * 2.0, axis="pp", name="y")
+    z = cc.send(y * r + x, axis="pp", name="z", reverse=True)
+    b = cc.broadcast(x * r, root=1, axis="tp", name="b")
+    forward = cc.Program("stages", [x, r], {"y": y, "z": z, "b": b})
+    return cc.grad(forward, ["x", "r"])
+
+
+def mesh_program_grad_inputs(mesh, size, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def ints(*shape):  # integer-valued: every sum exact in any order
+        return torch.randint(-3, 4, shape, generator=gen).float()
+
+    inputs = {"x": _per_rank(mesh.size, lambda r: ints(3, size)), "r": ints(3, size)}
+    for n in mesh_program_grad().inputs:
+        if n.name.startswith("d_"):
+            inputs[n.name] = ints(3, size)
+    return inputs
+
+
 PROGRAMS = {
     "collectives": (collectives, collectives_inputs),
     "prod_and_ints": (prod_and_ints, prod_and_ints_inputs),

@@ -8,6 +8,7 @@ import only this, not pytest's test modules.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 import time
@@ -100,17 +101,19 @@ def run_world_and_mesh(comm: Communicator, sizes, mesh_axes) -> dict:
     mesh_comm = Communicator(cc.Mesh(**mesh_axes), CommOptions(algorithms="exact", timeout=60))
     out["mesh"] = run_examples(mesh_comm, PIPELINES, sizes, ["float32", "bfloat16"])
     rows = []
-    for size in (4, 5):
+    cases = [("mesh_program", dp.mesh_program, dp.mesh_program_inputs),
+             ("mesh_program_grad", dp.mesh_program_grad, dp.mesh_program_grad_inputs)]  # fmt: skip
+    for (name, build, make), size in itertools.product(cases, (4, 5)):
         status, abs_err, rel_err, errors = _check(
             mesh_comm,
-            dp.mesh_program(),
-            dp.mesh_program_inputs(mesh_comm.mesh, size),
+            build(),
+            make(mesh_comm.mesh, size),
             None,
             fused_kernels=False,
         )
         rows.append(
             _row(
-                example="mesh_program",
+                example=name,
                 schedule="(none)",
                 size=size,
                 dtype="float32",

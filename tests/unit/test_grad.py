@@ -422,12 +422,18 @@ def test_partial_sums_need_their_reduction():
     assert info.value.op == "matmul" and info.value.loc.filename == __file__
 
 
-def test_send_has_no_adjoint_yet():
-    x = T("x", [N], cc.Local)
-    prog = cc.Program("stage", [x], {"y": cc.send(x * 1.0, axis="pp", name="y")})
-    with pytest.raises(DifferentiationError, match="send's adjoint") as info:
-        cc.grad(prog, ["x"])
-    assert "pipeline" in info.value.hint
+@pytest.mark.parametrize("mesh", [Mesh(pp=2), Mesh(pp=3), Mesh(pp=2, tp=2)])
+def test_send_and_its_adjoint(mesh):
+    """A pipeline boundary: the gradient of a send goes back a stage (a reverse send), and the
+    reverse send's goes forward; Local values and values Replicated over tp."""
+    x = T("x", [N, C], cc.Local)
+    w = T("w", [N, C], cc.Replicated("tp") if "tp" in mesh.names else cc.Local)
+    y = cc.send(x * w, axis="pp", name="y")
+    z = cc.send(cc.tanh(y) * w, axis="pp", name="z", reverse=True)
+    prog = cc.Program("stages", [x, w], {"y": y, "z": z})
+    backward = check_grad(prog, ["x", "w"], {"N": 3, "C": 2}, mesh, saved=["y"])
+    sends = [n for n in backward.nodes if n.op is Op.SEND]
+    assert sorted(bool(n.attr("reverse")) for n in sends) == [False, True]
 
 
 def test_world_replicated_parameter_in_a_tp_value_is_refused():

@@ -421,6 +421,7 @@ _ARGUMENTS: dict[Arg, Callable[[Node, Start, GeoRef], list[str]]] = {
     Arg.ROOT: lambda n, s, geo: [f"root={n.attr('root')}"],
     Arg.AXIS: lambda n, s, geo: [f"axis={n.attr('axis')!r}"],
     Arg.DONATE: lambda n, s, geo: [f"donate={s.donate}"],
+    Arg.REVERSE: lambda n, s, geo: ["reverse=True"] if n.attr("reverse") else [],
 }
 
 

@@ -17,8 +17,8 @@ evenly over the elements equal to the maximum, ``norm`` gives 0 where the norm i
 Collectives transpose by layout: ``all_reduce``'s Replicated cotangent is each rank's Local
 cotangent (no communication); ``reduce_scatter``'s is ``all_gather``-ed; ``all_gather``'s is
 scattered (no communication); ``scatter``'s is ``all_gather``-ed; ``broadcast``'s goes to its
-root; ``reduce``'s is broadcast from its root. ``send``'s adjoint, a send to the previous stage,
-is not built yet (``Rule`` raises, naming the op).
+root; ``reduce``'s is broadcast from its root; ``send``'s is a send the other way
+(``reverse=True``: the gradient goes back a stage).
 """
 
 from __future__ import annotations
@@ -294,12 +294,10 @@ def _reduce(n, ct, b):
 
 
 def _send(n, ct, b):
-    raise _refuse(
-        n,
-        "send's adjoint (the gradient sent back to the previous stage) is not built yet",
-        "differentiate each pipeline stage on its own and send the gradients with "
-        "coconet.pipeline (the pipeline issue); inside a stage every other op differentiates",
-    )
+    # stage i's value went to stage i + 1: its gradient comes back from there (and the other
+    # way for a reverse send); the stage that received zeros gives nothing back
+    extra = {} if n.attr("reverse") else {"reverse": True}
+    return (b.op(Op.SEND, ct, axis=n.attr("axis"), **extra),)
 
 
 RULES: dict[Op, Rule] = {

@@ -94,6 +94,7 @@ class Arg(enum.Enum):
     ROOT = "root"  # the group rank that holds or receives the value
     AXIS = "axis"  # the mesh axis of the group
     DONATE = "donate"  # whether the transport may overwrite its input (a temporary)
+    REVERSE = "reverse"  # a send to the previous rank of the axis (passed only when set)
 
 
 class CurveBytes(enum.Enum):
@@ -246,12 +247,13 @@ def _rooted_sent(node: Node, sizes: Sizes, rank: int) -> int:
 
 
 def _send_sent(node: Node, sizes: Sizes, rank: int) -> int:
-    """A stage sends its own value to the next stage; the last stage sends nothing."""
+    """A stage sends its own value to the next stage; the last stage sends nothing (reverse:
+    to the previous stage; the first sends nothing)."""
     axis = node.attr("axis")
-    last = sizes.mesh.axis_size(axis) - 1
+    end = 0 if node.attr("reverse") else sizes.mesh.axis_size(axis) - 1
     return (
         0
-        if sizes.mesh.index_in(rank, axis) == last
+        if sizes.mesh.index_in(rank, axis) == end
         else sizes.local_bytes(node.inputs[0].type, rank)
     )
 
@@ -370,7 +372,7 @@ SPECS: dict[Op, OpSpec] = {
         Lowering.POINT_TO_POINT,
         Prop.COMMUNICATES | Prop.FRESH | Prop.ROWWISE | Prop.REORDERABLE,
         transport="send",
-        arguments=(Arg.AXIS,),
+        arguments=(Arg.AXIS, Arg.REVERSE),
         sent=_send_sent,
         comm_cost=CommCost(CurveBytes.OWN, Traffic.POINT_TO_POINT),
         work=_no_work,

@@ -285,8 +285,10 @@ class Communicator:
             ),
         )
 
-    def send_start(self, x: torch.Tensor, *, axis: str | None, label: str) -> Work:
-        return self._start(Op.SEND, label, axis, _nbytes(x), lambda t, g, a: t.send(x, g))
+    def send_start(self, x: torch.Tensor, *, axis: str | None, label: str,
+                   reverse: bool = False) -> Work:  # fmt: skip
+        return self._start(Op.SEND, label, axis, _nbytes(x),
+                           lambda t, g, a: t.send(x, g, reverse))  # fmt: skip
 
     def _start(
         self,

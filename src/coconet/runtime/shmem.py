@@ -715,17 +715,19 @@ class SharedMemoryTransport:
         st: ShmGroup = group.handle
         return st.register(shape, dtype)
 
-    def send(self, x, group: Group) -> Pending:
-        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros."""
+    def send(self, x, group: Group, reverse: bool = False) -> Pending:
+        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros.
+        ``reverse``: rank i receives rank i+1's, the last gets zeros."""
         st: ShmGroup = group.handle
         flat = x.reshape(-1)
         mem, e = st.begin(flat.numel() * flat.element_size())
         i = st.index
         mem.buffer(i, flat.dtype, flat.numel()).copy_(flat)
         mem.post(Phase.READY, e)
-        if i > 0:
-            mem.wait(Phase.READY, e, [i - 1])
-            out = mem.buffer(i - 1, flat.dtype, flat.numel()).clone()
+        frm = i + 1 if reverse else i - 1
+        if 0 <= frm < st.size:
+            mem.wait(Phase.READY, e, [frm])
+            out = mem.buffer(frm, flat.dtype, flat.numel()).clone()
         else:
             out = torch.zeros_like(flat)
         mem.post(Phase.CONSUMED, e)

@@ -159,16 +159,19 @@ class TorchDistributedTransport:
         p = fn(x0, reduce_op, group.handle, parts, group.index, owned, root)
         return Pending(p.works, lambda: p.finish().view(x.shape))
 
-    def send(self, x, group: Group) -> Pending:
-        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros."""
+    def send(self, x, group: Group, reverse: bool = False) -> Pending:
+        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros.
+        ``reverse``: rank i receives rank i+1's, the last gets zeros."""
         works = []
         src = x.contiguous()
         i = group.index
-        if i + 1 < group.size:
-            works.append(WholeWait(dist.isend(src, dst=group.ranks[i + 1])))
-        if i > 0:
+        step = -1 if reverse else 1
+        to, frm = i + step, i - step
+        if 0 <= to < group.size:
+            works.append(WholeWait(dist.isend(src, dst=group.ranks[to])))
+        if 0 <= frm < group.size:
             buf = torch.empty_like(src)
-            works.append(WholeWait(dist.irecv(buf, src=group.ranks[i - 1])))
+            works.append(WholeWait(dist.irecv(buf, src=group.ranks[frm])))
         else:
             buf = torch.zeros_like(src)
         return Pending(works, lambda: buf)

@@ -226,8 +226,9 @@ class Transport(Protocol):
         algorithm: Algorithm | None = None,
     ) -> Pending: ...
 
-    def send(self, x: torch.Tensor, group: Group) -> Pending:
-        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros."""
+    def send(self, x: torch.Tensor, group: Group, reverse: bool = False) -> Pending:
+        """Rank i of the group receives rank i-1's ``x``; the first rank gets zeros.
+        ``reverse``: rank i receives rank i+1's, the last gets zeros (a gradient sent back)."""
         ...
 
 

@@ -425,9 +425,11 @@ class _Simulator:
 
     def send(self, node: Node, x: PerRank) -> PerRank:
         out: PerRank = [torch.empty(0)] * self.world
+        step = -1 if node.attr("reverse") else 1  # reverse: from the next rank of the axis
         for group in self.mesh.groups(node.attr("axis")):
             for i, r in enumerate(group):
-                out[r] = x[group[i - 1]].clone() if i > 0 else torch.zeros_like(x[r])
+                j = i - step
+                out[r] = x[group[j]].clone() if 0 <= j < len(group) else torch.zeros_like(x[r])
         return out
 
 
