@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"dsl"},
     "sim": {"ir"},
     # pipeline schedules and their proof: plain data, errors only
-    "pipeline": set(),
+    "pipeline": {"runtime"},
     # reverse mode: an IR -> IR transform reading the op specs' vector-Jacobian rules
     "autodiff": {"ir"},
     "accounting": {"ir"},

@@ -1,0 +1,184 @@
+"""``Pipeline``: one stage of a pipeline-parallel model on this rank, running a proven schedule.
+
+Each rank of the ``pp`` axis holds its stage (an ``nn.Module``); ``step(inputs, targets)`` splits
+the batch into micro-batches and runs this rank's steps of the schedule (``gpipe`` or
+``one_f_one_b``, proven by ``coconet.pipeline.check`` when the Pipeline is built, so a schedule
+that could cross tensors or hang is refused before anything runs): forward and backward with
+torch's autograd, activations and their gradients sent point to point between neighbouring
+stages (torch.distributed ``isend``/``irecv``, untagged, each step's messages posted together
+and waited for with the communicator's timeout). Parameter gradients accumulate over the
+micro-batches as with gradient accumulation; the caller steps its optimizer afterwards.
+
+The activations' shape and dtype are declared (``activation_shape``: one micro-batch's, or one
+per boundary), as Megatron's ``tensor_shape``: the schedule is proven with them, and an output
+that differs is refused before it is sent.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from coconet.errors import ConfigError, RuntimeFault
+from coconet.pipeline.schedules import Action, Kind, Step, check, gpipe, one_f_one_b
+
+__all__ = ["Pipeline"]
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+class Pipeline:
+    """This rank's stage of a pipeline over mesh ``axis`` (the whole world for None)."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        comm: Any,
+        *,
+        micro_batches: int,
+        activation_shape: Sequence[int] | Sequence[Sequence[int]],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        schedule: str = "1f1b",
+        axis: str | None = "pp",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not isinstance(stage, nn.Module):
+            raise ConfigError(
+                f"Pipeline takes this rank's stage as an nn.Module, got {type(stage).__name__}",
+                op="Pipeline",
+                hint="Pipeline(stage_module, comm, micro_batches=8, ...)",
+            )
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"Pipeline: schedule={schedule!r}", op="Pipeline",
+                              hint=f"one of {sorted(SCHEDULES)}")  # fmt: skip
+        if axis is not None and axis not in comm.mesh.names:
+            raise ConfigError(f"Pipeline: the mesh {comm.mesh} has no axis {axis!r}",
+                              op="Pipeline", hint="axis=None pipelines over the whole world")
+        self.stage, self.comm, self.loss_fn = stage, comm, loss_fn
+        self.ranks = comm.mesh.group_of(comm.rank, axis)
+        self.index = comm.mesh.index_in(comm.rank, axis)
+        self.stages = len(self.ranks)
+        self.micro_batches = micro_batches
+        self.dtype = dtype
+        self.shapes = _boundary_shapes(activation_shape, self.stages)
+        if self.index == self.stages - 1 and loss_fn is None:
+            raise ConfigError("Pipeline: the last stage needs loss_fn(output, target)",
+                              op="Pipeline", hint="loss_fn=torch.nn.functional.cross_entropy")
+        self.schedule = SCHEDULES[schedule](self.stages, micro_batches, self.shapes,
+                                            str(dtype).removeprefix("torch."))  # fmt: skip
+        check(self.schedule)  # refused here, naming both ranks' actions, never a hang later
+        self.steps: list[Step] = self.schedule[self.index]
+        self.timeout = datetime.timedelta(seconds=comm.options.timeout)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.stages - 1
+
+    def step(self, inputs: torch.Tensor | None = None,
+             targets: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+        """One pass of the schedule: forward and backward of every micro-batch. The first stage
+        takes ``inputs``, the last ``targets`` (split along dim 0 into the micro-batches; each
+        micro-batch's loss is divided by their number, so the gradients are the whole batch's
+        mean's when the loss is a mean). Returns the batch's loss on the last stage, None on the
+        others."""
+        m = self.micro_batches
+        micro_in = self._split(inputs, "inputs") if self.is_first else None
+        micro_tg = self._split(targets, "targets") if self.is_last else None
+        received: dict[int, torch.Tensor] = {}  # activations in (they require grad)
+        outputs: dict[int, torch.Tensor] = {}  # activations out, or the last stage's losses
+        grads: dict[int, torch.Tensor] = {}  # gradients of the outputs, from the next stage
+        total = None
+        for step in self.steps:
+            first = step[0]
+            if first.kind is Kind.FORWARD:
+                x = micro_in[first.micro_batch] if self.is_first else received[first.micro_batch]
+                y = self.stage(x)
+                if self.is_last:
+                    y = self.loss_fn(y, micro_tg[first.micro_batch]) / m
+                    total = y.detach() if total is None else total + y.detach()
+                outputs[first.micro_batch] = y
+            elif first.kind is Kind.BACKWARD:
+                y = outputs.pop(first.micro_batch)
+                if self.is_last:
+                    y.backward()
+                else:
+                    torch.autograd.backward(y, grads.pop(first.micro_batch))
+            else:
+                self._communicate(step, received, outputs, grads)
+        return total
+
+    def _split(self, t: torch.Tensor | None, what: str) -> list[torch.Tensor]:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % self.micro_batches:
+            raise ConfigError(
+                f"Pipeline.step: stage {self.index} needs {what} whose first dim splits into "
+                f"{self.micro_batches} micro-batches, got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else t!r}",
+                op="Pipeline.step",
+                hint="the first stage passes inputs=, the last targets=; the batch size a "
+                "multiple of micro_batches",
+            )
+        return list(t.chunk(self.micro_batches))
+
+    def _communicate(self, step: Step, received, outputs, grads) -> None:
+        works, landed = [], []
+        for a in step:
+            peer = self.ranks[a.peer]
+            if a.kind is Kind.SEND_ACTIVATION:
+                works.append((a, dist.isend(self._outgoing(outputs[a.micro_batch], a), peer)))
+            elif a.kind is Kind.SEND_GRADIENT:
+                g = received.pop(a.micro_batch).grad
+                works.append((a, dist.isend(self._outgoing(g, a), peer)))
+            else:
+                buf = torch.empty(a.shape, dtype=self.dtype)
+                works.append((a, dist.irecv(buf, peer)))
+                landed.append((a, buf))
+        for a, work in works:
+            try:
+                work.wait(self.timeout)
+            except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a lost peer
+                raise RuntimeFault(
+                    f"pipeline stage {self.index}: {a.describe()} did not complete: a peer "
+                    f"rank stalled or died ({str(e).splitlines()[0][:200]})",
+                    op="Pipeline.step",
+                    hint="every stage must run the same schedule; see the other ranks' errors",
+                ) from None
+        for a, buf in landed:
+            if a.kind is Kind.RECV_ACTIVATION:
+                received[a.micro_batch] = buf.requires_grad_()
+            else:
+                grads[a.micro_batch] = buf
+
+    def _outgoing(self, t: torch.Tensor | None, a: Action) -> torch.Tensor:
+        if t is None or tuple(t.shape) != a.shape or t.dtype != self.dtype:
+            got = "no gradient" if t is None else f"{list(t.shape)} {t.dtype}"
+            raise ConfigError(
+                f"pipeline stage {self.index}: {a.describe()}, but the stage gives {got}",
+                op="Pipeline.step",
+                hint="declare activation_shape as one micro-batch's activation at each "
+                "boundary (the schedule was proven with it)",
+            )
+        return t.detach().contiguous()
+
+
+def _boundary_shapes(shape: Any, stages: int) -> list[tuple[int, ...]]:
+    if isinstance(shape, Sequence) and shape and all(isinstance(s, int) for s in shape):
+        return [tuple(shape)] * max(stages - 1, 1)
+    if isinstance(shape, Sequence) and len(shape) == stages - 1 and all(
+        isinstance(s, Sequence) and all(isinstance(d, int) for d in s) for s in shape
+    ):
+        return [tuple(s) for s in shape]
+    raise ConfigError(
+        f"Pipeline: activation_shape is one micro-batch's activation shape, or one per "
+        f"boundary ({stages - 1} here), got {shape!r}",
+        op="Pipeline",
+        hint="activation_shape=(micro_batch_size, hidden)",
+    )

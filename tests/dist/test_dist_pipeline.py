@@ -1,0 +1,40 @@
+"""coconet.pipeline.Pipeline on 2 and 4 ranks: GPipe and 1F1B (and fewer micro-batches than
+stages) train like one process (per-stage gradients and losses to 1e-5 relative in float32: the
+micro-batches' sums re-associate the batch's); a rank killed mid-schedule fails the others
+within the timeout, their parameters untouched."""
+
+from __future__ import annotations
+
+import pytest
+from support import pipeline_workers
+
+from coconet.runtime import CommOptions, RankFailure, spawn
+
+OPTIONS = CommOptions(timeout=30, transport="torch.distributed")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("schedule", "nproc", "micro"),
+    [("gpipe", 2, 4), ("1f1b", 2, 4), ("1f1b", 2, 1), ("gpipe", 4, 8), ("1f1b", 4, 8),
+     ("1f1b", 4, 2)],  # the last: fewer micro-batches than stages
+)  # fmt: skip
+def test_pipeline_trains_like_one_process(schedule, nproc, micro):
+    results = spawn(pipeline_workers.train_vs_one_process, nproc, schedule, micro,
+                    options=OPTIONS, timeout=180)  # fmt: skip
+    for rank, out in enumerate(results):
+        bad = {k: v for k, v in out["errors"].items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"
+    assert len(results[-1]["losses"]) == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_schedule():
+    results = spawn(pipeline_workers.killed_mid_schedule, 2, 1, options=OPTIONS, timeout=100,
+                    failures="return")  # fmt: skip
+    survivor, victim = results
+    assert isinstance(victim, RankFailure)
+    assert survivor["status"] == "fault", survivor
+    assert "stalled or died" in survivor["message"]
+    assert survivor["seconds"] < 40
+    assert survivor["unchanged"]
