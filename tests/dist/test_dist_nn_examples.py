@@ -28,7 +28,7 @@ def test_tensor_parallel_training_follows_one_process(world):
 
 @pytest.mark.timeout(300)
 def test_tensor_parallel_decoding_is_one_process_token_for_token():
-    proc = _run("generate_tp.py", "--d-model", "32", "--layers", "1", "--train-steps", "60",
+    proc = _run("generate_tp.py", "--d-model", "64", "--layers", "1", "--train-steps", "80",
                 "--new", "12")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "token for token equal to one process" in proc.stdout

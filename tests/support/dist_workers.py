@@ -313,9 +313,14 @@ def late_sender(comm: Communicator, delay: float) -> dict:
     every rank runs an all_reduce on the same connections. Rank 1's wait spans many of the
     communicator's wait slices: a slice that ended inside gloo's recv would close the
     connection (what the pipeline hit under load)."""
+    import torch.distributed as dist
+
     from coconet.ir.ops import Op, ReduceOp
 
     x = torch.arange(1000, dtype=torch.float32) + 100 * comm.rank
+    # the ranks leave the barrier together: rank 1's wait is measured from rank 0's sleep's
+    # start (without it, a rank that reaches here later measures less than the delay)
+    dist.barrier()
     start = time.monotonic()
     try:
         if comm.rank == 0:
