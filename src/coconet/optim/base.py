@@ -62,6 +62,8 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -71,12 +73,13 @@ import torch
 
 from coconet import schedule as schedules
 from coconet.compiler import compile as coconet_compile
-from coconet.errors import CoconetError, ConfigError, GradientError, RuntimeFault
+from coconet.errors import CoconetError, ConfigError, ConfigValueError, GradientError, RuntimeFault
 from coconet.ir.program import Program
 from coconet.ir.types import DType, slice_bounds
-from coconet.optim import checkpoint, identity
+from coconet.optim import checkpoint, identity, programs
 from coconet.optim import ddp as ddp_hook
 from coconet.optim.identity import CALL_KEY, CallKind
+from coconet.optim.programs import Clip
 from coconet.options import CommitMode, CompileOptions, ParamStorage
 from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
@@ -87,6 +90,12 @@ __all__ = ["DistributedOptimizer"]
 _DTYPES = {torch.float32: DType.float32}
 # the key under which the ranks compare which parameters have a gradient (see _step_agreeing)
 _AGREE = "coconet.optim: which parameters have a gradient"
+# what the clipping scalars are made from, as an error naming a differing one says it
+_CLIP_SOURCES = {
+    "max_norm": "max_grad_norm",
+    "clip_coef": "max_grad_norm and the gradient's global norm "
+    "(clip_coef = min(max_grad_norm / (norm + 1e-6), 1))",
+}
 
 
 @dataclass
@@ -100,6 +109,7 @@ class _Bucket:
     step_fn: Any  # the CompiledStep
     bounds: tuple[int, int]  # this rank's slice of the bucket (the state it keeps)
     names: dict[str, str]  # state: program input -> torch's state key
+    clip: Clip = Clip.OFF  # how step_fn clips the gradient (max_grad_norm=)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # program name -> this slice
     # Per parameter: how many times it was stepped (torch's per-parameter ``step``; 0: no state
     # yet, as torch has none before a parameter's first step).
@@ -185,6 +195,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # One bucket per parameter tensor instead of per (group, dtype): for updates whose norms are
     # a tensor's own (LAMB's layer-wise trust ratio). One fused collective per parameter.
     bucket_per_parameter = False
+    # Whether ``program`` takes ``clip=`` (a ``Clip``): ``max_grad_norm=`` needs it.
+    supports_grad_clip = False
 
     def __init__(
         self,
@@ -196,7 +208,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         options: CompileOptions | None = None,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
         param_storage: ParamStorage | str | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
+        self._max_grad_norm = _checked_max_grad_norm(
+            max_grad_norm, type(self).__name__, ddp, self.supports_grad_clip)
+        # the global norm of the averaged gradient at the last step (max_grad_norm=), as
+        # torch.nn.utils.clip_grad_norm_ returns it
+        self.last_grad_norm: torch.Tensor | None = None
+        self._norm_pass: tuple[tuple[int, ...], Any] | None = None  # (bucket ids, CompiledStep)
+        self._clip_now: dict[str, Any] = {}  # the clipping scalars of the step under way
         self._comm = _default_comm(comm, type(self).__name__)
         self._storage = _param_storage(param_storage, type(self).__name__, ddp)
         self._schedule = schedule
@@ -228,8 +248,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
         """One step of the optimizer over a flat bucket of ``dtype``: inputs ``g`` (Local) and
-        ``p`` (Replicated), the state (Replicated; the schedule slices it), then the scalars."""
+        ``p`` (Replicated), the state (Replicated; the schedule slices it), then the scalars.
+        With ``supports_grad_clip``, it also takes ``clip=`` (``coconet.optim.programs.Clip``):
+        the averaged gradient clipped by the global norm as ``programs.adam`` does."""
         raise NotImplementedError
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The ``max_grad_norm=`` given at construction (None: no clipping)."""
+        return self._max_grad_norm
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         """The program's state inputs for ``group`` -> their names in torch's state dict."""
@@ -322,7 +349,63 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._buckets.append(self._bucket(index, group, dtype, [param]))
             else:
                 self._buckets.append(self._bucket(index, group, dtype, params))
+        self._settle_clip()
         self._refresh_identity()
+
+    # -- gradient clipping (max_grad_norm=) -----------------------------------------------------
+
+    def _clip_of_new_bucket(self) -> Clip:
+        """How a bucket made now clips: the norm inside its own step while it is the only
+        bucket, given from the norm pass otherwise (``_settle_clip`` turns a first bucket's
+        in-step clipping into a given one when a second bucket comes)."""
+        if self._max_grad_norm is None or self._ddp is not None:
+            return Clip.OFF
+        return Clip.IN_STEP if not self._buckets else Clip.GIVEN
+
+    def _settle_clip(self) -> None:
+        """With several buckets the global norm needs every bucket's gradient before any bucket
+        is updated: a bucket that computed the norm in its own step (it was the only one) gets
+        the step that takes the factor from the norm pass instead (collective, as
+        add_param_group: every rank recompiles at the same point; its gradient buffer and
+        state stay, the step only reads them)."""
+        if len(self._buckets) < 2:
+            return
+        for b in self._buckets:
+            if b.clip is Clip.IN_STEP:
+                group = self.param_groups[b.group]
+                b.step_fn = self._step_fn(group, b.params[0].dtype, b.size, Clip.GIVEN)
+                b.clip = Clip.GIVEN
+
+    def _norm_step(self) -> Any:
+        """The compiled norm pass over every bucket's gradient (``programs.grad_norm_pass``),
+        made again when the buckets change (collective: every rank steps the same buckets)."""
+        key = tuple(id(b) for b in self._buckets)
+        if self._norm_pass is None or self._norm_pass[0] != key:
+            dtype = _DTYPES[self._buckets[0].grad.dtype]
+            program = programs.grad_norm_pass(dtype, len(self._buckets))
+            # written sliced, nothing to schedule: one reduce_scatter per bucket, the squares
+            # summed here, one scalar all_reduce
+            step_fn = coconet_compile(program, comm=self._comm, options=self._options)
+            step_fn.input_sources = {"grad_scale": "the world size"}
+            self._norm_pass = (key, step_fn)
+        return self._norm_pass[1]
+
+    def _clip_scalars(self, agree: dict[str, str] | None) -> tuple[dict[str, Any], bool]:
+        """The clipping scalars of this step's bucket steps, and whether ``agree`` was used
+        (by the norm pass, which then runs first). One bucket: ``max_norm``, the norm is
+        computed inside its fused step. Several: the norm pass runs over every bucket's
+        gradient (one reduce_scatter each, one scalar all_reduce) and the factor is computed
+        here as torch computes it, in float32: ``clamp(max_norm / (norm + 1e-6), max=1)``."""
+        if self._max_grad_norm is None or not self._buckets:
+            return {}, False
+        if len(self._buckets) == 1:
+            return {"max_norm": self._max_grad_norm}, False
+        inputs: dict[str, Any] = {f"g{j}": b.grad for j, b in enumerate(self._buckets)}
+        inputs["grad_scale"] = 1.0 / self._comm.world
+        norm = self._norm_step().run(inputs, agree=agree)["grad_norm"]
+        self.last_grad_norm = norm
+        coef = torch.clamp(self._max_grad_norm / (norm + programs.CLIP_EPS), max=1.0)
+        return {"clip_coef": coef}, agree is not None
 
     # -- what the ranks agree on (coconet.optim.identity) ---------------------------------------
 
@@ -485,18 +568,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             offsets.append(total)
             total += p.numel()
-        program = self.program(group, _DTYPES[dtype])
+        clip = self._clip_of_new_bucket()
+        step_fn = self._step_fn(group, dtype, total, clip)
         names = self.state_names(group)
-        target = self._scheduled(program, tuple(names), total)
-        step_fn = coconet_compile(target, comm=comm, options=self._options)
-        step_fn.input_sources = dict(self.SCALAR_SOURCES)
         bounds = slice_bounds(total, comm.world, comm.rank)
-        bucket = _Bucket(index, params, offsets, total, step_fn, bounds, names)
+        bucket = _Bucket(index, params, offsets, total, step_fn, bounds, names, clip)
         n = bounds[1] - bounds[0]
         for name in names:
             size = n if _is_sliced(step_fn.program, name) else total
             bucket.state[name] = torch.zeros(size, dtype=dtype, device=comm.device)
         return bucket
+
+    def _step_fn(self, group: dict[str, Any], dtype: torch.dtype, total: int, clip: Clip) -> Any:
+        """The compiled step of a bucket of ``total`` elements of ``group`` (collective)."""
+        if clip is Clip.OFF:
+            program = self.program(group, _DTYPES[dtype])
+        else:
+            program = self.program(group, _DTYPES[dtype], clip=clip)
+        target = self._scheduled(program, tuple(self.state_names(group)), total)
+        step_fn = coconet_compile(target, comm=self._comm, options=self._options)
+        step_fn.input_sources = {**self.SCALAR_SOURCES, **_CLIP_SOURCES}
+        return step_fn
 
     def _scheduled(
         self, program: Program, state: tuple[str, ...], total: int = 0
@@ -693,9 +785,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
     def _step_buckets(self, masks: list[list[bool]], agree: dict[str, str] | None) -> None:
-        """Each bucket's step; ``agree`` goes with the first bucket's first fused step."""
-        for j, (b, mask) in enumerate(zip(self._buckets, masks, strict=True)):
-            self._step_bucket(b, mask, agree if j == 0 else None)
+        """Each bucket's step; ``agree`` goes with the first collective step: the norm pass
+        when it runs (max_grad_norm= over several buckets), else the first bucket's first
+        fused step. With clipping the norm pass runs before any update (it commits nothing),
+        so a step that fails there or in the agreement leaves everything as it was."""
+        self.last_grad_norm = None
+        self._clip_now, used = self._clip_scalars(agree)
+        if used:
+            agree = None
+        try:
+            for j, (b, mask) in enumerate(zip(self._buckets, masks, strict=True)):
+                self._step_bucket(b, mask, agree if j == 0 else None)
+        finally:
+            self._clip_now = {}
+        if self._max_grad_norm is not None and self.last_grad_norm is None:
+            # nothing was stepped (no gradient anywhere): torch's norm of no gradients
+            self.last_grad_norm = torch.zeros((), device=self._comm.device)
 
     def _local_grads(self, b: _Bucket, problems: list[str]) -> list[bool]:
         """This rank's view of which of ``b``'s parameters have a gradient; every ``.grad`` made
@@ -763,20 +868,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 b.steps[i] += 1
 
     def _run(self, b: _Bucket, scalars: dict[str, float], agree: dict[str, str] | None) -> None:
+        clip = self._clip_now
         if b.replica is None:
             # `flat` is passed as a view: the commit writes a view's values in place rather
             # than handing it new storage, so the parameters (views of it) see the update.
-            b.step_fn.run({"g": b.grad, "p": b.flat[:], **b.state, **scalars}, agree=agree)
+            out = b.step_fn.run({"g": b.grad, "p": b.flat[:], **b.state, **scalars, **clip},
+                                agree=agree)
+            self._keep_norm(out)
             return
         # A host replica: the commit re-points `flat` at the buffer the step wrote (every rank
         # wrote its slice there); the parameters follow it.
         before = b.flat.data_ptr()
-        b.step_fn.run({"g": b.grad, "p": b.flat, **b.state, **scalars}, agree=agree)
+        out = b.step_fn.run({"g": b.grad, "p": b.flat, **b.state, **scalars, **clip},
+                            agree=agree)
+        self._keep_norm(out)
         if b.flat.data_ptr() != before:
             with torch.no_grad():
                 for i, p in enumerate(b.params):
                     start, stop = b.span(i)
                     p.data = b.flat[start:stop].view_as(p)
+
+    def _keep_norm(self, out: dict[str, torch.Tensor]) -> None:
+        # the norm computed inside a bucket's step (the only bucket); a bucket stepped once per
+        # step count computes the same norm each time (the same gradient): the first is kept
+        if "grad_norm" in out and self.last_grad_norm is None:
+            self.last_grad_norm = out["grad_norm"]
 
     def _run_some(self, b: _Bucket, plan: list[tuple[dict[str, float], list[int]]],
                   agree: dict[str, str] | None) -> None:
@@ -1188,6 +1304,51 @@ def _default_comm(comm: Any, name: str) -> Communicator:
             f"{name}(model.parameters(), comm=comm), or leave comm out for that default",
         )
     return comm
+
+
+def _checked_max_grad_norm(value: Any, name: str, ddp: Any, supported: bool) -> float | None:
+    """``max_grad_norm=``: None (no clipping) or a finite number > 0; refused with ``ddp=``
+    and for an optimizer whose program cannot clip."""
+    if value is None:
+        return None
+    op = f"coconet.optim.{name}"
+    if not supported:
+        raise ConfigError(
+            f"{name}: max_grad_norm={value!r} is not supported: its program does not clip",
+            op=op,
+            hint="give its program a clip= parameter (see coconet.optim.programs.adam) and "
+            "set supports_grad_clip = True, or leave max_grad_norm out",
+        )
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(
+            f"{name}: max_grad_norm={value!r} is not a number",
+            op=op,
+            hint="max_grad_norm=1.0 (the gradients' global norm is clipped to it), or None "
+            "for no clipping",
+        )
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ConfigValueError(
+            f"{name}: max_grad_norm={value!r} must be a finite number > 0",
+            op=op,
+            hint="max_grad_norm=1.0 (nanoGPT's grad_clip); None turns clipping off (not 0, "
+            "which would zero every gradient, and not inf)",
+        )
+    if ddp is not None:
+        raise ConfigError(
+            f"{name}: max_grad_norm= cannot be combined with ddp=: with ddp= each DDP bucket "
+            "is updated inside backward() as soon as its gradients are ready, before the "
+            "other buckets' gradients exist, so the global norm is not known when a bucket is "
+            "updated (and a clip_grad_norm_ after backward() would come too late: the update "
+            "has happened)",
+            op=op,
+            hint="leave ddp= out and the model unwrapped: coconet.optim averages the gradients "
+            "in its step and clips them there by the global norm (max_grad_norm=); backward() "
+            "writes straight into its buckets",
+        )
+    return value
 
 
 def _param_storage(storage: Any, name: str, ddp: Any) -> ParamStorage:

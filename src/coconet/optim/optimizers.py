@@ -27,6 +27,7 @@ from coconet.ir.program import Program
 from coconet.ir.types import DType
 from coconet.optim import programs
 from coconet.optim.base import DistributedOptimizer, _Bucket
+from coconet.optim.programs import Clip
 
 __all__ = ["LAMB", "SGD", "Adam", "AdamW"]
 
@@ -79,6 +80,7 @@ def _check_betas(name: str, where: str, betas: Any) -> None:
 
 class _AdamFamily(DistributedOptimizer):
     _decoupled = False
+    supports_grad_clip = True
 
     def __init__(
         self,
@@ -100,6 +102,7 @@ class _AdamFamily(DistributedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -112,7 +115,7 @@ class _AdamFamily(DistributedOptimizer):
         self.check_group(defaults, "")
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
-            param_storage=param_storage,
+            param_storage=param_storage, max_grad_norm=max_grad_norm,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -124,8 +127,8 @@ class _AdamFamily(DistributedOptimizer):
                _f(group["weight_decay"]) >= 0.0)
         _unsupported(name, where, group, "amsgrad", "capturable", "differentiable")
 
-    def program(self, group: dict[str, Any], dtype: DType) -> Program:
-        return programs.adam(dtype)
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
+        return programs.adam(dtype, clip)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"m": "exp_avg", "v": "exp_avg_sq"}
@@ -171,11 +174,23 @@ class _AdamFamily(DistributedOptimizer):
 
 class Adam(_AdamFamily):
     """``torch.optim.Adam`` (L2 weight decay; ``decoupled_weight_decay=True``: AdamW's),
-    data-parallel: see ``coconet.optim``."""
+    data-parallel: see ``coconet.optim``.
+
+    **Gradient clipping: use ``max_grad_norm=``, not ``torch.nn.utils.clip_grad_norm_``.**
+    ``max_grad_norm=1.0`` clips as ``clip_grad_norm_(params, 1.0)`` does after DDP's average:
+    the gradient is multiplied by ``min(1.0 / (norm + 1e-6), 1)``, ``norm`` the 2-norm of the
+    *averaged* gradient over every parameter of every param group, computed inside the step
+    (a sum of squares of this rank's slice after the reduce_scatter, one scalar all_reduce);
+    ``opt.last_grad_norm`` is that norm (a 0-d tensor, what ``clip_grad_norm_`` returns).
+    ``clip_grad_norm_`` between ``backward()`` and ``step()`` clips each rank's *local*
+    gradient before the step averages it: a different, wrong update, and nothing can tell.
+    """
 
 
 class AdamW(_AdamFamily):
-    """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2), data-parallel."""
+    """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2), data-parallel.
+    ``max_grad_norm=``: global-norm clipping of the averaged gradient in the step, as ``Adam``
+    (use it, not ``torch.nn.utils.clip_grad_norm_``)."""
 
     _decoupled = True
 
@@ -185,7 +200,12 @@ class AdamW(_AdamFamily):
 
 
 class SGD(DistributedOptimizer):
-    """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay), data-parallel."""
+    """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay), data-parallel.
+
+    ``max_grad_norm=``: clips the averaged gradient by its global norm inside the step, as
+    ``Adam`` does (see there): use it, not ``torch.nn.utils.clip_grad_norm_``."""
+
+    supports_grad_clip = True
 
     def __init__(
         self,
@@ -205,6 +225,7 @@ class SGD(DistributedOptimizer):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -214,7 +235,7 @@ class SGD(DistributedOptimizer):
         self.check_group(defaults, "")
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
-            param_storage=param_storage,
+            param_storage=param_storage, max_grad_norm=max_grad_norm,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -235,8 +256,10 @@ class SGD(DistributedOptimizer):
             )
         _unsupported("SGD", where, group, "differentiable")
 
-    def program(self, group: dict[str, Any], dtype: DType) -> Program:
-        return programs.sgd_momentum(dtype) if group["momentum"] else programs.sgd(dtype)
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
+        if group["momentum"]:
+            return programs.sgd_momentum(dtype, clip)
+        return programs.sgd(dtype, clip)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"buf": "momentum_buffer"} if group["momentum"] else {}
@@ -289,6 +312,9 @@ class LAMB(_AdamFamily):
     """
 
     bucket_per_parameter = True
+    # Lamb's own max_grad_norm is another setting (its pre_norm's, refused): coconet's global
+    # clipping of the averaged gradient is not offered here under that name
+    supports_grad_clip = False
 
     def __init__(
         self,
