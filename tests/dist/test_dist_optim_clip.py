@@ -97,3 +97,14 @@ def test_ranks_with_different_max_grad_norms_fail_together_and_change_nothing(se
     for text in spawn(clip_workers.differing_max_norm, 2, second, options=OPTIONS, timeout=100):
         assert "max_grad_norm" in text, text
         assert "unchanged=True" in text, text
+
+
+@pytest.mark.timeout(120)
+def test_a_clip_grad_norm_before_step_is_warned_about_once():
+    for out in spawn(clip_workers.local_clip_warning, 2, options=OPTIONS, timeout=100):
+        assert out["plain"] == [], out
+        assert len(out["clipped"]) == 1, out
+        message, filename = out["clipped"][0]
+        assert "clip_grad_norm_" in message and "max_grad_norm=1.0" in message, message
+        assert filename.endswith("clip_workers.py"), filename  # the user's step() line
+        assert out["again"] == [], out  # once per optimizer

@@ -162,3 +162,26 @@ def differing_max_norm(comm: Communicator, second: dict | None) -> str:
         unchanged = all(torch.equal(a, p) for a, p in zip(before, net.parameters(), strict=True))
         return f"{e} | unchanged={unchanged}"
     return "not refused"
+
+
+def local_clip_warning(comm: Communicator) -> dict:
+    """A clip_grad_norm_ between backward() and step() (the trap): warned once, naming
+    max_grad_norm=, at the user's line; a plain loop and a fresh backward() are not."""
+    import warnings
+
+    net = model()
+    opt = coconet.optim.AdamW(groups(net), comm=comm, options=EAGER)
+    out = {}
+    for label, clip in (("plain", False), ("clipped", True), ("again", True)):
+        x, y = batch(0)
+        opt.zero_grad()
+        _loss(net, x, y, 4).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        found = [w for w in caught
+                 if issubclass(w.category, coconet.optim.LocalGradientEditWarning)]
+        out[label] = [(str(w.message), w.filename) for w in found]
+    return out

@@ -295,3 +295,16 @@ def test_lamb_keeps_its_own_max_grad_norm_and_a_custom_program_must_say_it_clips
 
     with pytest.raises(ConfigError, match="its program does not clip"):
         NoClip(_model().parameters(), max_grad_norm=1.0)
+
+
+def test_a_world_of_one_does_not_warn_about_a_clip_before_step():
+    # its local gradient is the average: clip_grad_norm_ before step() is right there
+    import warnings
+
+    net = _model()
+    opt = coconet.optim.AdamW(net.parameters(), options=EAGER)
+    torch.nn.functional.mse_loss(net(torch.ones(2, 4)), torch.zeros(2, 2)).backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", coconet.optim.LocalGradientEditWarning)
+        opt.step()

@@ -15,8 +15,16 @@ sliced state, all-or-nothing updates, checkpoints in torch's format) and
 ``coconet.optim.optimizers`` for what each supports.
 """
 
-from coconet.optim.base import DistributedOptimizer
+from coconet.optim.base import DistributedOptimizer, LocalGradientEditWarning
 from coconet.optim.checkpoint import merge_shards
 from coconet.optim.optimizers import LAMB, SGD, Adam, AdamW
 
-__all__ = ["LAMB", "SGD", "Adam", "AdamW", "DistributedOptimizer", "merge_shards"]
+__all__ = [
+    "LAMB",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "DistributedOptimizer",
+    "LocalGradientEditWarning",
+    "merge_shards",
+]

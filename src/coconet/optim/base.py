@@ -64,6 +64,8 @@ import hashlib
 import json
 import math
 import numbers
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -85,7 +87,7 @@ from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
 from coconet.schedule import Schedule
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "LocalGradientEditWarning"]
 
 _DTYPES = {torch.float32: DType.float32}
 # the key under which the ranks compare which parameters have a gradient (see _step_agreeing)
@@ -127,6 +129,11 @@ class _Bucket:
 
     # per parameter: its shape when it was packed (what its view of the bucket has)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
+    # [the gradient buffer's version counter after the last backward() accumulation into it,
+    # whether a backward() reached it since the last step or zero_grad]: shared with the
+    # post-accumulate-grad hooks (mutated in place), to see a gradient changed in place
+    # between backward() and step() (a clip_grad_norm_ of the local gradient; see step())
+    seen: list = field(default_factory=lambda: [0, False])
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -217,6 +224,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self._norm_pass: tuple[tuple[int, ...], Any] | None = None  # (bucket ids, CompiledStep)
         self._clip_now: dict[str, Any] = {}  # the clipping scalars of the step under way
+        self._warned_edit = False  # LocalGradientEditWarning given (once per optimizer)
         self._comm = _default_comm(comm, type(self).__name__)
         self._storage = _param_storage(param_storage, type(self).__name__, ddp)
         self._schedule = schedule
@@ -551,7 +559,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     grad[start:stop].copy_(p.grad.reshape(-1))
                 p.grad = grad[start:stop].view_as(p)
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    _marker(bucket.has_grad, i)))
+                    _marker(bucket.has_grad, i, bucket.seen, grad)))
         bucket.flat, bucket.grad = flat, grad
         if shared:  # the first rank's writes are in before any rank reads them
             self._comm.control.barrier("coconet.optim: host-shared parameters written")
@@ -675,6 +683,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._ddp is not None:
             return loss
+        self._warn_local_edits()
         problems: list[str] = []
         masks = [self._local_grads(b, problems) for b in self._buckets]
         for p in self._frozen:
@@ -696,8 +705,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._step_agreeing(masks, problems)
         self._steps_done += 1
+        for b in self._buckets:
+            b.seen[:] = [b.grad._version, False]
         self.after_step()
         return loss
+
+    def _warn_local_edits(self) -> None:
+        """Warn (once per optimizer) when a bucket's gradient was written in place after the
+        last ``backward()`` into it: on several ranks a ``clip_grad_norm_`` there clips this
+        rank's local gradient before the step averages it, which nothing else can see. One
+        integer compared per bucket per step; a world of one is left alone (its local
+        gradient is the average: clipping it is right)."""
+        if self._warned_edit or self._comm.world == 1:
+            return
+        edited = [b for b in self._buckets if b.seen[1] and b.grad._version != b.seen[0]]
+        if not edited:
+            return
+        self._warned_edit = True
+        name = type(self).__name__
+        also = (" (and max_grad_norm= clips the average again)"
+                if self._max_grad_norm is not None else "")
+        warnings.warn(
+            f"coconet.optim.{name}: the gradients of param group {edited[0].group} were "
+            "changed in place between backward() and step(). If that was "
+            "torch.nn.utils.clip_grad_norm_ (or clip_grad_value_), it clipped this rank's "
+            "local gradient: step() averages the gradients over the ranks afterwards, so the "
+            f"update differs from DDP + clip_grad_norm_{also}. Clip the average instead: "
+            f"coconet.optim.{name}(..., max_grad_norm=1.0), and drop the clip_grad_norm_ "
+            "call (opt.last_grad_norm is the norm it returned). A linear change "
+            "(GradScaler.unscale_, a division) is harmless: filter LocalGradientEditWarning.",
+            LocalGradientEditWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
     def _step_agreeing(self, masks: list[list[bool]], problems: list[str]) -> None:
         """The buckets' steps on several ranks, which must agree on which parameters have a
@@ -996,6 +1035,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             raise
             if set_to_none:
                 b.has_grad[:] = [False] * len(b.has_grad)
+            b.seen[:] = [b.grad._version, False]
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -1388,13 +1428,39 @@ def _digest(masks: list[list[bool]], problems: list[str], rank: int,
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _marker(flags: list[bool], i: int) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook: parameter ``i`` got a gradient from ``backward()``."""
+def _marker(flags: list[bool], i: int, seen: list, grad: torch.Tensor
+            ) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook: parameter ``i`` got a gradient from ``backward()`` (and
+    the bucket's gradient buffer is at this version now: autograd accumulates into the view in
+    place, which counts on the buffer's shared version counter)."""
 
     def mark(_param: torch.Tensor) -> None:
         flags[i] = True
+        seen[0] = grad._version
+        seen[1] = True
 
     return mark
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost frame outside coconet and torch (step() runs
+    inside torch's no_grad and profiling wrappers): where the user called ``step()``."""
+    import os
+
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["coconet"]))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class LocalGradientEditWarning(UserWarning):
+    """A ``coconet.optim`` optimizer on several ranks found its gradients changed in place
+    between ``backward()`` and ``step()``: most likely ``torch.nn.utils.clip_grad_norm_`` (or
+    ``clip_grad_value_``), which then clipped each rank's *local* gradient before the step
+    averaged it. Global-norm clipping of the average is ``max_grad_norm=``. A linear change
+    (``GradScaler.unscale_``, a division for gradient accumulation) is harmless: filter this
+    warning (``warnings.filterwarnings("ignore", category=LocalGradientEditWarning)``)."""
 
 
 def _remove_hooks(handles: list[Any]) -> None:
