@@ -142,6 +142,18 @@ def test_the_in_step_norm_is_a_partial_sum_and_one_scalar_all_reduce_when_sliced
     assert collectives == [("REDUCE_SCATTER", 1), ("ALL_REDUCE", 0), ("ALL_GATHER", 1)]
 
 
+def test_the_first_fused_group_holds_only_what_the_norm_reads():
+    # fuse_after: beta1 * m, decay * p and the rest of the update wait for the second group
+    # (fused with their consumers) instead of being written out before the scalar all_reduce
+    # and read back after it; only the gradient's slice crosses from the first group
+    scheduled = schedules.fuse_RS_C_AG(programs.adam(DType.float32, Clip.IN_STEP),
+                                       state=("m", "v")).program
+    first, second = scheduled.groups
+    assert set(first.members) == {"g_sum_rs", "grad_slice", "mul_1_slice",
+                                  "grad_sumsq_partial"}
+    assert "p_new" in second.members and "m_new_slice" in second.members
+
+
 # -- the optimizers, a world of one -----------------------------------------------------------
 
 def _model(seed=0):
