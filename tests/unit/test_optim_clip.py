@@ -119,6 +119,12 @@ def test_the_norm_pass_is_torchs_norm_of_the_averaged_buckets(sizes, world, seed
              for j, n in enumerate(sizes)}
     program = programs.grad_norm_pass(DType.float32, len(sizes))
     got = simulate(program, {**grads, "grad_scale": 1.0 / world}, world)
+    # the schedule the optimizer compiles (each reduce_scatter fused with its sum of squares)
+    scheduled = programs.grad_norm_pass_schedule(program).program
+    assert len(scheduled.groups) == len(sizes)
+    fused = simulate(scheduled, {**grads, "grad_scale": 1.0 / world}, world)
+    assert all(torch.equal(a, b) for a, b in zip(fused.outputs["grad_norm"],
+                                                  got.outputs["grad_norm"], strict=True))
     params = []
     for per_rank in grads.values():
         param = torch.nn.Parameter(torch.zeros(per_rank[0].shape))

@@ -391,9 +391,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._norm_pass is None or self._norm_pass[0] != key:
             dtype = _DTYPES[self._buckets[0].grad.dtype]
             program = programs.grad_norm_pass(dtype, len(self._buckets))
-            # written sliced, nothing to schedule: one reduce_scatter per bucket, the squares
-            # summed here, one scalar all_reduce
-            step_fn = coconet_compile(program, comm=self._comm, options=self._options)
+            # one fused reduce_scatter + sum of squares per bucket, one scalar all_reduce
+            step_fn = coconet_compile(programs.grad_norm_pass_schedule(program),
+                                      comm=self._comm, options=self._options)
             step_fn.input_sources = {"grad_scale": "the world size"}
             self._norm_pass = (key, step_fn)
         return self._norm_pass[1]

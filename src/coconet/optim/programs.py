@@ -28,6 +28,7 @@ import enum
 from coconet import dsl as cc
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Local, Replicated
+from coconet.schedule import Schedule
 
 # torch.nn.utils.clip_grad_norm_'s: clip_coef = max_norm / (total_norm + 1e-6)
 CLIP_EPS = 1e-6
@@ -195,15 +196,29 @@ def grad_norm_pass(dtype: DType, buckets: int) -> Program:
     ``g0``, ``g1``, ..., Local; ``grad_scale``): each bucket reduce_scattered and scaled
     (``avg(g)``'s slice on this rank, as the update's step computes it), the squares of every
     slice summed here, one all_reduce of that scalar, its square root (output ``grad_norm``).
-    Written sliced (no all_gather: nothing needs the whole average), so it runs as it is; the
-    optimizer runs it before the buckets' updates (``Clip.GIVEN``) when it holds more than one
-    bucket."""
+    Written sliced (no all_gather: nothing needs the whole average); ``grad_norm_pass_schedule``
+    fuses each bucket's reduce_scatter with its squares' sum (one pass over the peers' slices,
+    nothing written). The optimizer runs it before the buckets' updates (``Clip.GIVEN``) when it
+    holds more than one bucket."""
     grad_scale = cc.Scalar("grad_scale")
     gs = [cc.Tensor(f"g{j}", dtype, [Dim(f"N{j}")], Local) for j in range(buckets)]
     total = None
     for j, g in enumerate(gs):
         part = (cc.reduce_scatter(g, name=f"g{j}_rs") * grad_scale).named(f"grad{j}_slice")
-        sumsq = cc.sum(part * part).named(f"sumsq{j}_partial")
+        sumsq = cc.sum((part * part).named(f"sq{j}_slice")).named(f"sumsq{j}_partial")
         total = sumsq if total is None else (total + sumsq).named(f"sumsq_upto{j}_partial")
     norm = cc.sqrt(cc.all_reduce(total, name="sumsq")).named("grad_norm")
     return Program("grad_norm_pass", [*gs, grad_scale], {"grad_norm": norm})
+
+
+def grad_norm_pass_schedule(program: Program) -> Schedule:
+    """``grad_norm_pass``'s schedule: each bucket's reduce_scatter fused with the scaling, the
+    squares and their sum (a fused collective; over shared memory one pass that reads every
+    peer's slice and writes only the partial sum), the scalar adds and the all_reduce as they
+    are."""
+    s = Schedule(program, "fuse_RS_sumsq")
+    j = 0
+    while f"g{j}" in {n.name for n in program.inputs}:
+        s.fuse([f"g{j}_rs", f"grad{j}_slice", f"sq{j}_slice", f"sumsq{j}_partial"])
+        j += 1
+    return s
