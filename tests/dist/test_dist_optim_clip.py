@@ -66,6 +66,21 @@ def test_every_named_schedule_and_the_tuner_compile_the_clipped_step():
             _check(label, r)
 
 
+def _host_shared(comm):
+    return {f"{n}-group": clip_workers.against_torch(comm, "AdamW", {"lr": 1e-2}, second, 10,
+                                                     param_storage="host-shared")
+            for n, second in (("1", None), ("2", {"weight_decay": 0.0}))}
+
+
+@pytest.mark.timeout(200)
+def test_host_shared_parameters_clip_alike():
+    # one copy of the parameters per host: the clipped step still gathers in one pass (its
+    # second group writes the new slices into the spare buffer)
+    for out in spawn(_host_shared, 2, options=OPTIONS, timeout=180):
+        for label, r in out.items():
+            _check(label, r)
+
+
 @pytest.mark.timeout(200)
 def test_three_ranks_over_gloo_agree_on_the_clip_factor():
     # the factor of the norm pass is a Replicated scalar, compared bit for bit: the norm's

@@ -46,7 +46,8 @@ def _reference_step(ref, theirs, world: int, k: int, max_norm: float) -> torch.T
 
 
 def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict | None,
-                  steps: int, max_norm: float = 1.0, schedule: str | None = None) -> dict:
+                  steps: int, max_norm: float = 1.0, schedule: str | None = None,
+                  param_storage: str | None = None) -> dict:
     """``steps`` steps of ``coconet.optim.<name>(max_grad_norm=max_norm)`` against the
     reference; ``second``: the settings of a second param group (None: one group, one
     bucket)."""
@@ -55,7 +56,7 @@ def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict | No
         lambda m: list(m.parameters()))
     ours = getattr(coconet.optim, name)(
         params(net), comm=comm, options=EAGER, max_grad_norm=max_norm, schedule=schedule,
-        **kwargs,
+        param_storage=param_storage, **kwargs,
     )
     theirs = getattr(torch.optim, name)(params(ref), **kwargs)
     norms, ref_norms = [], []

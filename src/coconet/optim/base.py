@@ -32,6 +32,16 @@ What it does with the parameters (the contract ``coconet.optim``'s optimizers sh
   step's guarantee, and the mixed case above restores the bucket when a step fails). With
   several buckets (several param groups or dtypes) each is its own step: a failure in a later
   bucket leaves the earlier ones updated.
+- **Gradient clipping** (``max_grad_norm=``, SGD / Adam / AdamW): torch's
+  ``clip_grad_norm_`` of the *averaged* gradient over every parameter the optimizer holds,
+  inside the step. One bucket: its fused step computes the norm (the squares of this rank's
+  slice after the reduce_scatter, one scalar all_reduce) and clips before the update
+  (``Clip.IN_STEP``). Several buckets: the global norm needs every bucket's gradient before any
+  bucket is updated, so a norm pass over every bucket (``programs.grad_norm_pass``, which
+  commits nothing) runs first and each bucket's step takes the factor (``Clip.GIVEN``).
+  ``last_grad_norm`` is the norm; ``step()`` returns the closure's loss, as torch's. A
+  ``clip_grad_norm_`` between ``backward()`` and ``step()`` would clip each rank's local
+  gradient: on several ranks it is warned about (``LocalGradientEditWarning``, once).
 - **Hyper-parameters** are read from ``param_groups`` at every step (``torch.optim.lr_scheduler``
   works unchanged), checked when a group is added or loaded; their scalar arithmetic is done on
   the host in float64.

@@ -9,6 +9,11 @@ error, in the constructor, in a param group's dict and in a loaded state dict); 
 its own compiled program). ``Adam(decoupled_weight_decay=True)`` (torch 2.13) is AdamW's update,
 honoured per group (a torch ``AdamW`` checkpoint carries it).
 
+``max_grad_norm=`` (SGD, Adam, AdamW; None: off) clips the averaged gradient by its global norm
+inside the step, as ``torch.nn.utils.clip_grad_norm_`` after DDP's average: use it instead of
+calling ``clip_grad_norm_`` before ``step()`` (which would clip each rank's local gradient).
+``LAMB``'s ``max_grad_norm`` is ``pytorch_optimizer.Lamb``'s (its ``pre_norm``'s, refused).
+
 Hyper-parameters out of range raise ``ConfigValueError`` (a ``ConfigError`` and a
 ``ValueError``) with torch's message ("Invalid learning rate: -1"), checked for the constructor's
 values, for every param group added and for every group of a loaded state dict.
