@@ -123,3 +123,21 @@ def test_a_clip_grad_norm_before_step_is_warned_about_once():
         assert "clip_grad_norm_" in message and "max_grad_norm=1.0" in message, message
         assert filename.endswith("clip_workers.py"), filename  # the user's step() line
         assert out["again"] == [], out  # once per optimizer
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dies", [False, True], ids=["raises", "dies"])
+def test_a_rank_failing_after_the_norm_pass_leaves_every_rank_unchanged(dies):
+    from coconet.runtime import RankFailure
+
+    options = CommOptions(timeout=20)  # the survivor must learn it at once, not at this
+    results = spawn(clip_workers.victim_after_the_norm_pass, 2, 1, dies, options=options,
+                    timeout=100, failures="return")
+    survivor, victim = results
+    assert survivor["status"] == "RuntimeFault", survivor
+    assert survivor["norm_pass_ran"] and survivor["unchanged"], survivor
+    assert survivor["seconds"] < 10, survivor
+    if dies:
+        assert isinstance(victim, RankFailure) and victim.exit_code == -9
+    else:
+        assert victim["status"] == "RuntimeError" and victim["unchanged"], victim

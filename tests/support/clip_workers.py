@@ -186,3 +186,48 @@ def local_clip_warning(comm: Communicator) -> dict:
                  if issubclass(w.category, coconet.optim.LocalGradientEditWarning)]
         out[label] = [(str(w.message), w.filename) for w in found]
     return out
+
+
+def victim_after_the_norm_pass(comm: Communicator, victim: int, dies: bool) -> dict:
+    """Two param groups, a good step, then ``victim`` fails (raises, or is killed) after the
+    norm pass and before any bucket is updated: the others get a RuntimeFault at once and keep
+    their parameters and state as they were."""
+    import os
+    import signal
+    import time
+
+    from coconet.errors import RuntimeFault
+
+    net = model()
+    opt = coconet.optim.AdamW(groups(net, weight_decay=0.0), comm=comm, options=EAGER,
+                              max_grad_norm=0.5)
+    for k in range(2):
+        x, y = batch(k)
+        opt.zero_grad()
+        xs = torch.tensor_split(x, comm.world)[comm.rank]
+        ys = torch.tensor_split(y, comm.world)[comm.rank]
+        _loss(net, xs, ys, k).backward()
+        if k == 1 and comm.rank == victim:
+            def fail(*args, **kwargs):
+                if dies:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected after the norm pass")
+
+            opt._step_bucket = fail
+        before = [p.detach().clone() for p in net.parameters()]
+        state = [{n: x.clone() for n, x in b.state.items()} for b in opt._buckets]
+        start = time.monotonic()
+        try:
+            opt.step()
+        except (RuntimeFault, RuntimeError) as e:
+            return {
+                "status": type(e).__name__,
+                "message": str(e),
+                "seconds": time.monotonic() - start,
+                "norm_pass_ran": opt._norm_pass is not None and opt._norm_pass[1].calls == 2,
+                "unchanged": all(torch.equal(a, p) for a, p in
+                                 zip(before, net.parameters(), strict=True))
+                and all(torch.equal(s[n], b.state[n]) for s, b in
+                        zip(state, opt._buckets, strict=True) for n in s),
+            }
+    return {"status": "ok"}

@@ -839,12 +839,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fused step. With clipping the norm pass runs before any update (it commits nothing),
         so a step that fails there or in the agreement leaves everything as it was."""
         self.last_grad_norm = None
-        self._clip_now, used = self._clip_scalars(agree)
-        if used:
-            agree = None
         try:
+            self._clip_now, used = self._clip_scalars(agree)
+            if used:
+                agree = None
             for j, (b, mask) in enumerate(zip(self._buckets, masks, strict=True)):
                 self._step_bucket(b, mask, agree if j == 0 else None)
+        except CoconetError:
+            raise  # a compiled step's own: it told the peers already, or they all refused
+        except BaseException as e:
+            # Between two compiled steps (after the norm pass, between buckets) only this code
+            # runs: an error or a Ctrl-C here must reach the peers, waiting in the next step's
+            # agreement, at once rather than at their timeout (a compiled step that failed
+            # aborted already: this is then a no-op).
+            if self._comm.world > 1:
+                self._comm.abort(f"rank {self._comm.rank} failed in coconet.optim."
+                                 f"{type(self).__name__}.step: {_first_line(e)}")
+            raise
         finally:
             self._clip_now = {}
         if self._max_grad_norm is not None and self.last_grad_norm is None:
