@@ -5,7 +5,9 @@ with the clip active in some steps and not in others; the norm it keeps
 (``last_grad_norm``) is torch's.
 
 One param group is one bucket: the norm is computed inside its fused step. Two param groups are
-two buckets: the norm pass runs over both gradients before either is updated.
+two buckets: the norm pass runs over both gradients before either is updated. LAMB's
+``pre_norm=True`` (``pytorch_optimizer.Lamb``'s global scaling, its ``max_grad_norm`` and
+``eps``) is compared with Lamb on the averaged gradient.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ CASES = {
     "Adam-l2-2-groups": ("Adam", {"lr": 1e-2, "weight_decay": 1e-2}, {"lr": 3e-2}),
     "SGD-momentum-1-group": ("SGD", {"lr": 5e-2, "momentum": 0.9, "weight_decay": 1e-3}, None),
     "SGD-2-groups": ("SGD", {"lr": 5e-2}, {"lr": 0.1, "maximize": True}),
+    # pytorch_optimizer.Lamb(pre_norm=True, max_grad_norm=1.0): its own global scaling
+    "LAMB-pre-norm-2-groups": ("LAMB", {"lr": 1e-2, "weight_decay": 1e-2},
+                               {"weight_decay": 0.0}),
 }
 
 

@@ -29,8 +29,10 @@ def _loss(net, x, y, k):
     return torch.nn.functional.mse_loss(net(x), y) * _scale(k)
 
 
-def _reference_step(ref, theirs, world: int, k: int, max_norm: float) -> torch.Tensor:
-    """DDP's average, clip_grad_norm_ over every parameter, torch's step; returns the norm."""
+def _reference_step(ref, theirs, world: int, k: int, max_norm: float, clip: bool = True
+                    ) -> torch.Tensor:
+    """DDP's average, clip_grad_norm_ over every parameter (``clip``; else the optimizer
+    scales itself: Lamb's pre_norm), torch's step; returns the norm."""
     x, y = batch(k)
     total = None
     for xs, ys in zip(torch.tensor_split(x, world), torch.tensor_split(y, world), strict=True):
@@ -40,7 +42,10 @@ def _reference_step(ref, theirs, world: int, k: int, max_norm: float) -> torch.T
         total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
     for p, g in zip(ref.parameters(), total, strict=True):
         p.grad = g / world
-    norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), max_norm)
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     theirs.step()
     return norm
 
@@ -54,11 +59,18 @@ def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict | No
     net, ref = model(), model()
     params = (lambda m: groups(m, **second)) if second is not None else (
         lambda m: list(m.parameters()))
+    lamb = name == "LAMB"  # Lamb's own global scaling: pre_norm=True, its max_grad_norm
     ours = getattr(coconet.optim, name)(
         params(net), comm=comm, options=EAGER, max_grad_norm=max_norm, schedule=schedule,
-        param_storage=param_storage, **kwargs,
+        param_storage=param_storage, **({"pre_norm": True} if lamb else {}), **kwargs,
     )
-    theirs = getattr(torch.optim, name)(params(ref), **kwargs)
+    if lamb:
+        import pytorch_optimizer
+
+        theirs = pytorch_optimizer.Lamb(params(ref), foreach=False, pre_norm=True,
+                                        max_grad_norm=max_norm, **kwargs)
+    else:
+        theirs = getattr(torch.optim, name)(params(ref), **kwargs)
     norms, ref_norms = [], []
     for k in range(steps):
         x, y = batch(k)
@@ -69,7 +81,8 @@ def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict | No
         result = ours.step()
         assert result is None  # torch's contract: step() returns the closure's loss
         norms.append(float(ours.last_grad_norm))
-        ref_norms.append(float(_reference_step(ref, theirs, comm.world, k, max_norm)))
+        ref_norms.append(float(_reference_step(ref, theirs, comm.world, k, max_norm,
+                                               clip=not lamb)))
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     rank0 = flat.clone()
     if comm.world > 1:

@@ -303,10 +303,13 @@ def test_a_number_like_max_grad_norm_is_taken():
 
 
 def test_lamb_keeps_its_own_max_grad_norm_and_a_custom_program_must_say_it_clips():
-    # pytorch_optimizer.Lamb's max_grad_norm belongs to its pre_norm (refused here): accepted
-    # and stored in the group as Lamb does, not coconet's global clipping
+    # pytorch_optimizer.Lamb's max_grad_norm is read only with pre_norm=True (and 0 is off):
+    # stored in the group as Lamb does, no clipping without pre_norm
     opt = coconet.optim.LAMB(_model().parameters(), max_grad_norm=2.0, options=EAGER)
     assert opt.param_groups[0]["max_grad_norm"] == 2.0 and opt.max_grad_norm is None
+    off = coconet.optim.LAMB(_model().parameters(), max_grad_norm=0.0, pre_norm=True,
+                             options=EAGER)
+    assert off.max_grad_norm is None and all(b.clip is Clip.OFF for b in off._buckets)
 
     class NoClip(coconet.optim.SGD):
         supports_grad_clip = False
@@ -326,3 +329,34 @@ def test_a_world_of_one_does_not_warn_about_a_clip_before_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error", coconet.optim.LocalGradientEditWarning)
         opt.step()
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one-group", "two-groups"])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_lamb_pre_norm_is_lambs_global_scaling(two, foreach):
+    # pytorch_optimizer.Lamb(pre_norm=True): the gradients times
+    # clamp(max_grad_norm / (norm + eps), max=1), its eps, the constructor's max_grad_norm
+    import pytorch_optimizer
+
+    net, ref = _model(), _model()
+    kwargs = {"lr": 1e-2, "weight_decay": 1e-2, "max_grad_norm": 0.7, "pre_norm": True,
+              "eps": 1e-5}
+    ours = coconet.optim.LAMB(_groups(net, two), options=EAGER, **kwargs)
+    theirs = pytorch_optimizer.Lamb(_groups(ref, two), foreach=foreach, **kwargs)
+    assert all(b.clip is Clip.GIVEN for b in ours._buckets)  # even a single tensor's bucket
+    scaled = []
+    for k in range(10):
+        gen = torch.Generator().manual_seed(k)
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen)
+        scale = (0.02, 3.0, 0.5, 20.0)[k % 4]
+        for m, o in ((net, ours), (ref, theirs)):
+            o.zero_grad()
+            (torch.nn.functional.mse_loss(m(x), y) * scale).backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+        ours.step()
+        theirs.step()
+        scaled.append(bool(norm + 1e-5 > 0.7))
+        assert _rel(ours.last_grad_norm, norm) <= TOL
+    assert any(scaled) and not all(scaled)
+    assert max(_rel(a, b) for a, b in zip(net.parameters(), ref.parameters(),
+                                          strict=True)) <= TOL

@@ -214,6 +214,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     bucket_per_parameter = False
     # Whether ``program`` takes ``clip=`` (a ``Clip``): ``max_grad_norm=`` needs it.
     supports_grad_clip = False
+    # Whether a single bucket may compute the norm and torch's factor inside its step
+    # (``Clip.IN_STEP``, torch's 1e-6); False: the factor is always ``clip_factor``'s (LAMB's)
+    clip_in_step = True
 
     def __init__(
         self,
@@ -378,7 +381,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         in-step clipping into a given one when a second bucket comes)."""
         if self._max_grad_norm is None or self._ddp is not None:
             return Clip.OFF
-        return Clip.IN_STEP if not self._buckets else Clip.GIVEN
+        return Clip.IN_STEP if not self._buckets and self.clip_in_step else Clip.GIVEN
 
     def _settle_clip(self) -> None:
         """With several buckets the global norm needs every bucket's gradient before any bucket
@@ -416,14 +419,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         here as torch computes it, in float32: ``clamp(max_norm / (norm + 1e-6), max=1)``."""
         if self._max_grad_norm is None or not self._buckets:
             return {}, False
-        if len(self._buckets) == 1:
+        if self._buckets[0].clip is Clip.IN_STEP:  # the only bucket
             return {"max_norm": self._max_grad_norm}, False
         inputs: dict[str, Any] = {f"g{j}": b.grad for j, b in enumerate(self._buckets)}
         inputs["grad_scale"] = 1.0 / self._comm.world
         norm = self._norm_step().run(inputs, agree=agree)["grad_norm"]
         self.last_grad_norm = norm
-        coef = torch.clamp(self._max_grad_norm / (norm + programs.CLIP_EPS), max=1.0)
-        return {"clip_coef": coef}, agree is not None
+        return {"clip_coef": self.clip_factor(norm)}, agree is not None
+
+    def clip_factor(self, norm: torch.Tensor) -> torch.Tensor:
+        """The factor the gradient is multiplied by, from its global norm (a float32 0-d
+        tensor), as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+        return torch.clamp(self._max_grad_norm / (norm + programs.CLIP_EPS), max=1.0)
 
     # -- what the ranks agree on (coconet.optim.identity) ---------------------------------------
 

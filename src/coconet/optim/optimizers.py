@@ -12,7 +12,8 @@ honoured per group (a torch ``AdamW`` checkpoint carries it).
 ``max_grad_norm=`` (SGD, Adam, AdamW; None: off) clips the averaged gradient by its global norm
 inside the step, as ``torch.nn.utils.clip_grad_norm_`` after DDP's average: use it instead of
 calling ``clip_grad_norm_`` before ``step()`` (which would clip each rank's local gradient).
-``LAMB``'s ``max_grad_norm`` is ``pytorch_optimizer.Lamb``'s (its ``pre_norm``'s, refused).
+``LAMB``'s ``max_grad_norm`` is ``pytorch_optimizer.Lamb``'s: read with ``pre_norm=True``, its
+global scaling (Lamb's ``eps``, 0 is off), done the same way.
 
 Hyper-parameters out of range raise ``ConfigValueError`` (a ``ConfigError`` and a
 ``ValueError``) with torch's message ("Invalid learning rate: -1"), checked for the constructor's
@@ -304,9 +305,13 @@ class LAMB(_AdamFamily):
     (``eps=1e-6``, decoupled weight decay, the weight norm clamped at 10, the trust ratio
     ``|p| / (|u| + eps)`` per parameter tensor, no bias correction of the second moment), data
     parallel. ``adam=True`` drops the trust ratio; ``fixed_decay`` decays by ``weight_decay``
-    alone; ``grad_averaging=False`` accumulates ``m`` with weight 1. Not supported (an error, in
-    the constructor, a group or a loaded state dict): ``rectify``, ``pre_norm``,
-    ``weight_decouple=False``, ``adanorm``, ``adam_debias``. Each parameter tensor is its own
+    alone; ``grad_averaging=False`` accumulates ``m`` with weight 1. ``pre_norm=True`` with
+    ``max_grad_norm`` (> 0; 0 is off, as Lamb reads it) scales the *averaged* gradient by
+    ``min(max_grad_norm / (norm + eps), 1)``, ``norm`` its global norm over every parameter,
+    as Lamb does on one process (or after DDP's average): inside the step, after a norm pass
+    over every bucket (``coconet.optim.base``). Not supported (an error, in the constructor, a
+    group or a loaded state dict): ``rectify``, ``weight_decouple=False``, ``adanorm``,
+    ``adam_debias``. Each parameter tensor is its own
     step (its norms are its own): a model of many small tensors pays one collective per tensor.
 
     As Lamb, the step count is its param group's (``param_groups[i]["step"]``, counted at every
@@ -317,9 +322,10 @@ class LAMB(_AdamFamily):
     """
 
     bucket_per_parameter = True
-    # Lamb's own max_grad_norm is another setting (its pre_norm's, refused): coconet's global
-    # clipping of the averaged gradient is not offered here under that name
-    supports_grad_clip = False
+    # pre_norm: Lamb's global scaling, with its eps (not torch's 1e-6) and its max_grad_norm;
+    # the factor is computed on the host from the norm pass (clip_factor), whatever the buckets
+    supports_grad_clip = True
+    clip_in_step = False
 
     def __init__(
         self,
@@ -346,18 +352,24 @@ class LAMB(_AdamFamily):
         ddp=None,
         param_storage=None,
     ) -> None:
-        _unsupported("LAMB", "", {"pre_norm": pre_norm}, "pre_norm",
-                     instead="pytorch_optimizer.Lamb")
         defaults = dict(
             lr=lr, betas=betas, weight_decay=weight_decay, weight_decouple=weight_decouple,
             fixed_decay=fixed_decay, rectify=rectify, grad_averaging=grad_averaging,
             max_grad_norm=max_grad_norm, adam=adam, eps=eps, foreach=foreach, maximize=maximize,
         )
         self.check_group(defaults, "")
+        # Lamb scales by the global norm only with pre_norm, and reads 0 as off
+        self.pre_norm = bool(pre_norm)
+        scaling = self.pre_norm and _f(max_grad_norm) > 0.0
         DistributedOptimizer.__init__(
             self, params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
-            param_storage=param_storage,
+            param_storage=param_storage, max_grad_norm=max_grad_norm if scaling else None,
         )
+
+    def clip_factor(self, norm: torch.Tensor) -> torch.Tensor:
+        # Lamb's get_global_gradient_norm: the constructor's max_grad_norm and eps (its
+        # defaults, not a group's), clamp(max_grad_norm / (norm + eps), max=1)
+        return torch.clamp(self._max_grad_norm / (norm + _f(self.defaults["eps"])), max=1.0)
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
         _check_lr("LAMB", where, group["lr"])
@@ -377,8 +389,8 @@ class LAMB(_AdamFamily):
                 hint="use the decoupled decay (the default), or pytorch_optimizer.Lamb",
             )
 
-    def program(self, group: dict[str, Any], dtype: DType) -> Program:
-        return programs.lamb(dtype)
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
+        return programs.lamb(dtype, clip)
 
     SCALAR_SOURCES = {
         "grad_scale": "maximize (and the world size)",

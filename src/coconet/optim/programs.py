@@ -151,7 +151,7 @@ def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program
 LAMB_WEIGHT_NORM_CLAMP = 10.0
 
 
-def lamb(dtype: DType = DType.float32) -> Program:
+def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     """``pytorch_optimizer.Lamb`` (4.x; its defaults ``weight_decouple=True``, ``rectify=False``,
     ``adam=False``, ``pre_norm=False``) over **one parameter tensor**: its trust ratio is that
     tensor's (layer-wise), so ``coconet.optim.LAMB`` runs one program per parameter.
@@ -161,7 +161,8 @@ def lamb(dtype: DType = DType.float32) -> Program:
     decoupled decay, applied before the norms), ``u = m / (sqrt(v) + eps)`` (no bias correction
     of ``v``), ``w = min(decay |p|, 10)`` (``min(|p_d|, 10)`` up to one rounding), trust
     ``= w / (|u| + eps)`` (1 where ``w`` or ``|u|`` is 0; ``use_trust = 0`` for ``adam=True``),
-    ``p = p_d - step_size trust u`` with ``step_size = lr / (1 - beta1 ** t)``.
+    ``p = p_d - step_size trust u`` with ``step_size = lr / (1 - beta1 ** t)``. ``clip``: Lamb's
+    ``pre_norm`` (``Clip.GIVEN``: the gradient times the factor of its global norm).
     """
     g, p, (m, v) = _bucket(dtype, ("m", "v"))
     names = (
@@ -171,6 +172,7 @@ def lamb(dtype: DType = DType.float32) -> Program:
     s = {name: cc.Scalar(name) for name in names}
     g_sum = cc.all_reduce(g, name="g_sum")
     grad = (g_sum * s["grad_scale"]).named("grad")
+    grad, extra_in, extra_out = _clipped(grad, clip)
     m_new = (s["beta1"] * m + s["beta3"] * grad).named("m_new")
     v_new = (s["beta2"] * v + s["one_minus_beta2"] * (grad * grad)).named("v_new")
     p_d = (s["decay"] * p).named("p_decayed")
@@ -185,9 +187,9 @@ def lamb(dtype: DType = DType.float32) -> Program:
     trust = (s["use_trust"] * trust + (1 - s["use_trust"])).named("trust_ratio")
     p_new = (p_d - s["step_size"] * (trust * update)).named("p_new")
     return Program(
-        "lamb",
-        [g, p, m, v, *s.values()],
-        [cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)],
+        _name("lamb", clip),
+        [g, p, m, v, *s.values(), *extra_in],
+        _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
     )
 
 
