@@ -291,28 +291,41 @@ class CoconetOptim(Contender):
     kind = "coconet"
     name = "coconet.optim.Adam"
 
-    def __init__(self, comm, p0: torch.Tensor, hp: dict, storage: str = "per-rank") -> None:
+    def __init__(self, comm, p0: torch.Tensor, hp: dict, storage: str = "per-rank",
+                 groups: int = 1, clip: bool = False) -> None:
         import coconet.optim
 
         self.world = comm.world
         if storage != "per-rank":
             self.name = f"{CoconetOptim.name}[{storage}]"
-        self.p = torch.nn.Parameter(p0.clone())
-        self.opt = coconet.optim.Adam([self.p], **hp, comm=comm, param_storage=storage)
+        if groups > 1:
+            self.name += f"[{groups}-groups]"
+        # max_grad_norm= so large that the factor is always 1: the clip's whole cost (the norm,
+        # its all_reduce, or the norm pass over several buckets; the multiply), the same result
+        if clip:
+            self.name += "[clip]"
+        # `groups` param groups over equal parts of the parameter: a bucket each
+        self.ps = [torch.nn.Parameter(part.clone()) for part in p0.tensor_split(groups)]
+        self.opt = coconet.optim.Adam(
+            [{"params": [p]} for p in self.ps], **hp, comm=comm, param_storage=storage,
+            max_grad_norm=CLIP_NEVER if clip else None,
+        )
         self.schedule = (
             f"coconet.optim default (fuse_RS_C_AG, state sliced, commit swap), {storage} "
-            "parameters"
+            f"parameters, {groups} param group(s)"
+            + (", max_grad_norm= (the norm computed, never clipping)" if clip else "")
         )
         self.fn = self.opt._buckets[0].step_fn
 
     def prepare(self, g):
-        torch.mul(g, self.world, out=self.p.grad)
+        for p, part in zip(self.ps, g.tensor_split(len(self.ps)), strict=True):
+            torch.mul(part, self.world, out=p.grad)
 
     def step(self, k, g):
         self.opt.step()
 
     def param(self):
-        return self.p.detach()
+        return torch.cat([p.detach() for p in self.ps])
 
 
 class CopyProbe(Contender):
@@ -405,6 +418,9 @@ def worker(comm, cfg: dict) -> dict:
         contenders.append(CoconetOptim(comm, p0, hp))
     if HOST_SHARED_OPTIM in wanted:
         contenders.append(CoconetOptim(comm, p0, hp, storage="host-shared"))
+    for name, (groups, clip) in CLIP_OPTIMS.items():
+        if name in wanted:
+            contenders.append(CoconetOptim(comm, p0, hp, groups=groups, clip=clip))
     skipped: dict[str, str] = {}
     if DEEPSPEED in wanted:
         why = deepspeed_available(world)
@@ -868,6 +884,13 @@ def loadavg() -> list[float]:
 DEEPSPEED = DeepSpeedShm.name
 # coconet.optim with param_storage="host-shared": one copy of the parameters per host
 HOST_SHARED_OPTIM = f"{CoconetOptim.name}[host-shared]"
+# coconet.optim with max_grad_norm= (issue 25), and the two-group step it is compared with
+CLIP_NEVER = 1e30
+CLIP_OPTIMS = {
+    f"{CoconetOptim.name}[clip]": (1, True),
+    f"{CoconetOptim.name}[2-groups]": (2, False),
+    f"{CoconetOptim.name}[2-groups][clip]": (2, True),
+}
 ALL = [
     "ddp",
     "ddp_foreach",
@@ -886,6 +909,7 @@ ALL = [
     f"coconet:fuse_RS_C_AG{SHM}{LEAN}",
     CoconetOptim.name,
     HOST_SHARED_OPTIM,
+    *CLIP_OPTIMS,
 ]
 
 

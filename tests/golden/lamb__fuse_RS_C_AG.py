@@ -1,10 +1,10 @@
 """coconet: the generated step of program lamb."""
 
-# program:  lamb  (digest 69d030ceabc2d786)
+# program:  lamb  (digest b8f922e7901d0cc1)
 # schedule: schedule fuse_RS_C_AG of lamb: split(g_sum); reorder(computations(g_sum), g_sum);
-#   as_slice([m, v]); fuse([g_sum_rs, p_norm, gt_1, mul_1_slice, ..., dir_norm_sq,
-#   dir_norm_partial (25 values)]); fuse([dir_norm, gt_2, div_3, where_1, ..., p_new_slice, p_new
-#   (9 values)])
+#   as_slice([m, v]); fuse([g_sum_rs, mul_1_slice, sub_1, mul_2_slice, ..., dir_norm_sq,
+#   dir_norm_partial (23 values)]); fuse([p_norm, gt_1, dir_norm, gt_2, ..., p_new_slice, p_new
+#   (11 values)])
 # mesh:     Mesh(world=2)    device: cpu
 # key:      <masked: depends on torch and the CPU>
 #
@@ -38,7 +38,7 @@ INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'st
 
 
 def _kernel_fused_1(beta1, m, sub_1, g_sum_rs, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay, p_slice):
-    """fuse([p_norm, gt_1, mul_1_slice, ..., dir_norm_partial (25 values)]): one kernel (torch.compile, or eager)."""
+    """fuse([mul_1_slice, sub_1, g_sum_rs, ..., dir_norm_partial (23 values)]): one kernel (torch.compile, or eager)."""
     # mul_1_slice = mul(beta1, m)  at examples/lamb.py:82
     mul_1_slice = _mul(beta1, m)
     # mul_2_slice = mul(sub_1, g_sum_rs)  at examples/lamb.py:82
@@ -75,7 +75,7 @@ def _kernel_fused_1(beta1, m, sub_1, g_sum_rs, sub_2, beta2, v, sub_3, sub_4, ep
 
 
 def _kernel_fused_2(trust_ratio, direction_slice, lr, p_slice):
-    """fuse([dir_norm, gt_2, div_3, ..., p_new (9 values)]): one kernel (torch.compile, or eager)."""
+    """fuse([p_norm, gt_1, dir_norm, ..., p_new (11 values)]): one kernel (torch.compile, or eager)."""
     # mul_7_slice = mul(trust_ratio, direction_slice)  at examples/lamb.py:95
     mul_7_slice = _mul(trust_ratio, direction_slice)
     # mul_8_slice = mul(lr, mul_7_slice)  at examples/lamb.py:95
@@ -107,10 +107,6 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     g_sum_rs_work = comm.reduce_scatter_start(
         g, ReduceOp.SUM, dim=0, axis=None, donate=False, label='g_sum_rs'
     )
-    # p_norm = sqrt(p_norm_sumsq)  at examples/lamb.py:88
-    p_norm = _sqrt(p_norm_sumsq)
-    # gt_1 = gt(p_norm, 0)  at examples/lamb.py:92
-    gt_1 = _gt(p_norm, _c1)
     # sub_1 = sub(1, beta1)  at examples/lamb.py:82
     sub_1 = _sub(_c2, beta1)
     # pow_1 = pow(beta1, step)  at examples/lamb.py:84
@@ -138,6 +134,10 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     dir_norm_sumsq = comm.wait(dir_norm_sumsq_work)
     # fused_collective_2: kernel fused_2, all_gather p_new -- one fused collective; torch.distributed
     #   runs its collectives and kernels one after the other
+    # p_norm = sqrt(p_norm_sumsq)  at examples/lamb.py:88
+    p_norm = _sqrt(p_norm_sumsq)
+    # gt_1 = gt(p_norm, 0)  at examples/lamb.py:92
+    gt_1 = _gt(p_norm, _c1)
     # dir_norm = sqrt(dir_norm_sumsq)  at examples/lamb.py:89
     dir_norm = _sqrt(dir_norm_sumsq)
     # gt_2 = gt(dir_norm, 0)  at examples/lamb.py:91

@@ -1,10 +1,10 @@
 """coconet: the generated step of program lamb."""
 
-# program:  lamb  (digest 69d030ceabc2d786)
+# program:  lamb  (digest b8f922e7901d0cc1)
 # schedule: schedule fuse_RS_C_AG of lamb: split(g_sum); reorder(computations(g_sum), g_sum);
-#   as_slice([m, v]); fuse([g_sum_rs, p_norm, gt_1, mul_1_slice, ..., dir_norm_sq,
-#   dir_norm_partial (25 values)]); fuse([dir_norm, gt_2, div_3, where_1, ..., p_new_slice, p_new
-#   (9 values)])
+#   as_slice([m, v]); fuse([g_sum_rs, mul_1_slice, sub_1, mul_2_slice, ..., dir_norm_sq,
+#   dir_norm_partial (23 values)]); fuse([p_norm, gt_1, dir_norm, gt_2, ..., p_new_slice, p_new
+#   (11 values)])
 # mesh:     Mesh(world=2)    device: cpu
 # key:      <masked: depends on torch and the CPU>
 #
@@ -39,7 +39,7 @@ REPLICA_INPUTS = ('p',)
 
 
 def _kernel_fused_1_one_pass(beta1, m, sub_1, g_sum_rs_parts, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay, p_slice):
-    """fuse([p_norm, gt_1, mul_1_slice, ..., dir_norm_partial (25 values)]): one pass over shared memory (torch.compile, or eager)."""
+    """fuse([mul_1_slice, sub_1, g_sum_rs, ..., dir_norm_partial (23 values)]): one pass over shared memory (torch.compile, or eager)."""
     # g_sum_rs: this rank's slice, reduced from every peer's in rank order
     g_sum_rs = _ops.reduce_values(ReduceOp.SUM, g_sum_rs_parts)
     # mul_1_slice = mul(beta1, m)  at examples/lamb.py:82
@@ -78,7 +78,7 @@ def _kernel_fused_1_one_pass(beta1, m, sub_1, g_sum_rs_parts, sub_2, beta2, v, s
 
 
 def _kernel_fused_2_one_pass(trust_ratio, direction_slice, lr, p_slice, p_new_slice_slot):
-    """fuse([dir_norm, gt_2, div_3, ..., p_new (9 values)]): one pass over shared memory (torch.compile, or eager)."""
+    """fuse([p_norm, gt_1, dir_norm, ..., p_new (11 values)]): one pass over shared memory (torch.compile, or eager)."""
     # mul_7_slice = mul(trust_ratio, direction_slice)  at examples/lamb.py:95
     mul_7_slice = _mul(trust_ratio, direction_slice)
     # mul_8_slice = mul(lr, mul_7_slice)  at examples/lamb.py:95
@@ -109,10 +109,6 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     #   memory runs it as one pass: kernel fused_1 reads every peer's slice of g, reduces them in rank
     #   order, computes
     fused_collective_1_channel = comm.one_pass(None)
-    # p_norm = sqrt(p_norm_sumsq)  at examples/lamb.py:88
-    p_norm = _sqrt(p_norm_sumsq)
-    # gt_1 = gt(p_norm, 0)  at examples/lamb.py:92
-    gt_1 = _gt(p_norm, _c1)
     # sub_1 = sub(1, beta1)  at examples/lamb.py:82
     sub_1 = _sub(_c2, beta1)
     # pow_1 = pow(beta1, step)  at examples/lamb.py:84
@@ -141,6 +137,10 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     #   it as one pass: kernel fused_2 computes and writes p_new_slice where the peers read it for the
     #   gather
     fused_collective_2_channel = comm.one_pass(None)
+    # p_norm = sqrt(p_norm_sumsq)  at examples/lamb.py:88
+    p_norm = _sqrt(p_norm_sumsq)
+    # gt_1 = gt(p_norm, 0)  at examples/lamb.py:92
+    gt_1 = _gt(p_norm, _c1)
     # dir_norm = sqrt(dir_norm_sumsq)  at examples/lamb.py:89
     dir_norm = _sqrt(dir_norm_sumsq)
     # gt_2 = gt(dir_norm, 0)  at examples/lamb.py:91

@@ -639,12 +639,11 @@ def test_lamb_checkpoints_move_to_and_from_pytorch_optimizer(comm):
 
 
 def test_lamb_refuses_what_it_does_not_compute(comm):
-    """pytorch_optimizer's entries coconet does not compute (pre_norm, rectify, L2 decay, AdaNorm)
+    """pytorch_optimizer's entries coconet does not compute (rectify, L2 decay, AdaNorm)
     and its test_general_optimizer_parameters' ranges: refused, in the constructor, a group and
     a loaded state dict."""
     ps = [P(torch.randn(3))]
-    for kw, text in (({"pre_norm": True}, "pre_norm=True is not supported"),
-                     ({"rectify": True}, "rectify=True is not supported"),
+    for kw, text in (({"rectify": True}, "rectify=True is not supported"),
                      ({"weight_decouple": False}, "weight_decouple=False"),
                      ({"max_grad_norm": -0.1}, "Invalid max_grad_norm: -0.1"),
                      ({"lr": -1e-2}, "Invalid learning rate"),

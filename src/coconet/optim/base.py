@@ -32,6 +32,16 @@ What it does with the parameters (the contract ``coconet.optim``'s optimizers sh
   step's guarantee, and the mixed case above restores the bucket when a step fails). With
   several buckets (several param groups or dtypes) each is its own step: a failure in a later
   bucket leaves the earlier ones updated.
+- **Gradient clipping** (``max_grad_norm=``, SGD / Adam / AdamW): torch's
+  ``clip_grad_norm_`` of the *averaged* gradient over every parameter the optimizer holds,
+  inside the step. One bucket: its fused step computes the norm (the squares of this rank's
+  slice after the reduce_scatter, one scalar all_reduce) and clips before the update
+  (``Clip.IN_STEP``). Several buckets: the global norm needs every bucket's gradient before any
+  bucket is updated, so a norm pass over every bucket (``programs.grad_norm_pass``, which
+  commits nothing) runs first and each bucket's step takes the factor (``Clip.GIVEN``).
+  ``last_grad_norm`` is the norm; ``step()`` returns the closure's loss, as torch's. A
+  ``clip_grad_norm_`` between ``backward()`` and ``step()`` would clip each rank's local
+  gradient: on several ranks it is warned about (``LocalGradientEditWarning``, once).
 - **Hyper-parameters** are read from ``param_groups`` at every step (``torch.optim.lr_scheduler``
   works unchanged), checked when a group is added or loaded; their scalar arithmetic is done on
   the host in float64.
@@ -62,6 +72,10 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -71,22 +85,29 @@ import torch
 
 from coconet import schedule as schedules
 from coconet.compiler import compile as coconet_compile
-from coconet.errors import CoconetError, ConfigError, GradientError, RuntimeFault
+from coconet.errors import CoconetError, ConfigError, ConfigValueError, GradientError, RuntimeFault
 from coconet.ir.program import Program
 from coconet.ir.types import DType, slice_bounds
-from coconet.optim import checkpoint, identity
+from coconet.optim import checkpoint, identity, programs
 from coconet.optim import ddp as ddp_hook
 from coconet.optim.identity import CALL_KEY, CallKind
+from coconet.optim.programs import Clip
 from coconet.options import CommitMode, CompileOptions, ParamStorage
 from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
 from coconet.schedule import Schedule
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "LocalGradientEditWarning"]
 
 _DTYPES = {torch.float32: DType.float32}
 # the key under which the ranks compare which parameters have a gradient (see _step_agreeing)
 _AGREE = "coconet.optim: which parameters have a gradient"
+# what the clipping scalars are made from, as an error naming a differing one says it
+_CLIP_SOURCES = {
+    "max_norm": "max_grad_norm",
+    "clip_coef": "max_grad_norm and the gradient's global norm "
+    "(clip_coef = min(max_grad_norm / (norm + 1e-6), 1))",
+}
 
 
 @dataclass
@@ -100,6 +121,7 @@ class _Bucket:
     step_fn: Any  # the CompiledStep
     bounds: tuple[int, int]  # this rank's slice of the bucket (the state it keeps)
     names: dict[str, str]  # state: program input -> torch's state key
+    clip: Clip = Clip.OFF  # how step_fn clips the gradient (max_grad_norm=)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # program name -> this slice
     # Per parameter: how many times it was stepped (torch's per-parameter ``step``; 0: no state
     # yet, as torch has none before a parameter's first step).
@@ -117,6 +139,11 @@ class _Bucket:
 
     # per parameter: its shape when it was packed (what its view of the bucket has)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
+    # [the gradient buffer's version counter after the last backward() accumulation into it,
+    # whether a backward() reached it since the last step or zero_grad]: shared with the
+    # post-accumulate-grad hooks (mutated in place), to see a gradient changed in place
+    # between backward() and step() (a clip_grad_norm_ of the local gradient; see step())
+    seen: list = field(default_factory=lambda: [0, False])
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -185,6 +212,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # One bucket per parameter tensor instead of per (group, dtype): for updates whose norms are
     # a tensor's own (LAMB's layer-wise trust ratio). One fused collective per parameter.
     bucket_per_parameter = False
+    # Whether ``program`` takes ``clip=`` (a ``Clip``): ``max_grad_norm=`` needs it.
+    supports_grad_clip = False
+    # Whether a single bucket may compute the norm and torch's factor inside its step
+    # (``Clip.IN_STEP``, torch's 1e-6); False: the factor is always ``clip_factor``'s (LAMB's)
+    clip_in_step = True
 
     def __init__(
         self,
@@ -196,7 +228,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         options: CompileOptions | None = None,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
         param_storage: ParamStorage | str | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
+        self._max_grad_norm = _checked_max_grad_norm(
+            max_grad_norm, type(self).__name__, ddp, self.supports_grad_clip)
+        # the global norm of the averaged gradient at the last step (max_grad_norm=), as
+        # torch.nn.utils.clip_grad_norm_ returns it
+        self.last_grad_norm: torch.Tensor | None = None
+        self._norm_pass: tuple[tuple[int, ...], Any] | None = None  # (bucket ids, CompiledStep)
+        self._clip_now: dict[str, Any] = {}  # the clipping scalars of the step under way
+        self._warned_edit = False  # LocalGradientEditWarning given (once per optimizer)
         self._comm = _default_comm(comm, type(self).__name__)
         self._storage = _param_storage(param_storage, type(self).__name__, ddp)
         self._schedule = schedule
@@ -228,8 +269,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def program(self, group: dict[str, Any], dtype: DType) -> Program:
         """One step of the optimizer over a flat bucket of ``dtype``: inputs ``g`` (Local) and
-        ``p`` (Replicated), the state (Replicated; the schedule slices it), then the scalars."""
+        ``p`` (Replicated), the state (Replicated; the schedule slices it), then the scalars.
+        With ``supports_grad_clip``, it also takes ``clip=`` (``coconet.optim.programs.Clip``):
+        the averaged gradient clipped by the global norm as ``programs.adam`` does."""
         raise NotImplementedError
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The ``max_grad_norm=`` given at construction (None: no clipping)."""
+        return self._max_grad_norm
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         """The program's state inputs for ``group`` -> their names in torch's state dict."""
@@ -322,7 +370,67 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._buckets.append(self._bucket(index, group, dtype, [param]))
             else:
                 self._buckets.append(self._bucket(index, group, dtype, params))
+        self._settle_clip()
         self._refresh_identity()
+
+    # -- gradient clipping (max_grad_norm=) -----------------------------------------------------
+
+    def _clip_of_new_bucket(self) -> Clip:
+        """How a bucket made now clips: the norm inside its own step while it is the only
+        bucket, given from the norm pass otherwise (``_settle_clip`` turns a first bucket's
+        in-step clipping into a given one when a second bucket comes)."""
+        if self._max_grad_norm is None or self._ddp is not None:
+            return Clip.OFF
+        return Clip.IN_STEP if not self._buckets and self.clip_in_step else Clip.GIVEN
+
+    def _settle_clip(self) -> None:
+        """With several buckets the global norm needs every bucket's gradient before any bucket
+        is updated: a bucket that computed the norm in its own step (it was the only one) gets
+        the step that takes the factor from the norm pass instead (collective, as
+        add_param_group: every rank recompiles at the same point; its gradient buffer and
+        state stay, the step only reads them)."""
+        if len(self._buckets) < 2:
+            return
+        for b in self._buckets:
+            if b.clip is Clip.IN_STEP:
+                group = self.param_groups[b.group]
+                b.step_fn = self._step_fn(group, b.params[0].dtype, b.size, Clip.GIVEN)
+                b.clip = Clip.GIVEN
+
+    def _norm_step(self) -> Any:
+        """The compiled norm pass over every bucket's gradient (``programs.grad_norm_pass``),
+        made again when the buckets change (collective: every rank steps the same buckets)."""
+        key = tuple(id(b) for b in self._buckets)
+        if self._norm_pass is None or self._norm_pass[0] != key:
+            dtype = _DTYPES[self._buckets[0].grad.dtype]
+            program = programs.grad_norm_pass(dtype, len(self._buckets))
+            # one fused reduce_scatter + sum of squares per bucket, one scalar all_reduce
+            step_fn = coconet_compile(programs.grad_norm_pass_schedule(program),
+                                      comm=self._comm, options=self._options)
+            step_fn.input_sources = {"grad_scale": "the world size"}
+            self._norm_pass = (key, step_fn)
+        return self._norm_pass[1]
+
+    def _clip_scalars(self, agree: dict[str, str] | None) -> tuple[dict[str, Any], bool]:
+        """The clipping scalars of this step's bucket steps, and whether ``agree`` was used
+        (by the norm pass, which then runs first). One bucket: ``max_norm``, the norm is
+        computed inside its fused step. Several: the norm pass runs over every bucket's
+        gradient (one reduce_scatter each, one scalar all_reduce) and the factor is computed
+        here as torch computes it, in float32: ``clamp(max_norm / (norm + 1e-6), max=1)``."""
+        if self._max_grad_norm is None or not self._buckets:
+            return {}, False
+        if self._buckets[0].clip is Clip.IN_STEP:  # the only bucket
+            return {"max_norm": self._max_grad_norm}, False
+        inputs: dict[str, Any] = {f"g{j}": b.grad for j, b in enumerate(self._buckets)}
+        inputs["grad_scale"] = 1.0 / self._comm.world
+        norm = self._norm_step().run(inputs, agree=agree)["grad_norm"]
+        self.last_grad_norm = norm
+        return {"clip_coef": self.clip_factor(norm)}, agree is not None
+
+    def clip_factor(self, norm: torch.Tensor) -> torch.Tensor:
+        """The factor the gradient is multiplied by, from its global norm (a float32 0-d
+        tensor), as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+        return torch.clamp(self._max_grad_norm / (norm + programs.CLIP_EPS), max=1.0)
 
     # -- what the ranks agree on (coconet.optim.identity) ---------------------------------------
 
@@ -468,7 +576,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     grad[start:stop].copy_(p.grad.reshape(-1))
                 p.grad = grad[start:stop].view_as(p)
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    _marker(bucket.has_grad, i)))
+                    _marker(bucket.has_grad, i, bucket.seen, grad)))
         bucket.flat, bucket.grad = flat, grad
         if shared:  # the first rank's writes are in before any rank reads them
             self._comm.control.barrier("coconet.optim: host-shared parameters written")
@@ -485,18 +593,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             offsets.append(total)
             total += p.numel()
-        program = self.program(group, _DTYPES[dtype])
+        clip = self._clip_of_new_bucket()
+        step_fn = self._step_fn(group, dtype, total, clip)
         names = self.state_names(group)
-        target = self._scheduled(program, tuple(names), total)
-        step_fn = coconet_compile(target, comm=comm, options=self._options)
-        step_fn.input_sources = dict(self.SCALAR_SOURCES)
         bounds = slice_bounds(total, comm.world, comm.rank)
-        bucket = _Bucket(index, params, offsets, total, step_fn, bounds, names)
+        bucket = _Bucket(index, params, offsets, total, step_fn, bounds, names, clip)
         n = bounds[1] - bounds[0]
         for name in names:
             size = n if _is_sliced(step_fn.program, name) else total
             bucket.state[name] = torch.zeros(size, dtype=dtype, device=comm.device)
         return bucket
+
+    def _step_fn(self, group: dict[str, Any], dtype: torch.dtype, total: int, clip: Clip) -> Any:
+        """The compiled step of a bucket of ``total`` elements of ``group`` (collective)."""
+        if clip is Clip.OFF:
+            program = self.program(group, _DTYPES[dtype])
+        else:
+            program = self.program(group, _DTYPES[dtype], clip=clip)
+        target = self._scheduled(program, tuple(self.state_names(group)), total)
+        step_fn = coconet_compile(target, comm=self._comm, options=self._options)
+        step_fn.input_sources = {**self.SCALAR_SOURCES, **_CLIP_SOURCES}
+        return step_fn
 
     def _scheduled(
         self, program: Program, state: tuple[str, ...], total: int = 0
@@ -583,6 +700,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._ddp is not None:
             return loss
+        self._warn_local_edits()
         problems: list[str] = []
         masks = [self._local_grads(b, problems) for b in self._buckets]
         for p in self._frozen:
@@ -604,8 +722,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._step_agreeing(masks, problems)
         self._steps_done += 1
+        for b in self._buckets:
+            b.seen[:] = [b.grad._version, False]
         self.after_step()
         return loss
+
+    def _warn_local_edits(self) -> None:
+        """Warn (once per optimizer) when a bucket's gradient was written in place after the
+        last ``backward()`` into it: on several ranks a ``clip_grad_norm_`` there clips this
+        rank's local gradient before the step averages it, which nothing else can see. One
+        integer compared per bucket per step; a world of one is left alone (its local
+        gradient is the average: clipping it is right)."""
+        if self._warned_edit or self._comm.world == 1:
+            return
+        edited = [b for b in self._buckets if b.seen[1] and b.grad._version != b.seen[0]]
+        if not edited:
+            return
+        self._warned_edit = True
+        name = type(self).__name__
+        also = (" (and max_grad_norm= clips the average again)"
+                if self._max_grad_norm is not None else "")
+        warnings.warn(
+            f"coconet.optim.{name}: the gradients of param group {edited[0].group} were "
+            "changed in place between backward() and step(). If that was "
+            "torch.nn.utils.clip_grad_norm_ (or clip_grad_value_), it clipped this rank's "
+            "local gradient: step() averages the gradients over the ranks afterwards, so the "
+            f"update differs from DDP + clip_grad_norm_{also}. Clip the average instead: "
+            f"coconet.optim.{name}(..., max_grad_norm=1.0), and drop the clip_grad_norm_ "
+            "call (opt.last_grad_norm is the norm it returned). A linear change "
+            "(GradScaler.unscale_, a division) is harmless: filter LocalGradientEditWarning.",
+            LocalGradientEditWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
     def _step_agreeing(self, masks: list[list[bool]], problems: list[str]) -> None:
         """The buckets' steps on several ranks, which must agree on which parameters have a
@@ -693,9 +841,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
     def _step_buckets(self, masks: list[list[bool]], agree: dict[str, str] | None) -> None:
-        """Each bucket's step; ``agree`` goes with the first bucket's first fused step."""
-        for j, (b, mask) in enumerate(zip(self._buckets, masks, strict=True)):
-            self._step_bucket(b, mask, agree if j == 0 else None)
+        """Each bucket's step; ``agree`` goes with the first collective step: the norm pass
+        when it runs (max_grad_norm= over several buckets), else the first bucket's first
+        fused step. With clipping the norm pass runs before any update (it commits nothing),
+        so a step that fails there or in the agreement leaves everything as it was."""
+        self.last_grad_norm = None
+        try:
+            self._clip_now, used = self._clip_scalars(agree)
+            if used:
+                agree = None
+            for j, (b, mask) in enumerate(zip(self._buckets, masks, strict=True)):
+                self._step_bucket(b, mask, agree if j == 0 else None)
+        except CoconetError:
+            raise  # a compiled step's own: it told the peers already, or they all refused
+        except BaseException as e:
+            # Between two compiled steps (after the norm pass, between buckets) only this code
+            # runs: an error or a Ctrl-C here must reach the peers, waiting in the next step's
+            # agreement, at once rather than at their timeout (a compiled step that failed
+            # aborted already: this is then a no-op).
+            if self._comm.world > 1:
+                self._comm.abort(f"rank {self._comm.rank} failed in coconet.optim."
+                                 f"{type(self).__name__}.step: {_first_line(e)}")
+            raise
+        finally:
+            self._clip_now = {}
+        if self._max_grad_norm is not None and self.last_grad_norm is None:
+            # nothing was stepped (no gradient anywhere): torch's norm of no gradients
+            self.last_grad_norm = torch.zeros((), device=self._comm.device)
 
     def _local_grads(self, b: _Bucket, problems: list[str]) -> list[bool]:
         """This rank's view of which of ``b``'s parameters have a gradient; every ``.grad`` made
@@ -763,20 +935,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 b.steps[i] += 1
 
     def _run(self, b: _Bucket, scalars: dict[str, float], agree: dict[str, str] | None) -> None:
+        clip = self._clip_now
         if b.replica is None:
             # `flat` is passed as a view: the commit writes a view's values in place rather
             # than handing it new storage, so the parameters (views of it) see the update.
-            b.step_fn.run({"g": b.grad, "p": b.flat[:], **b.state, **scalars}, agree=agree)
+            out = b.step_fn.run({"g": b.grad, "p": b.flat[:], **b.state, **scalars, **clip},
+                                agree=agree)
+            self._keep_norm(out)
             return
         # A host replica: the commit re-points `flat` at the buffer the step wrote (every rank
         # wrote its slice there); the parameters follow it.
         before = b.flat.data_ptr()
-        b.step_fn.run({"g": b.grad, "p": b.flat, **b.state, **scalars}, agree=agree)
+        out = b.step_fn.run({"g": b.grad, "p": b.flat, **b.state, **scalars, **clip},
+                            agree=agree)
+        self._keep_norm(out)
         if b.flat.data_ptr() != before:
             with torch.no_grad():
                 for i, p in enumerate(b.params):
                     start, stop = b.span(i)
                     p.data = b.flat[start:stop].view_as(p)
+
+    def _keep_norm(self, out: dict[str, torch.Tensor]) -> None:
+        # the norm computed inside a bucket's step (the only bucket); a bucket stepped once per
+        # step count computes the same norm each time (the same gradient): the first is kept
+        if "grad_norm" in out and self.last_grad_norm is None:
+            self.last_grad_norm = out["grad_norm"]
 
     def _run_some(self, b: _Bucket, plan: list[tuple[dict[str, float], list[int]]],
                   agree: dict[str, str] | None) -> None:
@@ -880,6 +1063,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             raise
             if set_to_none:
                 b.has_grad[:] = [False] * len(b.has_grad)
+            b.seen[:] = [b.grad._version, False]
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -1190,6 +1374,51 @@ def _default_comm(comm: Any, name: str) -> Communicator:
     return comm
 
 
+def _checked_max_grad_norm(value: Any, name: str, ddp: Any, supported: bool) -> float | None:
+    """``max_grad_norm=``: None (no clipping) or a finite number > 0; refused with ``ddp=``
+    and for an optimizer whose program cannot clip."""
+    if value is None:
+        return None
+    op = f"coconet.optim.{name}"
+    if not supported:
+        raise ConfigError(
+            f"{name}: max_grad_norm={value!r} is not supported: its program does not clip",
+            op=op,
+            hint="give its program a clip= parameter (see coconet.optim.programs.adam) and "
+            "set supports_grad_clip = True, or leave max_grad_norm out",
+        )
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(
+            f"{name}: max_grad_norm={value!r} is not a number",
+            op=op,
+            hint="max_grad_norm=1.0 (the gradients' global norm is clipped to it), or None "
+            "for no clipping",
+        )
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ConfigValueError(
+            f"{name}: max_grad_norm={value!r} must be a finite number > 0",
+            op=op,
+            hint="max_grad_norm=1.0 (nanoGPT's grad_clip); None turns clipping off (not 0, "
+            "which would zero every gradient, and not inf)",
+        )
+    if ddp is not None:
+        raise ConfigError(
+            f"{name}: max_grad_norm= cannot be combined with ddp=: with ddp= each DDP bucket "
+            "is updated inside backward() as soon as its gradients are ready, before the "
+            "other buckets' gradients exist, so the global norm is not known when a bucket is "
+            "updated (and a clip_grad_norm_ after backward() would come too late: the update "
+            "has happened)",
+            op=op,
+            hint="leave ddp= out and the model unwrapped: coconet.optim averages the gradients "
+            "in its step and clips them there by the global norm (max_grad_norm=); backward() "
+            "writes straight into its buckets",
+        )
+    return value
+
+
 def _param_storage(storage: Any, name: str, ddp: Any) -> ParamStorage:
     """``param_storage=``, checked: a ``ParamStorage`` or its value."""
     if storage is None:
@@ -1227,13 +1456,39 @@ def _digest(masks: list[list[bool]], problems: list[str], rank: int,
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _marker(flags: list[bool], i: int) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook: parameter ``i`` got a gradient from ``backward()``."""
+def _marker(flags: list[bool], i: int, seen: list, grad: torch.Tensor
+            ) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook: parameter ``i`` got a gradient from ``backward()`` (and
+    the bucket's gradient buffer is at this version now: autograd accumulates into the view in
+    place, which counts on the buffer's shared version counter)."""
 
     def mark(_param: torch.Tensor) -> None:
         flags[i] = True
+        seen[0] = grad._version
+        seen[1] = True
 
     return mark
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost frame outside coconet and torch (step() runs
+    inside torch's no_grad and profiling wrappers): where the user called ``step()``."""
+    import os
+
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["coconet"]))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class LocalGradientEditWarning(UserWarning):
+    """A ``coconet.optim`` optimizer on several ranks found its gradients changed in place
+    between ``backward()`` and ``step()``: most likely ``torch.nn.utils.clip_grad_norm_`` (or
+    ``clip_grad_value_``), which then clipped each rank's *local* gradient before the step
+    averaged it. Global-norm clipping of the average is ``max_grad_norm=``. A linear change
+    (``GradScaler.unscale_``, a division for gradient accumulation) is harmless: filter this
+    warning (``warnings.filterwarnings("ignore", category=LocalGradientEditWarning)``)."""
 
 
 def _remove_hooks(handles: list[Any]) -> None:

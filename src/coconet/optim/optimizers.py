@@ -9,6 +9,12 @@ error, in the constructor, in a param group's dict and in a loaded state dict); 
 its own compiled program). ``Adam(decoupled_weight_decay=True)`` (torch 2.13) is AdamW's update,
 honoured per group (a torch ``AdamW`` checkpoint carries it).
 
+``max_grad_norm=`` (SGD, Adam, AdamW; None: off) clips the averaged gradient by its global norm
+inside the step, as ``torch.nn.utils.clip_grad_norm_`` after DDP's average: use it instead of
+calling ``clip_grad_norm_`` before ``step()`` (which would clip each rank's local gradient).
+``LAMB``'s ``max_grad_norm`` is ``pytorch_optimizer.Lamb``'s: read with ``pre_norm=True``, its
+global scaling (Lamb's ``eps``, 0 is off), done the same way.
+
 Hyper-parameters out of range raise ``ConfigValueError`` (a ``ConfigError`` and a
 ``ValueError``) with torch's message ("Invalid learning rate: -1"), checked for the constructor's
 values, for every param group added and for every group of a loaded state dict.
@@ -27,6 +33,7 @@ from coconet.ir.program import Program
 from coconet.ir.types import DType
 from coconet.optim import programs
 from coconet.optim.base import DistributedOptimizer, _Bucket
+from coconet.optim.programs import Clip
 
 __all__ = ["LAMB", "SGD", "Adam", "AdamW"]
 
@@ -79,6 +86,7 @@ def _check_betas(name: str, where: str, betas: Any) -> None:
 
 class _AdamFamily(DistributedOptimizer):
     _decoupled = False
+    supports_grad_clip = True
 
     def __init__(
         self,
@@ -100,6 +108,7 @@ class _AdamFamily(DistributedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         decoupled_weight_decay: bool | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -112,7 +121,7 @@ class _AdamFamily(DistributedOptimizer):
         self.check_group(defaults, "")
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
-            param_storage=param_storage,
+            param_storage=param_storage, max_grad_norm=max_grad_norm,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -124,8 +133,8 @@ class _AdamFamily(DistributedOptimizer):
                _f(group["weight_decay"]) >= 0.0)
         _unsupported(name, where, group, "amsgrad", "capturable", "differentiable")
 
-    def program(self, group: dict[str, Any], dtype: DType) -> Program:
-        return programs.adam(dtype)
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
+        return programs.adam(dtype, clip)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"m": "exp_avg", "v": "exp_avg_sq"}
@@ -171,11 +180,23 @@ class _AdamFamily(DistributedOptimizer):
 
 class Adam(_AdamFamily):
     """``torch.optim.Adam`` (L2 weight decay; ``decoupled_weight_decay=True``: AdamW's),
-    data-parallel: see ``coconet.optim``."""
+    data-parallel: see ``coconet.optim``.
+
+    **Gradient clipping: use ``max_grad_norm=``, not ``torch.nn.utils.clip_grad_norm_``.**
+    ``max_grad_norm=1.0`` clips as ``clip_grad_norm_(params, 1.0)`` does after DDP's average:
+    the gradient is multiplied by ``min(1.0 / (norm + 1e-6), 1)``, ``norm`` the 2-norm of the
+    *averaged* gradient over every parameter of every param group, computed inside the step
+    (a sum of squares of this rank's slice after the reduce_scatter, one scalar all_reduce);
+    ``opt.last_grad_norm`` is that norm (a 0-d tensor, what ``clip_grad_norm_`` returns).
+    ``clip_grad_norm_`` between ``backward()`` and ``step()`` clips each rank's *local*
+    gradient before the step averages it: a different, wrong update, and nothing can tell.
+    """
 
 
 class AdamW(_AdamFamily):
-    """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2), data-parallel."""
+    """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2), data-parallel.
+    ``max_grad_norm=``: global-norm clipping of the averaged gradient in the step, as ``Adam``
+    (use it, not ``torch.nn.utils.clip_grad_norm_``)."""
 
     _decoupled = True
 
@@ -185,7 +206,12 @@ class AdamW(_AdamFamily):
 
 
 class SGD(DistributedOptimizer):
-    """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay), data-parallel."""
+    """``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay), data-parallel.
+
+    ``max_grad_norm=``: clips the averaged gradient by its global norm inside the step, as
+    ``Adam`` does (see there): use it, not ``torch.nn.utils.clip_grad_norm_``."""
+
+    supports_grad_clip = True
 
     def __init__(
         self,
@@ -205,6 +231,7 @@ class SGD(DistributedOptimizer):
         foreach: bool | None = None,
         differentiable: bool = False,
         fused: bool | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -214,7 +241,7 @@ class SGD(DistributedOptimizer):
         self.check_group(defaults, "")
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
-            param_storage=param_storage,
+            param_storage=param_storage, max_grad_norm=max_grad_norm,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -235,8 +262,10 @@ class SGD(DistributedOptimizer):
             )
         _unsupported("SGD", where, group, "differentiable")
 
-    def program(self, group: dict[str, Any], dtype: DType) -> Program:
-        return programs.sgd_momentum(dtype) if group["momentum"] else programs.sgd(dtype)
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
+        if group["momentum"]:
+            return programs.sgd_momentum(dtype, clip)
+        return programs.sgd(dtype, clip)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"buf": "momentum_buffer"} if group["momentum"] else {}
@@ -276,9 +305,13 @@ class LAMB(_AdamFamily):
     (``eps=1e-6``, decoupled weight decay, the weight norm clamped at 10, the trust ratio
     ``|p| / (|u| + eps)`` per parameter tensor, no bias correction of the second moment), data
     parallel. ``adam=True`` drops the trust ratio; ``fixed_decay`` decays by ``weight_decay``
-    alone; ``grad_averaging=False`` accumulates ``m`` with weight 1. Not supported (an error, in
-    the constructor, a group or a loaded state dict): ``rectify``, ``pre_norm``,
-    ``weight_decouple=False``, ``adanorm``, ``adam_debias``. Each parameter tensor is its own
+    alone; ``grad_averaging=False`` accumulates ``m`` with weight 1. ``pre_norm=True`` with
+    ``max_grad_norm`` (> 0; 0 is off, as Lamb reads it) scales the *averaged* gradient by
+    ``min(max_grad_norm / (norm + eps), 1)``, ``norm`` its global norm over every parameter,
+    as Lamb does on one process (or after DDP's average): inside the step, after a norm pass
+    over every bucket (``coconet.optim.base``). Not supported (an error, in the constructor, a
+    group or a loaded state dict): ``rectify``, ``weight_decouple=False``, ``adanorm``,
+    ``adam_debias``. Each parameter tensor is its own
     step (its norms are its own): a model of many small tensors pays one collective per tensor.
 
     As Lamb, the step count is its param group's (``param_groups[i]["step"]``, counted at every
@@ -289,6 +322,10 @@ class LAMB(_AdamFamily):
     """
 
     bucket_per_parameter = True
+    # pre_norm: Lamb's global scaling, with its eps (not torch's 1e-6) and its max_grad_norm;
+    # the factor is computed on the host from the norm pass (clip_factor), whatever the buckets
+    supports_grad_clip = True
+    clip_in_step = False
 
     def __init__(
         self,
@@ -315,18 +352,24 @@ class LAMB(_AdamFamily):
         ddp=None,
         param_storage=None,
     ) -> None:
-        _unsupported("LAMB", "", {"pre_norm": pre_norm}, "pre_norm",
-                     instead="pytorch_optimizer.Lamb")
         defaults = dict(
             lr=lr, betas=betas, weight_decay=weight_decay, weight_decouple=weight_decouple,
             fixed_decay=fixed_decay, rectify=rectify, grad_averaging=grad_averaging,
             max_grad_norm=max_grad_norm, adam=adam, eps=eps, foreach=foreach, maximize=maximize,
         )
         self.check_group(defaults, "")
+        # Lamb scales by the global norm only with pre_norm, and reads 0 as off
+        self.pre_norm = bool(pre_norm)
+        scaling = self.pre_norm and _f(max_grad_norm) > 0.0
         DistributedOptimizer.__init__(
             self, params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
-            param_storage=param_storage,
+            param_storage=param_storage, max_grad_norm=max_grad_norm if scaling else None,
         )
+
+    def clip_factor(self, norm: torch.Tensor) -> torch.Tensor:
+        # Lamb's get_global_gradient_norm: the constructor's max_grad_norm and eps (its
+        # defaults, not a group's), clamp(max_grad_norm / (norm + eps), max=1)
+        return torch.clamp(self._max_grad_norm / (norm + _f(self.defaults["eps"])), max=1.0)
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
         _check_lr("LAMB", where, group["lr"])
@@ -346,8 +389,8 @@ class LAMB(_AdamFamily):
                 hint="use the decoupled decay (the default), or pytorch_optimizer.Lamb",
             )
 
-    def program(self, group: dict[str, Any], dtype: DType) -> Program:
-        return programs.lamb(dtype)
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
+        return programs.lamb(dtype, clip)
 
     SCALAR_SOURCES = {
         "grad_scale": "maximize (and the world size)",

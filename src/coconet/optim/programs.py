@@ -10,13 +10,71 @@ costs ~1e-6 relative after 20 steps). The elementwise maths is torch's, op for o
 
 The gradient is all-reduced and scaled by ``grad_scale`` (``1 / world``: the average a DDP user
 gets; negative for ``maximize``).
+
+**Gradient clipping** (``max_grad_norm=``, ``Clip``): torch's ``clip_grad_norm_`` of the
+averaged gradient, ``grad * min(max_norm / (||grad||_2 + 1e-6), 1)``. With ``Clip.IN_STEP`` the
+norm is computed inside the step (the bucket is all the optimizer holds): a sum of squares of
+the averaged gradient, which a schedule that slices the update turns into a sum over this
+rank's slice after the reduce_scatter plus an all_reduce of one scalar; the program returns the
+norm (``grad_norm``). With ``Clip.GIVEN`` (several buckets: the global norm needs every bucket's
+gradient before any bucket is updated) the factor is a scalar input ``clip_coef`` computed from
+``grad_norm_pass``, one step over every bucket's gradient run before the updates.
 """
 
 from __future__ import annotations
 
+import enum
+
 from coconet import dsl as cc
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Local, Replicated
+from coconet.schedule import Schedule
+
+# torch.nn.utils.clip_grad_norm_'s: clip_coef = max_norm / (total_norm + 1e-6)
+CLIP_EPS = 1e-6
+
+
+class Clip(enum.Enum):
+    """How an optimizer's program clips the averaged gradient by its global norm."""
+
+    OFF = "off"
+    IN_STEP = "in-step"  # the norm computed in the step; scalar input max_norm, output grad_norm
+    GIVEN = "given"  # the factor computed before the step; scalar input clip_coef
+
+
+def _clipped(grad: cc.Tensor, clip: Clip) -> tuple[cc.Tensor, list[cc.Tensor], dict]:
+    """``grad`` clipped as ``clip`` says: (the clipped gradient, the extra scalar inputs, the
+    extra outputs). The order of operations is torch's: the norm of the averaged gradient, the
+    factor clamped at 1 (``torch.clamp(max=1.0)``: NaN stays NaN, as torch's), one multiply."""
+    if clip is Clip.OFF:
+        return grad, [], {}
+    if clip is Clip.GIVEN:
+        coef = cc.Scalar("clip_coef")
+        return (grad * coef).named("grad_clipped"), [coef], {}
+    max_norm = cc.Scalar("max_norm")
+    norm = cc.sqrt(cc.sum(grad * grad).named("grad_sumsq")).named("grad_norm")
+    coef = cc.clamp(max_norm / (norm + CLIP_EPS), max=1.0).named("clip_coef")
+    return (grad * coef).named("grad_clipped"), [max_norm], {"grad_norm": norm}
+
+
+def _averaged(g_sum: cc.Tensor, grad_scale: cc.Tensor, clip: Clip
+              ) -> tuple[cc.Tensor, list[cc.Tensor], dict]:
+    """The averaged gradient ``g_sum * grad_scale``, clipped as ``clip`` says."""
+    if clip is Clip.OFF:
+        return g_sum * grad_scale, [], {}  # (the expression as it always was: same digest)
+    return _clipped((g_sum * grad_scale).named("grad"), clip)
+
+
+def _name(base: str, clip: Clip) -> str:
+    return base if clip is Clip.OFF else f"{base}_clip_{clip.name.lower()}"
+
+
+def _outputs(updates: list, extra: dict) -> list | dict:
+    # unclipped programs keep their list of updates (their digest, so caches, stay the same)
+    if not extra:
+        return updates
+    # (the keys of updates are not names: an update returns nothing)
+    return {**extra, **{f"update_{i}": u for i, u in enumerate(updates)}}
 
 
 def _bucket(dtype: DType, state: tuple[str, ...]):
@@ -26,14 +84,15 @@ def _bucket(dtype: DType, state: tuple[str, ...]):
     return g, p, [cc.Tensor(name, dtype, [n], Replicated) for name in state]
 
 
-def adam(dtype: DType = DType.float32) -> Program:
+def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     """torch.optim.Adam and AdamW (``amsgrad=False``), one program for both:
 
     ``d = avg(g) + weight_decay * p`` (Adam's L2; AdamW passes 0),
     ``m = beta1 m + (1 - beta1) d``, ``v = beta2 v + (1 - beta2) d d``,
     ``p = decay * p - step_size * m / (sqrt(v) / bc2_sqrt + eps)`` with
     ``decay = 1 - lr * weight_decay`` for AdamW (1 for Adam), ``step_size = lr / (1 - beta1 ** t)``
-    and ``bc2_sqrt = sqrt(1 - beta2 ** t)``.
+    and ``bc2_sqrt = sqrt(1 - beta2 ** t)``. ``clip``: ``avg(g)`` clipped by its norm first
+    (see ``Clip``).
     """
     g, p, (m, v) = _bucket(dtype, ("m", "v"))
     names = (
@@ -42,29 +101,32 @@ def adam(dtype: DType = DType.float32) -> Program:
     )
     s = {name: cc.Scalar(name) for name in names}
     g_sum = cc.all_reduce(g, name="g_sum")
-    d = (g_sum * s["grad_scale"] + s["weight_decay"] * p).named("d_p")
+    grad, extra_in, extra_out = _averaged(g_sum, s["grad_scale"], clip)
+    d = (grad + s["weight_decay"] * p).named("d_p")
     m_new = (s["beta1"] * m + s["one_minus_beta1"] * d).named("m_new")
     v_new = (s["beta2"] * v + s["one_minus_beta2"] * (d * d)).named("v_new")
     denom = (cc.sqrt(v_new) / s["bc2_sqrt"] + s["eps"]).named("denom")
     p_new = (s["decay"] * p - s["step_size"] * (m_new / denom)).named("p_new")
     return Program(
-        "adam",
-        [g, p, m, v, *s.values()],
-        [cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)],
+        _name("adam", clip),
+        [g, p, m, v, *s.values(), *extra_in],
+        _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
     )
 
 
-def sgd(dtype: DType = DType.float32) -> Program:
+def sgd(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     """torch.optim.SGD without momentum: ``p = p - lr * (avg(g) + weight_decay * p)``."""
     g, p, _ = _bucket(dtype, ())
     grad_scale, weight_decay, lr = (cc.Scalar(n) for n in ("grad_scale", "weight_decay", "lr"))
     g_sum = cc.all_reduce(g, name="g_sum")
-    d = (g_sum * grad_scale + weight_decay * p).named("d_p")
+    grad, extra_in, extra_out = _averaged(g_sum, grad_scale, clip)
+    d = (grad + weight_decay * p).named("d_p")
     p_new = (p - lr * d).named("p_new")
-    return Program("sgd", [g, p, grad_scale, weight_decay, lr], [cc.update(p, p_new)])
+    return Program(_name("sgd", clip), [g, p, grad_scale, weight_decay, lr, *extra_in],
+                   _outputs([cc.update(p, p_new)], extra_out))
 
 
-def sgd_momentum(dtype: DType = DType.float32) -> Program:
+def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     """torch.optim.SGD with momentum: ``buf = buf_momentum * buf + buf_damp * d`` (on the first
     step ``buf_momentum = 0, buf_damp = 1``: torch starts the buffer at ``d``; then
     ``momentum, 1 - dampening``), ``p = p - lr * (a d + b buf)`` with ``(a, b) = (1, momentum)``
@@ -73,14 +135,15 @@ def sgd_momentum(dtype: DType = DType.float32) -> Program:
     names = ("grad_scale", "weight_decay", "buf_momentum", "buf_damp", "a", "b", "lr")
     s = {name: cc.Scalar(name) for name in names}
     g_sum = cc.all_reduce(g, name="g_sum")
-    d = (g_sum * s["grad_scale"] + s["weight_decay"] * p).named("d_p")
+    grad, extra_in, extra_out = _averaged(g_sum, s["grad_scale"], clip)
+    d = (grad + s["weight_decay"] * p).named("d_p")
     buf_new = (s["buf_momentum"] * buf + s["buf_damp"] * d).named("buf_new")
     direction = (s["a"] * d + s["b"] * buf_new).named("direction")
     p_new = (p - s["lr"] * direction).named("p_new")
     return Program(
-        "sgd_momentum",
-        [g, p, buf, *s.values()],
-        [cc.update(p, p_new), cc.update(buf, buf_new)],
+        _name("sgd_momentum", clip),
+        [g, p, buf, *s.values(), *extra_in],
+        _outputs([cc.update(p, p_new), cc.update(buf, buf_new)], extra_out),
     )
 
 
@@ -88,7 +151,7 @@ def sgd_momentum(dtype: DType = DType.float32) -> Program:
 LAMB_WEIGHT_NORM_CLAMP = 10.0
 
 
-def lamb(dtype: DType = DType.float32) -> Program:
+def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     """``pytorch_optimizer.Lamb`` (4.x; its defaults ``weight_decouple=True``, ``rectify=False``,
     ``adam=False``, ``pre_norm=False``) over **one parameter tensor**: its trust ratio is that
     tensor's (layer-wise), so ``coconet.optim.LAMB`` runs one program per parameter.
@@ -98,7 +161,8 @@ def lamb(dtype: DType = DType.float32) -> Program:
     decoupled decay, applied before the norms), ``u = m / (sqrt(v) + eps)`` (no bias correction
     of ``v``), ``w = min(decay |p|, 10)`` (``min(|p_d|, 10)`` up to one rounding), trust
     ``= w / (|u| + eps)`` (1 where ``w`` or ``|u|`` is 0; ``use_trust = 0`` for ``adam=True``),
-    ``p = p_d - step_size trust u`` with ``step_size = lr / (1 - beta1 ** t)``.
+    ``p = p_d - step_size trust u`` with ``step_size = lr / (1 - beta1 ** t)``. ``clip``: Lamb's
+    ``pre_norm`` (``Clip.GIVEN``: the gradient times the factor of its global norm).
     """
     g, p, (m, v) = _bucket(dtype, ("m", "v"))
     names = (
@@ -108,6 +172,7 @@ def lamb(dtype: DType = DType.float32) -> Program:
     s = {name: cc.Scalar(name) for name in names}
     g_sum = cc.all_reduce(g, name="g_sum")
     grad = (g_sum * s["grad_scale"]).named("grad")
+    grad, extra_in, extra_out = _clipped(grad, clip)
     m_new = (s["beta1"] * m + s["beta3"] * grad).named("m_new")
     v_new = (s["beta2"] * v + s["one_minus_beta2"] * (grad * grad)).named("v_new")
     p_d = (s["decay"] * p).named("p_decayed")
@@ -122,7 +187,40 @@ def lamb(dtype: DType = DType.float32) -> Program:
     trust = (s["use_trust"] * trust + (1 - s["use_trust"])).named("trust_ratio")
     p_new = (p_d - s["step_size"] * (trust * update)).named("p_new")
     return Program(
-        "lamb",
-        [g, p, m, v, *s.values()],
-        [cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)],
+        _name("lamb", clip),
+        [g, p, m, v, *s.values(), *extra_in],
+        _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
     )
+
+
+def grad_norm_pass(dtype: DType, buckets: int) -> Program:
+    """The global norm of the averaged gradient over ``buckets`` flat gradient buckets (inputs
+    ``g0``, ``g1``, ..., Local; ``grad_scale``): each bucket reduce_scattered and scaled
+    (``avg(g)``'s slice on this rank, as the update's step computes it), the squares of every
+    slice summed here, one all_reduce of that scalar, its square root (output ``grad_norm``).
+    Written sliced (no all_gather: nothing needs the whole average); ``grad_norm_pass_schedule``
+    fuses each bucket's reduce_scatter with its squares' sum (one pass over the peers' slices,
+    nothing written). The optimizer runs it before the buckets' updates (``Clip.GIVEN``) when it
+    holds more than one bucket."""
+    grad_scale = cc.Scalar("grad_scale")
+    gs = [cc.Tensor(f"g{j}", dtype, [Dim(f"N{j}")], Local) for j in range(buckets)]
+    total = None
+    for j, g in enumerate(gs):
+        part = (cc.reduce_scatter(g, name=f"g{j}_rs") * grad_scale).named(f"grad{j}_slice")
+        sumsq = cc.sum((part * part).named(f"sq{j}_slice")).named(f"sumsq{j}_partial")
+        total = sumsq if total is None else (total + sumsq).named(f"sumsq_upto{j}_partial")
+    norm = cc.sqrt(cc.all_reduce(total, name="sumsq")).named("grad_norm")
+    return Program("grad_norm_pass", [*gs, grad_scale], {"grad_norm": norm})
+
+
+def grad_norm_pass_schedule(program: Program) -> Schedule:
+    """``grad_norm_pass``'s schedule: each bucket's reduce_scatter fused with the scaling, the
+    squares and their sum (a fused collective; over shared memory one pass that reads every
+    peer's slice and writes only the partial sum), the scalar adds and the all_reduce as they
+    are."""
+    s = Schedule(program, "fuse_RS_sumsq")
+    j = 0
+    while f"g{j}" in {n.name for n in program.inputs}:
+        s.fuse([f"g{j}_rs", f"grad{j}_slice", f"sq{j}_slice", f"sumsq{j}_partial"])
+        j += 1
+    return s

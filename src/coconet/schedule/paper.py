@@ -87,9 +87,12 @@ def _the_all_reduce(program: Program, all_reduce: Any, schedule: str) -> str:
 def fuse_after(s: Schedule, collective: str, *, include: bool = True) -> None:
     """Fuse ``collective`` (if ``include``) with the computation around it and its all_gathers.
 
-    Collectives that a rewrite put inside the chain (the all_reduce of partial norms in LAMB)
-    cannot join a fused collective: the chain is fused up to them, and what depends on them
-    becomes a second group, closed by the all_gathers.
+    Collectives that a rewrite put inside the chain (the all_reduce of partial norms in LAMB,
+    of a clipped update's sum of squares) cannot join a fused collective: the chain is fused up
+    to them, and what depends on them becomes a second group, closed by the all_gathers. A
+    computation that the inner collectives do not need and the second group reads waits for
+    the second group, fused with its consumers, rather than being written out by the first and
+    read back (Adam's ``beta1 * m`` in a clipped update: a pass over the state slices saved).
     """
     program = s.program
     after = [program.node(n) for n in s.downstream(collective)]
@@ -100,14 +103,43 @@ def fuse_after(s: Schedule, collective: str, *, include: bool = True) -> None:
     for n in program.nodes:
         if any(i.name in behind for i in n.inputs):
             behind.add(n.name)
-    first = [collective] if include else []
-    first += [c for c in s.computations(collective) if c not in behind]
-    second = [n.name for n in after if n.name in behind and n.name not in inner]
-    first += [n.name for n in after if n.op is Op.ALL_GATHER and n.name not in behind]
+    computations = s.computations(collective)
+    # what can wait for the second group: read by what depends on the inner collectives, not by
+    # the inner collectives themselves (what nothing behind them reads stays in the first: it
+    # would otherwise read the first group's values back from memory)
+    waits = _read_by(program, behind - inner) - _read_by(program, inner) if inner else set()
+    while True:
+        early = [c for c in computations if c not in behind and c not in waits]
+        back = _read_by(program, set(early)) & waits  # read by the first group: stays there
+        if not back:
+            break
+        waits -= back
+    late = set(computations) - set(early)
+    after_names = {n.name for n in after}
+    first = ([collective] if include else []) + early
+    second = [n.name for n in program.nodes if n.name not in inner and n.name != collective
+              and ((n.name in after_names and n.name in behind) or n.name in late)]
     gathers = {n.name for n in after if n.op is Op.ALL_GATHER}
+    # an all_gather closes the group that computes what it gathers
+    for n in after:
+        if n.op is Op.ALL_GATHER and n.name not in behind:
+            (first if n.inputs[0].name in first else second).append(n.name)
+    second = [n for n in second if n not in first]
     for group in (first, second):
         if any(n not in gathers for n in group):  # all_gathers alone are no kernel
             s.fuse(group)
+
+
+def _read_by(program: Program, names: set[str]) -> set[str]:
+    """Every value the nodes ``names`` read, directly or through others."""
+    seen: set[str] = set()
+    stack = [i for n in names for i in program.node(n).inputs]
+    while stack:
+        x = stack.pop()
+        if x.name not in seen:
+            seen.add(x.name)
+            stack.extend(x.inputs)
+    return seen
 
 
 # -- data-parallel optimizers -------------------------------------------------------------------
