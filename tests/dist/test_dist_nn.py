@@ -32,10 +32,38 @@ def test_sequence_parallel_equals_torch():
 
 
 @pytest.mark.timeout(180)
-def test_parallelize_a_nanogpt_model():
-    """nanoGPT-style GPT, its MLPs swapped by name (torch-style plan), AdamW for 4 steps: the
+def test_attention_and_decoding_equal_torch():
+    results = spawn(nn_workers.attention_vs_torch, 2, options=OPTIONS, timeout=160)
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("plan", ["mlp", "block"])
+def test_parallelize_a_nanogpt_model(plan):
+    """nanoGPT-style GPT, its MLPs (and its attention) swapped by name, AdamW for 4 steps: the
     losses and every weight follow one process."""
-    results = spawn(nn_workers.parallelized_gpt_vs_torch, 2, options=OPTIONS, timeout=160)
+    results = spawn(nn_workers.parallelized_gpt_vs_torch, 2, 4, plan, options=OPTIONS,
+                    timeout=160)  # fmt: skip
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"
+
+
+@pytest.mark.timeout(240)
+def test_paper_schedules_of_the_layers_equal_torch():
+    """MM_AR_C, MM_RS_C_AG and ol_MM_fuse_RS_C_AG on the row-parallel forward and on the
+    column-parallel backward, eager kernels."""
+    results = spawn(nn_workers.schedules_vs_torch, 2, options=OPTIONS, timeout=220)
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"
+
+
+@pytest.mark.timeout(300)
+def test_torch_compile_of_a_model_holding_layers():
+    results = spawn(nn_workers.compiled_model_vs_torch, 2, options=OPTIONS, timeout=280)
     for rank, errors in enumerate(results):
         bad = {k: v for k, v in errors.items() if not v <= 1e-5}
         assert bad == {}, f"rank {rank}: {bad}"

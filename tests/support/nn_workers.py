@@ -124,9 +124,43 @@ def sequence_parallel_vs_torch(comm) -> dict[str, float]:
 
 
 MLP_PLAN = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+BLOCK_PLAN = {**MLP_PLAN, "transformer.h.*.attn": "attention"}
 
 
-def parallelized_gpt_vs_torch(comm, steps: int = 4) -> dict[str, float]:
+def attention_vs_torch(comm) -> dict[str, float]:
+    """ParallelSelfAttention from a nanoGPT attention: output, gradients, and decoding with a
+    KV cache (a prefill, then tokens one by one) equal to the full causal forward."""
+    from coconet.nn import ParallelSelfAttention
+    from support.nanogpt import CausalSelfAttention, GPTConfig
+
+    errors: dict[str, float] = {}
+    torch.manual_seed(2)
+    config = GPTConfig(n_head=4, n_embd=16)
+    ref = CausalSelfAttention(config)
+    attn = ParallelSelfAttention.from_modules(ref.c_attn, ref.c_proj, 4, comm=comm)
+    x = torch.randn(2, 7, 16)
+    ct = torch.randn(2, 7, 16)
+    xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, want = attn(xa), ref(ref_x)
+    (y * ct).sum().backward()
+    (want * ct).sum().backward()
+    errors["attn y"] = _err(y, want)
+    errors["attn dx"] = _err(xa.grad, ref_x.grad)
+    c_attn, c_proj = attn.to_full()
+    errors["attn to_full"] = _err(c_attn.weight, ref.c_attn.weight) + _err(
+        c_proj.weight, ref.c_proj.weight)  # fmt: skip
+    order = attn._order()
+    mine = slice(*slice_bounds(48, comm.world, comm.rank))
+    errors["attn dw_qkv"] = _err(attn.qkv.weight.grad, ref.c_attn.weight.grad[order][mine])
+    with torch.no_grad():
+        cache = attn.new_cache()
+        steps = [attn(x[:, :4], cache=cache)] + [attn(x[:, t : t + 1], cache=cache)
+                                                for t in range(4, 7)]  # fmt: skip
+        errors["attn decode"] = _err(torch.cat(steps, dim=1), want.detach())
+    return errors
+
+
+def parallelized_gpt_vs_torch(comm, steps: int = 4, plan: str = "mlp") -> dict[str, float]:
     """A nanoGPT-style model with its MLPs parallelized, trained with torch.optim.AdamW next to
     the same model on one process: losses per step and the final weights (gathered)."""
     import copy
@@ -136,7 +170,8 @@ def parallelized_gpt_vs_torch(comm, steps: int = 4) -> dict[str, float]:
 
     torch.manual_seed(3)
     reference = GPT(GPTConfig())
-    model = parallelize(copy.deepcopy(reference), comm, MLP_PLAN)
+    model = parallelize(copy.deepcopy(reference), comm,
+                        BLOCK_PLAN if plan == "block" else MLP_PLAN)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
@@ -159,5 +194,66 @@ def parallelized_gpt_vs_torch(comm, steps: int = 4) -> dict[str, float]:
         errors[f"h.{name}.c_fc"] = _err(block.mlp.c_fc.to_full().weight, ref_block.mlp.c_fc.weight)
         errors[f"h.{name}.c_proj"] = _err(block.mlp.c_proj.to_full().weight,
                                           ref_block.mlp.c_proj.weight)  # fmt: skip
-        errors[f"h.{name}.attn"] = _err(block.attn.c_attn.weight, ref_block.attn.c_attn.weight)
+        if plan == "block":
+            errors[f"h.{name}.attn"] = _err(block.attn.to_full()[0].weight,
+                                            ref_block.attn.c_attn.weight)  # fmt: skip
+        else:
+            errors[f"h.{name}.attn"] = _err(block.attn.c_attn.weight,
+                                            ref_block.attn.c_attn.weight)  # fmt: skip
     return errors
+
+
+def schedules_vs_torch(comm, fused_kernels: bool = False) -> dict[str, float]:
+    """Every paper schedule of the layers (row-parallel forward with bias, dropout and residual;
+    column-parallel backward's input-gradient all_reduce) equals torch.nn."""
+    from coconet.nn.layers import SCHEDULES
+
+    errors: dict[str, float] = {}
+    torch.manual_seed(4)
+    lin1, lin2 = nn.Linear(6, 10), nn.Linear(10, 6)
+    x, ct = torch.randn(5, 3, 6), torch.randn(5, 3, 6)
+    for name in SCHEDULES:
+        col = ColumnParallelLinear.from_linear(lin1, comm=comm, schedule=name,
+                                               fused_kernels=fused_kernels)  # fmt: skip
+        row = RowParallelLinear.from_linear(lin2, comm=comm, dropout=0.2, seed=9, schedule=name,
+                                            fused_kernels=fused_kernels)  # fmt: skip
+        xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = row(F.gelu(col(xa)), residual=xa)
+        keep = dropout_mask(9, 0, 0.2, tuple(ct.shape))
+        ref = torch.where(keep, lin2(F.gelu(lin1(ref_x))) / 0.8, 0.0) + ref_x
+        (out * ct).sum().backward()
+        (ref * ct).sum().backward()
+        errors[f"{name} out"] = _err(out, ref)
+        errors[f"{name} dx"] = _err(xa.grad, ref_x.grad)
+        errors[f"{name} dw1"] = _err(col.weight.grad, _part(lin1.weight.grad, 0, comm))
+        errors[f"{name} dw2"] = _err(row.weight.grad, _part(lin2.weight.grad, 1, comm))
+        lin1.zero_grad()
+        lin2.zero_grad()
+    return errors
+
+
+def compiled_model_vs_torch(comm) -> dict[str, float]:
+    """torch.compile of a model holding coconet layers: each layer is a graph break (its own
+    compiled step), the LayerNorm and gelu around it are compiled; forward and x's gradient
+    equal the eager single-process model."""
+    torch.manual_seed(0)
+    lin1, lin2, ln = nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = ln
+            self.fc = ColumnParallelLinear.from_linear(lin1, comm=comm)
+            self.proj = RowParallelLinear.from_linear(lin2, comm=comm)
+
+        def forward(self, x):
+            return self.proj(F.gelu(self.fc(self.ln(x))), residual=x)
+
+    model = torch.compile(Block())
+    x = torch.randn(2, 3, 8)
+    xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = model(xa)
+    ref = lin2(F.gelu(lin1(ln(ref_x)))) + ref_x
+    y.sum().backward()
+    ref.sum().backward()
+    return {"compiled y": _err(y, ref), "compiled dx": _err(xa.grad, ref_x.grad)}

@@ -48,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options", "tune"},
     # tensor-parallel layers: DSL programs, their gradients, compiled steps
-    "nn": {"ir", "dsl", "autodiff", "compiler", "runtime"},
+    "nn": {"ir", "dsl", "autodiff", "schedule", "compiler", "runtime"},
     "coconet": {
         "ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting", "optim", "autodiff",
     },

@@ -16,6 +16,8 @@ from coconet.nn import parallelize
         ({"transformer.h.*.mlp.c_fc": "columnwise"}, "has the style 'columnwise'"),
         ({"transformer.h.*.mlp.fc": "colwise"}, "matches no nn.Linear"),
         ({"*.c_fc": "colwise", "transformer.h.0.*": "rowwise"}, "make the patterns disjoint"),
+        ({"*.mlp": "attention"}, "matches no attention module"),
+        ({"*.attn": "attention", "*.attn.c_proj": "rowwise"}, "swapped whole"),
     ],
 )
 def test_bad_plans_are_refused_before_anything_changes(plan, fragment):

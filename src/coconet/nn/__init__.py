@@ -5,7 +5,16 @@ compiled coconet steps (the backward derived by ``coconet.grad``) inside one
 ``torch.autograd.Function``; see ``coconet.nn.layers``.
 """
 
+from coconet.nn.attention import KVCache, ParallelMLP, ParallelSelfAttention
 from coconet.nn.layers import ColumnParallelLinear, RowParallelLinear
 from coconet.nn.parallelize import Style, parallelize
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "Style", "parallelize"]
+__all__ = [
+    "ColumnParallelLinear",
+    "KVCache",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "RowParallelLinear",
+    "Style",
+    "parallelize",
+]

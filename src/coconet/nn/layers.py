@@ -12,6 +12,9 @@ length runs the same step).
   ``sequence_parallel``: all_gather first), the weight sliced by output features:
   ``y = x @ w.T + b`` is Sliced on its last dim (``gather_output`` all_gathers it). Backward:
   the input gradient's partial sums are all_reduced (reduce_scattered along the sequence).
+- ``schedule=``: one of the paper's layer schedules (``"MM_AR_C"``, ``"MM_RS_C_AG"``,
+  ``"ol_MM_fuse_RS_C_AG"``) or a function Program -> Schedule, applied to the program that has
+  the layer's all_reduce (a row-parallel forward; a column-parallel backward).
 - ``RowParallelLinear``: ``x`` Sliced on its last dim (``input_is_parallel``; else its slice is
   taken), the weight sliced by input features: the partial products are all_reduced
   (reduce_scattered along the sequence), then bias, ``dropout`` (coconet's counter-based mask:
@@ -21,6 +24,7 @@ length runs the same step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +35,11 @@ from coconet import dsl as cc
 from coconet.autodiff import grad
 from coconet.compiler import compile as cc_compile
 from coconet.errors import ConfigError
+from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Layout, Replicated, Sliced, slice_bounds
 from coconet.runtime.comm import Communicator
+from coconet.schedule import Schedule, paper
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -47,12 +53,51 @@ class _Key:
     needs: tuple[str, ...]  # the inputs that need a gradient
 
 
+# The paper's schedules of a tensor-parallel layer, by name (coconet.schedule.paper): each works
+# on the layer's all_reduce, in the program that has it (a row-parallel layer's forward, a
+# column-parallel layer's backward: the input gradient's partial sums).
+SCHEDULES: dict[str, Callable[[Program], Schedule]] = {
+    "MM_AR_C": paper.MM_AR_C,
+    "MM_RS_C_AG": paper.MM_RS_C_AG,
+    "ol_MM_fuse_RS_C_AG": paper.ol_MM_fuse_RS_C_AG,
+}
+
+LayerSchedule = str | Callable[[Program], Schedule] | None
+
+
+def _schedule_of(schedule: Any, who: str) -> Callable[[Program], Schedule] | None:
+    if schedule is None or callable(schedule):
+        return schedule
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        return SCHEDULES[schedule]
+    raise ConfigError(
+        f"{who}: schedule={schedule!r} is not a layer schedule",
+        op=who,
+        hint="one of " + ", ".join(repr(k) for k in SCHEDULES) + ", a function Program -> "
+        "Schedule, or None (the program as written)",
+    )
+
+
+def _scheduled(program: Program, schedule: Callable[[Program], Schedule] | None):
+    """``schedule(program)`` when the program has the all_reduce it works on with computation
+    after it, else the program as written (a column-parallel backward whose input gradient is
+    the all_reduce's result has nothing to fuse or move: its all_reduce runs as it is)."""
+    if schedule is None:
+        return program
+    reduced = [n.name for n in program.nodes if n.op is Op.ALL_REDUCE and n.type.rank]
+    if len(reduced) != 1 or not Schedule(program).computations(reduced[0]):
+        return program
+    return schedule(program)
+
+
 class _Steps:
     """A layer's forward program, its backward programs and their compiled steps."""
 
-    def __init__(self, forward: Program, comm: Communicator, fused: bool) -> None:
+    def __init__(self, forward: Program, comm: Communicator, fused: bool,
+                 schedule: Callable[[Program], Schedule] | None) -> None:  # fmt: skip
         self.forward_program = forward
-        self.forward = cc_compile(forward, comm=comm, fused_kernels=fused)
+        self.schedule = schedule
+        self.forward = cc_compile(_scheduled(forward, schedule), comm=comm, fused_kernels=fused)
         self.comm = comm
         self.fused = fused
         self.backward: dict[tuple[str, ...], Any] = {}
@@ -61,7 +106,9 @@ class _Steps:
         if needs not in self.backward:
             program = grad(self.forward_program, list(needs), name=f"{self.forward_program.name}"
                            "_backward")  # fmt: skip
-            self.backward[needs] = cc_compile(program, comm=self.comm, fused_kernels=self.fused)
+            self.backward[needs] = cc_compile(
+                _scheduled(program, self.schedule), comm=self.comm, fused_kernels=self.fused
+            )
         return self.backward[needs]
 
 
@@ -106,10 +153,12 @@ class _ParallelLinear(nn.Module):
         sequence_parallel: bool,
         sequence_dim: int,
         fused_kernels: bool,
+        schedule: LayerSchedule,
         dtype: torch.dtype,
         device: Any,
     ) -> None:
         super().__init__()
+        self.schedule = _schedule_of(schedule, type(self).__name__)
         if not isinstance(comm, Communicator):
             raise ConfigError(
                 f"{type(self).__name__} needs the communicator of its ranks, got {comm!r}",
@@ -199,6 +248,10 @@ class _ParallelLinear(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
+    # torch.compile of a model holding the layer: the layer's step is its own compiled code
+    # (generated module, torch.distributed or shared-memory collectives) that dynamo cannot
+    # trace; it runs as a graph break, the rest of the model is compiled around it
+    @torch.compiler.disable
     def _call(self, x: torch.Tensor, residual: torch.Tensor | None, scalars: dict[str, Any]):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self._x_features():
             raise ConfigError(
@@ -217,7 +270,8 @@ class _ParallelLinear(nn.Module):
         steps = self._programs.get(key)
         if steps is None:
             program = self._program(x.dim(), DType.from_torch(x.dtype), residual is not None)
-            steps = self._programs[key] = _Steps(program, self.comm, self.fused_kernels)
+            steps = self._programs[key] = _Steps(program, self.comm, self.fused_kernels,
+                                                 self.schedule)  # fmt: skip
         names = tuple(tensors)
         return _Apply.apply(self, steps, scalars, names, *tensors.values())
 
@@ -257,12 +311,13 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  comm: Communicator, axis: str | None = None, gather_output: bool = False,
                  sequence_parallel: bool = False, sequence_dim: int = 0,
-                 fused_kernels: bool = False, dtype: torch.dtype = torch.float32,
-                 device: Any = None) -> None:  # fmt: skip
+                 fused_kernels: bool = False, schedule: LayerSchedule = None,
+                 dtype: torch.dtype = torch.float32, device: Any = None) -> None:  # fmt: skip
         self.gather_output = bool(gather_output)
         super().__init__(in_features, out_features, bias, comm=comm, axis=axis,
                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                         fused_kernels=fused_kernels, dtype=dtype, device=device)  # fmt: skip
+                         fused_kernels=fused_kernels, schedule=schedule, dtype=dtype,
+                         device=device)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._call(x, None, {})
@@ -300,7 +355,8 @@ class RowParallelLinear(_ParallelLinear):
                  comm: Communicator, axis: str | None = None, input_is_parallel: bool = True,
                  dropout: float = 0.0, seed: int = 0, sequence_parallel: bool = False,
                  sequence_dim: int = 0, fused_kernels: bool = False,
-                 dtype: torch.dtype = torch.float32, device: Any = None) -> None:  # fmt: skip
+                 schedule: LayerSchedule = None, dtype: torch.dtype = torch.float32,
+                 device: Any = None) -> None:  # fmt: skip
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
             0.0 <= dropout < 1.0
         ):
@@ -315,7 +371,8 @@ class RowParallelLinear(_ParallelLinear):
         self.calls = 0  # the dropout mask's step: one per training forward
         super().__init__(in_features, out_features, bias, comm=comm, axis=axis,
                          sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                         fused_kernels=fused_kernels, dtype=dtype, device=device)  # fmt: skip
+                         fused_kernels=fused_kernels, schedule=schedule, dtype=dtype,
+                         device=device)  # fmt: skip
 
     def _x_features(self) -> int:
         if not self.input_is_parallel:

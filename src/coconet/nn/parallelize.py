@@ -7,13 +7,15 @@ named as torch's ``parallelize_module`` and Hugging Face ``tp_plan``s name them:
 - ``"colwise_rep"``: the same, its output all_gathered (every rank the whole output);
 - ``"rowwise"``: ``RowParallelLinear`` taking this rank's part of the features (what a
   ``"colwise"`` layer before it gives) and all_reducing its output;
-- ``"rowwise_rep"``: the same, taking the whole input (its part is used).
+- ``"rowwise_rep"``: the same, taking the whole input (its part is used);
+- ``"attention"`` (coconet's own, for a whole module): a GPT-2/nanoGPT attention module (one
+  with ``c_attn``, ``c_proj`` and ``n_head``) becomes a ``ParallelSelfAttention`` with
+  ``n_head / tp`` heads per rank — torch's styles swap linears only, which leaves such a
+  module's own head arithmetic wrong.
 
 Everything else in the model is kept as it is. The model must be the same on every rank (build
 it after the same seed, or load the same weights). A pair ``colwise`` -> elementwise ops ->
-``rowwise`` (an MLP) needs nothing else from the model; attention whose heads are split needs the
-model's own head count per rank (``n_head / tp``) and a ``c_attn`` whose output features are
-ordered by head — not done here (see the README's "not yet").
+``rowwise`` (an MLP) needs nothing else from the model.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from coconet.errors import ConfigError
+from coconet.nn.attention import ParallelSelfAttention
 from coconet.nn.layers import ColumnParallelLinear, RowParallelLinear
 from coconet.runtime.comm import Communicator
 
@@ -37,6 +40,7 @@ class Style(enum.Enum):
     COLWISE_REP = "colwise_rep"
     ROWWISE = "rowwise"
     ROWWISE_REP = "rowwise_rep"
+    ATTENTION = "attention"
 
 
 def _convert(linear: nn.Linear, style: Style, comm: Communicator, axis: str | None,
@@ -85,14 +89,18 @@ def parallelize(
                 hint="a style is one of " + ", ".join(repr(s.value) for s in Style),
             ) from None
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    attentions = {name: m for name, m in model.named_modules() if _is_attention(m)}
     chosen: dict[str, tuple[str, Style]] = {}
     for pattern, style in styles.items():
-        hits = [name for name in linears if fnmatch.fnmatchcase(name, pattern)]
+        pool = attentions if style is Style.ATTENTION else linears
+        hits = [name for name in pool if fnmatch.fnmatchcase(name, pattern)]
         if not hits:
+            what = "attention module (c_attn, c_proj, n_head)" if style is Style.ATTENTION \
+                else "nn.Linear"  # fmt: skip
             raise ConfigError(
-                f"parallelize: the pattern {pattern!r} matches no nn.Linear of the model",
+                f"parallelize: the pattern {pattern!r} matches no {what} of the model",
                 op="parallelize",
-                details=[f"its nn.Linears: {', '.join(sorted(linears)[:20]) or 'none'}"],
+                details=[f"its candidates: {', '.join(sorted(pool)[:20]) or 'none'}"],
                 hint="patterns are fnmatch patterns over model.named_modules() names",
             )
         for name in hits:
@@ -104,9 +112,32 @@ def parallelize(
                     hint="make the patterns disjoint",
                 )
             chosen[name] = (pattern, style)
+    inside = [(a, n) for a in chosen if chosen[a][1] is Style.ATTENTION for n in chosen
+              if n.startswith(a + ".")]  # fmt: skip
+    if inside:
+        raise ConfigError(
+            f"parallelize: {inside[0][1]!r} is inside the attention module {inside[0][0]!r}, "
+            "which is swapped whole",
+            op="parallelize",
+            hint="leave the attention's own linears out of the plan",
+        )
     options = {"fused_kernels": fused_kernels}
     for name, (_, style) in chosen.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _convert(linears[name], style, comm, axis, options))
+        if style is Style.ATTENTION:
+            m = attentions[name]
+            new = ParallelSelfAttention.from_modules(m.c_attn, m.c_proj, m.n_head, comm=comm,
+                                                     axis=axis, **options)  # fmt: skip
+        else:
+            new = _convert(linears[name], style, comm, axis, options)
+        setattr(parent, child, new)
     return model
+
+
+def _is_attention(m: nn.Module) -> bool:
+    return (
+        isinstance(getattr(m, "c_attn", None), nn.Linear)
+        and isinstance(getattr(m, "c_proj", None), nn.Linear)
+        and isinstance(getattr(m, "n_head", None), int)
+    )
