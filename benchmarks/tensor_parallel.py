@@ -24,9 +24,9 @@ step, the slowest rank's time of each step:
   (``Communicator.all_reduce_start`` + ``comm.wait``, no compiled step around it);
 - ``megatron_ds``: the same f/g over DeepSpeed's CPU shared-memory ``inference_all_reduce``
   (left out, with the reason, when DeepSpeed or its op is missing);
-- ``coconet_nn``: the block built from ``coconet.nn`` layers (``ParallelSelfAttention`` and
-  ``ParallelMLP`` when this tree has them; else ``ColumnParallelLinear`` / ``RowParallelLinear``
-  with the attention core in plain torch on the local heads: the output says which).
+- ``coconet_nn``: the block built from ``coconet.nn`` layers: ``ParallelSelfAttention`` and
+  ``ParallelMLP`` (from nanoGPT's modules, ``from_modules``), each residual folded into the
+  layer's output projection, its ``KVCache`` when decoding; the LayerNorms in torch.
 
 Every contender's output (and in ``b`` the input gradient, ``ln_1``'s weight gradient and this
 rank's part of ``c_fc``'s weight gradient) is compared, on every rank, with one process on the
@@ -325,82 +325,38 @@ def ds_reduce() -> Callable:
 
 
 class CoconetBlock(nn.Module):
-    """The block from ``coconet.nn`` layers: ``ParallelSelfAttention`` / ``ParallelMLP`` when
-    this tree has them; else Column/RowParallelLinear (``c_attn`` with head-ordered rows) around
-    the attention core in plain torch on this rank's heads, and the residuals folded into the
-    row-parallel layers."""
+    """The block from ``coconet.nn`` layers: ``ParallelSelfAttention`` (c_attn's rows ordered by
+    head, the attention core on this rank's heads, the output projection's all_reduce, bias and
+    residual in its program) and ``ParallelMLP`` (c_fc -> gelu -> c_proj, residual inside)."""
+
+    kind = ("coconet.nn.ParallelSelfAttention(residual=x) + coconet.nn.ParallelMLP(residual=x), "
+            "LayerNorms in torch; layer defaults (fused_kernels=False, no schedule)")  # fmt: skip
 
     def __init__(self, ref: Block, comm) -> None:
         super().__init__()
         import coconet.nn as cnn
 
-        self.head_dim, self.world = ref.head_dim, comm.world
         self.ln_1, self.ln_2 = nn.LayerNorm(ref.d), nn.LayerNorm(ref.d)
         self.ln_1.load_state_dict(ref.ln_1.state_dict())
         self.ln_2.load_state_dict(ref.ln_2.state_dict())
-        psa, pmlp = getattr(cnn, "ParallelSelfAttention", None), getattr(cnn, "ParallelMLP", None)
-        if psa is not None:
-            self.attn = psa.from_modules(ref.c_attn, ref.attn_proj, ref.heads, comm=comm)
-            self.attn_kind = "coconet.nn.ParallelSelfAttention"
-        else:
-            self.attn = None
-            self.c_attn = cnn.ColumnParallelLinear.from_linear(
-                head_ordered_c_attn(ref, comm.world), comm=comm
-            )
-            self.attn_proj = cnn.RowParallelLinear.from_linear(ref.attn_proj, comm=comm)
-            self.attn_kind = ("ColumnParallelLinear (c_attn, head-ordered rows) + attention core "
-                              "in plain torch on the local heads + RowParallelLinear (c_proj, "
-                              "residual inside)")  # fmt: skip
-        if pmlp is not None:
-            self.mlp = pmlp.from_modules(ref.c_fc, ref.mlp_proj, comm=comm)
-            self.mlp_kind = "coconet.nn.ParallelMLP"
-        else:
-            self.mlp = None
-            self.c_fc = cnn.ColumnParallelLinear.from_linear(ref.c_fc, comm=comm)
-            self.mlp_proj = cnn.RowParallelLinear.from_linear(ref.mlp_proj, comm=comm)
-            self.mlp_kind = ("ColumnParallelLinear (c_fc) -> gelu -> RowParallelLinear (c_proj, "
-                             "residual inside)")  # fmt: skip
+        self.attn = cnn.ParallelSelfAttention.from_modules(ref.c_attn, ref.attn_proj, ref.heads,
+                                                           comm=comm)  # fmt: skip
+        self.mlp = cnn.ParallelMLP.from_modules(ref.c_fc, ref.mlp_proj, comm=comm)
 
     def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
-        if self.attn is not None:
-            x = x + self.attn(self.ln_1(x), cache=cache)
-        else:
-            local = self.c_attn(self.ln_1(x))
-            q, k, v = local.split(local.shape[-1] // 3, dim=-1)
-            y = attend(*(heads_of(z, self.head_dim) for z in (q, k, v)), cache)
-            x = self.attn_proj(merge_heads(y), residual=x)
-        if self.mlp is not None:
-            return x + self.mlp(self.ln_2(x))
-        return self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))), residual=x)
+        x = self.attn(self.ln_1(x), cache=cache, residual=x)
+        return self.mlp(self.ln_2(x), residual=x)
 
     def fc_weight(self) -> torch.Tensor:
-        if self.mlp is None:
-            return self.c_fc.weight
-        for name in ("c_fc", "fc"):
-            layer = getattr(self.mlp, name, None)
-            if layer is not None:
-                return layer.weight
-        raise AttributeError("ParallelMLP: no c_fc layer found")
-
-    def new_cache(self, batch: int, t_max: int, ref: Block):
-        if self.attn is not None:
-            return CoconetCache(self.attn.new_cache())
-        return KV(batch, ref.heads // self.world, t_max, self.head_dim)
+        return self.mlp.fc.weight
 
 
-class CoconetCache:
-    """A ``coconet.nn.KVCache`` with the benchmark's ``n`` (its length, cut back every step)."""
-
-    def __init__(self, cache) -> None:
-        self.cache = cache
-
-    @property
-    def n(self) -> int:
-        return int(self.cache.length)
-
-    @n.setter
-    def n(self, value: int) -> None:
-        self.cache.truncate(value)
+def cut_cache(cache: Any, length: int) -> None:
+    """Back to ``length`` cached tokens (this benchmark's KV or a coconet.nn.KVCache)."""
+    if isinstance(cache, KV):
+        cache.n = length
+    else:
+        cache.length = length
 
 
 # -- the ranks ---------------------------------------------------------------------------------
@@ -472,8 +428,7 @@ def worker(comm, cfg: dict) -> dict:
     if "coconet_nn" in wanted:
         build("coconet_nn", lambda: CoconetBlock(ref, comm))
         if "coconet_nn" in blocks:
-            cb = blocks["coconet_nn"]
-            coconet_kind = f"attention: {cb.attn_kind}; MLP: {cb.mlp_kind}"
+            coconet_kind = CoconetBlock.kind
     agree_failed(failed, list(blocks))
     for name in failed:
         blocks.pop(name, None)
@@ -512,6 +467,8 @@ def worker(comm, cfg: dict) -> dict:
             "probe:matmul[one]": (one_run, rank == 0),
             "probe:copy": (lambda: dst.copy_(src), True),
         }
+        if case == "c" and "coconet_nn" in blocks:
+            probes.update(call_probes(blocks["coconet_nn"], comm, b, d, world))
         # the reference on this rank (untimed), and each contender's step
         caches: dict[str, Any] = {}
         if case == "a":
@@ -598,6 +555,31 @@ def worker(comm, cfg: dict) -> dict:
     return results
 
 
+CALLS = 20  # layer calls per timed step of the per-call probes
+
+
+def call_probes(block: CoconetBlock, comm, b: int, d: int, world: int) -> dict:
+    """What one coconet.nn layer call costs at decode size: ``CALLS`` calls of the block's
+    attention output projection (a RowParallelLinear, [b, 1, d/2] -> [b, 1, d], no grad) against
+    the same matmul + coconet's bare shared-memory all_reduce + bias (megatron_shm's way)."""
+    row = block.attn.proj
+    xin = torch.randn(b, 1, d // world)
+    reduce_ = shm_reduce(comm)
+
+    def coconet_calls():
+        with torch.no_grad():
+            for _ in range(CALLS):
+                row(xin)
+
+    def bare_calls():
+        with torch.no_grad():
+            for _ in range(CALLS):
+                reduce_(F.linear(xin, row.weight)).add_(row.bias)
+
+    return {"probe:call[coconet.nn RowParallelLinear]": (coconet_calls, True),
+            "probe:call[F.linear + shm all_reduce + bias]": (bare_calls, True)}  # fmt: skip
+
+
 def agree_failed(failed: dict[str, str], names: list[str]) -> None:
     """Every rank leaves out the same contenders: a failure on any rank fails it everywhere."""
     flags = torch.tensor([1.0 if n in failed else 0.0 for n in names])
@@ -635,14 +617,14 @@ def make_step(case, name, block, ref, x, dout, x_new, cfg, caches, world):
         if name == ONE:
             cache = ref.new_cache(b, t + 1)
         elif isinstance(block, CoconetBlock):
-            cache = block.new_cache(b, t + 1, ref)
+            cache = block.attn.new_cache()
         else:
             cache = ref.new_cache(b, t + 1, world)
         block(x, cache)
     caches[name] = cache
 
     def prepare():
-        cache.n = t
+        cut_cache(cache, t)
 
     def step():
         with torch.no_grad():
@@ -820,10 +802,19 @@ def table(doc: dict) -> str:
             )
         for name, why in c["failed"].items():
             lines.append(f"{name:<16} FAILED, not timed: {why}")
+        lines.append(f"{'probe (same alternation)':<44} {'median ms':>10} {'min':>9} {'max':>9}")
         for name, r in c["rows"].items():
             if name.startswith("probe:"):
-                lines.append(f"{name:<16} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} "
+                lines.append(f"{name:<44} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} "
                              f"{r['max_ms']:>9.3f}")  # fmt: skip
+        cc_call = c["rows"].get("probe:call[coconet.nn RowParallelLinear]")
+        bare_call = c["rows"].get("probe:call[F.linear + shm all_reduce + bias]")
+        if cc_call and bare_call:
+            a_us, b_us = (1e3 * r["median_ms"] / CALLS for r in (cc_call, bare_call))
+            lines.append(f"per layer call (the probe:call rows are {CALLS} calls): coconet.nn "
+                         f"RowParallelLinear {a_us:.1f} us, the same matmul + bare shm all_reduce "
+                         f"+ bias {b_us:.1f} us: {a_us - b_us:.1f} us more per coconet.nn call "
+                         "(a forward makes 4 layer calls, a backward 4 more)")  # fmt: skip
         lines += [
             f"lower bound TP=2 {lb['tp_ms']:.3f} ms = compute {lb['tp_compute_ms']:.3f} ms "
             f"({lb['matmul_flops_total'] / 2e9:.3f} GFLOP per rank at the matmul probe's "
@@ -887,7 +878,8 @@ def plot(doc: dict, path: str) -> None:
         ax.axhline(c["lower_bound"]["one_process_ms"], color="k", linestyle=":",
                    label="one-process lower bound")  # fmt: skip
         ax.set_xticks(range(len(rows)), names, rotation=35, ha="right")
-        ax.set_ylabel("ms per step (median; min-max bars; slowest rank)")
+        if case == next(iter(cases)):
+            ax.set_ylabel("ms per step (median, min-max bars, slowest rank)")
         ax.set_title(f"({case}) {c['name']}")
         ax.legend(fontsize=7)
     cfg = doc["config"]
