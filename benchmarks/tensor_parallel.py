@@ -30,7 +30,8 @@ step, the slowest rank's time of each step:
 
 Every contender's output (and in ``b`` the input gradient, ``ln_1``'s weight gradient and this
 rank's part of ``c_fc``'s weight gradient) is compared, on every rank, with one process on the
-same weights and inputs: max |diff| / max |reference| <= 1e-4. A contender that disagrees (or
+same weights and inputs, at its first call and again after the timed steps:
+max |diff| / max |reference| <= 1e-4. A contender that disagrees (or
 raises) is reported as FAILED and not timed; the exit status is then 1.
 
 Lower bound of each case (printed next to the medians): the block's matmul FLOPs (attention's
@@ -537,6 +538,20 @@ def worker(comm, cfg: dict) -> dict:
                 if r >= cfg["warmup"]:
                     times[i, r - cfg["warmup"]] = dt
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank, step by step
+        # checked again after the timed steps (the state a step leaves: caches, gradients)
+        last = []
+        for name, (prepare, step, _here) in steps.items():
+            err = math.inf
+            if name not in bad:
+                prepare()
+                err = compare(step(), want, blocks[name], rank, world, d)["max_rel_err"]
+            last.append(err)
+        last_t = torch.tensor(last, dtype=torch.float64)
+        dist.all_reduce(last_t, op=dist.ReduceOp.MAX)
+        for name, err in zip(steps, last_t.tolist(), strict=True):
+            if name not in bad and not err <= RTOL:
+                bad[name] = f"wrong result after the timed steps: max rel err {err:.2e}"
+        worst = torch.maximum(worst, last_t)
         first_t = torch.tensor([first.get(n, 0.0) for n in steps], dtype=torch.float64)
         dist.all_reduce(first_t, op=dist.ReduceOp.MAX)
         results["cases"][case] = {
@@ -828,8 +843,8 @@ def table(doc: dict) -> str:
         ]
     lines += ["", "correct = every rank's output" + (" (training: also d_x, ln_1.weight's and "
               "this rank's rows of c_fc.weight's gradient)" if "b" in doc["cases"] else "")
-              + f" within max|diff|/max|ref| <= {RTOL:g} of one process on the same weights and "
-              "inputs"]  # fmt: skip
+              + ", at the first call and after the timed steps, within max|diff|/max|ref| <= "
+              f"{RTOL:g} of one process on the same weights and inputs"]  # fmt: skip
     if doc["targets"]:
         lines += ["", "targets (coconet_nn; ratios of medians from this run):"]
         for t in doc["targets"]:
