@@ -66,3 +66,8 @@ done
 # DeepSpeed's inference_all_reduce, 4 KiB to 64 MiB, with the issue's targets in the JSON.
 "$PY" benchmarks/small_steps.py --json "$R/small_steps.json" | grep -v "^DeepSpeed " \
   | tee "$R/small_steps.txt"
+
+# Tensor parallelism (issue 20): one GPT block at TP=2, prefill / training / decode, against one
+# process, DTensor, Megatron f/g over gloo, coconet's and DeepSpeed's shared memory.
+"$PY" benchmarks/tensor_parallel.py --json "$R/tensor_parallel.json" \
+  --plot "$R/tensor_parallel.png" | tee "$R/tensor_parallel.txt"
