@@ -14,29 +14,30 @@ from coconet.runtime import CommOptions, spawn
 OPTIONS = CommOptions(timeout=60)
 
 
+def _assert_within(results: list[dict[str, float]], rtol: float = 1e-5) -> None:
+    """Every rank's every error (relative to its reference) at most ``rtol``."""
+    for rank, errors in enumerate(results):
+        bad = {k: v for k, v in errors.items() if not v <= rtol}
+        assert bad == {}, f"rank {rank}: {bad}"
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_layers_equal_torch(nproc):
     results = spawn(nn_workers.layers_vs_torch, nproc, options=OPTIONS, timeout=220)
-    for rank, errors in enumerate(results):
-        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
-        assert bad == {}, f"rank {rank}: {bad}"
+    _assert_within(results)
 
 
 @pytest.mark.timeout(180)
 def test_sequence_parallel_equals_torch():
     results = spawn(nn_workers.sequence_parallel_vs_torch, 2, options=OPTIONS, timeout=160)
-    for rank, errors in enumerate(results):
-        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
-        assert bad == {}, f"rank {rank}: {bad}"
+    _assert_within(results)
 
 
 @pytest.mark.timeout(180)
 def test_attention_and_decoding_equal_torch():
     results = spawn(nn_workers.attention_vs_torch, 2, options=OPTIONS, timeout=160)
-    for rank, errors in enumerate(results):
-        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
-        assert bad == {}, f"rank {rank}: {bad}"
+    _assert_within(results)
 
 
 @pytest.mark.timeout(180)
@@ -46,9 +47,7 @@ def test_parallelize_a_nanogpt_model(plan):
     losses and every weight follow one process."""
     results = spawn(nn_workers.parallelized_gpt_vs_torch, 2, 4, plan, options=OPTIONS,
                     timeout=160)  # fmt: skip
-    for rank, errors in enumerate(results):
-        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
-        assert bad == {}, f"rank {rank}: {bad}"
+    _assert_within(results)
 
 
 @pytest.mark.timeout(240)
@@ -56,17 +55,13 @@ def test_paper_schedules_of_the_layers_equal_torch():
     """MM_AR_C, MM_RS_C_AG and ol_MM_fuse_RS_C_AG on the row-parallel forward and on the
     column-parallel backward, eager kernels."""
     results = spawn(nn_workers.schedules_vs_torch, 2, options=OPTIONS, timeout=220)
-    for rank, errors in enumerate(results):
-        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
-        assert bad == {}, f"rank {rank}: {bad}"
+    _assert_within(results)
 
 
 @pytest.mark.timeout(300)
 def test_torch_compile_of_a_model_holding_layers():
     results = spawn(nn_workers.compiled_model_vs_torch, 2, options=OPTIONS, timeout=280)
-    for rank, errors in enumerate(results):
-        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
-        assert bad == {}, f"rank {rank}: {bad}"
+    _assert_within(results)
 
 
 @pytest.mark.timeout(90)
@@ -87,6 +82,4 @@ def test_a_rank_killed_in_backward(transport):
 @pytest.mark.timeout(300)
 def test_auto_schedule_equals_torch():
     results = spawn(nn_workers.auto_schedule_vs_torch, 2, options=OPTIONS, timeout=280)
-    for rank, errors in enumerate(results):
-        bad = {k: v for k, v in errors.items() if not v <= 1e-5}
-        assert bad == {}, f"rank {rank}: {bad}"
+    _assert_within(results)

@@ -142,24 +142,24 @@ class _Apply(torch.autograd.Function):
     """Runs a layer's compiled forward step; its backward runs the compiled gradient step."""
 
     @staticmethod
-    def forward(ctx, layer, steps, scalars, names, *tensors):
+    def forward(ctx, steps, scalars, names, *tensors):
         inputs = dict(zip(names, (t.detach() for t in tensors), strict=True))
         out = steps.forward(**inputs, **scalars)["y"]
-        ctx.layer, ctx.steps, ctx.scalars, ctx.names = layer, steps, scalars, names
+        ctx.steps, ctx.scalars, ctx.names = steps, scalars, names
         ctx.save_for_backward(*tensors)
         return out
 
     @staticmethod
     def backward(ctx, d_y):
         tensors = ctx.saved_tensors
-        needs = tuple(n for n, need in zip(ctx.names, ctx.needs_input_grad[4:], strict=True)
+        needs = tuple(n for n, need in zip(ctx.names, ctx.needs_input_grad[3:], strict=True)
                       if need)  # fmt: skip
         if not needs:
-            return (None,) * (4 + len(tensors))
+            return (None,) * (3 + len(tensors))
         step = ctx.steps.backward_step(needs)
         inputs = dict(zip(ctx.names, (t.detach() for t in tensors), strict=True))
         grads = step(**inputs, **ctx.scalars, d_y=d_y.contiguous())
-        return (None, None, None, None, *(grads.get(f"d_{n}") for n in ctx.names))
+        return (None, None, None, *(grads.get(f"d_{n}") for n in ctx.names))
 
 
 class _ParallelLinear(nn.Module):
@@ -300,7 +300,7 @@ class _ParallelLinear(nn.Module):
             steps = self._programs[key] = _Steps(program, self.comm, self.fused_kernels,
                                                  self.schedule, sizes, dict(scalars))  # fmt: skip
         names = tuple(tensors)
-        return _Apply.apply(self, steps, scalars, names, *tensors.values())
+        return _Apply.apply(steps, scalars, names, *tensors.values())
 
     @property
     def tuning(self) -> list[Any]:
