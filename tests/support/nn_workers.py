@@ -236,6 +236,13 @@ def compiled_model_vs_torch(comm) -> dict[str, float]:
     """torch.compile of a model holding coconet layers: each layer is a graph break (its own
     compiled step), the LayerNorm and gelu around it are compiled; forward and x's gradient
     equal the eager single-process model."""
+    from coconet.cache import use_inductor_cache
+
+    # The model's own torch.compile is the user's, not coconet's: Inductor's FX-graph cache is
+    # not keyed by ATEN_CPU_CAPABILITY (a run with =default loads the native run's vectorized
+    # C++ and fails to build it), so key it as coconet keys its fused kernels, as a user who
+    # switches capability on one machine must.
+    use_inductor_cache()
     torch.manual_seed(0)
     lin1, lin2, ln = nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)
 

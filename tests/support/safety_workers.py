@@ -10,6 +10,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 
 import coconet as cc
 from coconet.errors import RuntimeFault
@@ -271,6 +272,10 @@ def slow_compile(comm: Communicator, victim: int, delay: float, dies: bool = Fal
             return eager(*args)
 
         kernel.fn = compiled
+    # Line the ranks up outside coconet (torch's own barrier, its long default timeout): what
+    # is measured is the victim's slow compile, not how far apart two loaded ranks reach their
+    # first step (that lag alone can exceed the 1.5 s timeout on 2 busy cores).
+    dist.barrier()
     result = _attempt(step, mine)
     result["compile_seconds"] = dict(step.kernels.first_call_seconds)
     return result
