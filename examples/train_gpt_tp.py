@@ -36,23 +36,24 @@ import train_gpt  # noqa: E402 - the model, data and reference run of the data-p
 class TPBlock(nn.Module):
     """``train_gpt.Block`` with its attention and MLP split over the ranks of ``comm``."""
 
-    def __init__(self, block: train_gpt.Block, comm) -> None:
+    def __init__(self, block: train_gpt.Block, comm, axis: str | None = None) -> None:
         super().__init__()
         from coconet.nn import ParallelMLP, ParallelSelfAttention
 
         self.ln1, self.ln2 = block.ln1, block.ln2
         self.attn = ParallelSelfAttention.from_modules(block.qkv, block.proj, block.heads,
-                                                       comm=comm)  # fmt: skip
-        self.mlp = ParallelMLP.from_modules(block.up, block.down, comm=comm)
+                                                       comm=comm, axis=axis)  # fmt: skip
+        self.mlp = ParallelMLP.from_modules(block.up, block.down, comm=comm, axis=axis)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         x = self.attn(self.ln1(x), cache=cache, residual=x)
         return self.mlp(self.ln2(x), residual=x)
 
 
-def tensor_parallel(net: train_gpt.GPT, comm) -> train_gpt.GPT:
-    """``net`` with every block replaced by its TPBlock (in place)."""
-    net.blocks = nn.ModuleList(TPBlock(b, comm) for b in net.blocks)
+def tensor_parallel(net: train_gpt.GPT, comm, axis: str | None = None) -> train_gpt.GPT:
+    """``net`` with every block replaced by its TPBlock over mesh ``axis`` (the whole world for
+    None), in place."""
+    net.blocks = nn.ModuleList(TPBlock(b, comm, axis) for b in net.blocks)
     return net
 
 
