@@ -199,6 +199,10 @@ class _ParallelLinear(nn.Module):
                     hint="the sizes of the whole layer, as nn.Linear(in_features, out_features)",
                 )
         self.in_features, self.out_features = in_features, out_features
+        if axis is not None and axis in comm.mesh.names and comm.mesh.axis_size(axis) < comm.world:
+            # A layer over one axis of a larger mesh (tp of pp x tp, of dp x tp) runs with its
+            # group alone: its steps must not agree or wait with ranks that never call them.
+            comm = comm.along(axis)
         self.comm, self.axis = comm, axis
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
         self.fused_kernels = fused_kernels

@@ -94,16 +94,46 @@ class Communicator:
                 op="Communicator",
                 hint="coconet.runtime.CommOptions(timeout=60.0)",
             )
-        self.options = options or CommOptions()
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.mesh = mesh or Mesh.world(self.world)
-        if self.mesh.size != self.world:
+        world = dist.get_world_size()
+        mesh = mesh or Mesh.world(world)
+        if mesh.size != world:
             raise ConfigError(
-                f"{self.mesh} has {self.mesh.size} ranks but the job has {self.world}",
+                f"{mesh} has {mesh.size} ranks but the job has {world}",
                 op="Communicator",
                 hint="launch as many ranks as the mesh has, or pass a mesh that fits the job",
             )
+        Communicator._made += 1  # every rank makes its communicators in the same order
+        self._build(
+            mesh,
+            options or CommOptions(),
+            rank=dist.get_rank(),
+            members=tuple(range(world)),
+            abort_key=f"coconet/aborted/{Communicator._made}",
+            groups=None,
+        )
+
+    def _build(
+        self,
+        mesh: Mesh,
+        options: CommOptions,
+        *,
+        rank: int,
+        members: tuple[int, ...],
+        abort_key: str,
+        groups: dict[str | None, Group] | None,
+        process_group: Any = None,
+        parent: tuple[Communicator, str] | None = None,
+    ) -> None:
+        """Make the communicator of ``members`` (global ranks; this process is ``rank`` among
+        them) over ``mesh``: its groups (``groups``, or every group of the mesh, made here), its
+        fault guard, control channel and routes. Collective over ``members`` only."""
+        self.options = options
+        self.rank, self.world, self.mesh = rank, len(members), mesh
+        self.members = members  # the job's global ranks of this communicator's world, in order
+        self.process_group = process_group  # torch.distributed's group of that world (None: all)
+        self._parent = parent  # (communicator, axis) for one made by ``along``
+        self._subs: dict[str, Communicator] = {}  # along(axis), made once
+        self._made_along = 0  # sub-communicators made from this one (names their abort keys)
         self.backend = str(dist.get_backend())
         self.device = torch.device("cpu")
         if self.backend == "nccl":
@@ -114,31 +144,32 @@ class Communicator:
         self.guard = FaultGuard(
             self.rank, self.world, self.backend, self.options.timeout, self._ranks_of
         )
-        Communicator._made += 1  # every rank makes its communicators in the same order
         self.control = ControlChannel(
             self.rank,
             self.world,
             self.device,
             self.options.timeout,
             self.guard,
-            f"coconet/aborted/{Communicator._made}",
+            abort_key,
+            process_group,
+            members[0],
         )
         self.torch = TorchDistributedTransport()
         self.shm = SharedMemoryTransport()
         self._channels: dict[str | None, OnePassChannel] = {}  # comm.one_pass(axis), made once
-        self._groups = mesh_groups(self.mesh, self.rank, self.world, self.torch)
+        self._groups = (
+            groups if groups is not None else mesh_groups(mesh, rank, self.world, self.torch)
+        )
         self._check_fixed_algorithms()
         # Every rank's host identity (routing) and process id (its peers on the same host
         # watch it while they wait outside any collective: ControlChannel.run_watched).
         evidence = self.exchange((host_identity(), os.getpid()), "host identity")
-        hosts = [host for host, _ in evidence]
+        mine = evidence[self.rank][0]
         self.control.set_peer_pids(
-            {
-                r: pid
-                for r, (host, pid) in enumerate(evidence)
-                if host == hosts[self.rank] and r != self.rank
-            }
+            {r: pid for r, (host, pid) in enumerate(evidence) if host == mine and r != self.rank}
         )
+        # by the job's global rank, as groups name their ranks
+        hosts = {g: host for g, (host, _) in zip(members, evidence, strict=True)}
         self.routes = route_groups(
             self._groups, hosts, self.device, self.options, self.torch, self.shm
         )
@@ -150,6 +181,58 @@ class Communicator:
             self.control.use_shared_memory(self.shm, control)
         self.table = AlgorithmTable.load(keyed_cache_dir(self.options.cache_dir))
         self._share_table()
+
+    # -- sub-communicators --------------------------------------------------------------------
+
+    def along(self, axis: str) -> Communicator:
+        """The communicator of this rank's group along ``axis`` alone: its world is that group
+        (``rank`` its place in it), its mesh the one axis, and every step compiled with it
+        agrees, votes and waits with those ranks only. What a stage of a pipeline (or a dp
+        replica) uses for its tensor-parallel layers, so that a step along ``tp`` never waits
+        for ranks that do not run it (``coconet.nn`` layers given ``axis`` do this themselves).
+
+        Made once per axis and kept. Collective over the group only (its ranks call it at the
+        same point of their program; the other groups need not), because the torch.distributed
+        group it runs on was made with this communicator."""
+        sub = self._subs.get(axis)
+        if sub is None:
+            sub = self._subs[axis] = self._sub(axis, self.options)
+        return sub
+
+    def variant(self, options: CommOptions) -> Communicator:
+        """A new communicator of the same ranks and mesh with ``options`` (the tuner's way to
+        try another transport). Collective over this communicator's world."""
+        if self._parent is None:
+            return Communicator(self.mesh, options)
+        parent, axis = self._parent
+        return parent._sub(axis, options)
+
+    def _sub(self, axis: str, options: CommOptions) -> Communicator:
+        if axis is None or axis not in self.mesh.names:
+            raise ConfigError(
+                f"Communicator.along: {self.mesh} has no axis {axis!r}",
+                op="Communicator.along",
+                hint=f"one of {list(self.mesh.names)}",
+            )
+        self.guard.check("Communicator.along", axis)
+        group = self._groups[axis]  # its ranks are the job's global ranks
+        self._made_along += 1
+        members = tuple(group.ranks)
+        sub = Communicator.__new__(Communicator)
+        sub._build(
+            Mesh(**{axis: group.size}),
+            options,
+            rank=group.index,
+            members=members,
+            abort_key=f"{self.control.abort_key}/{axis}{list(members)}/{self._made_along}",
+            groups={
+                None: Group(None, group.ranks, group.index, group.handle),
+                axis: Group(axis, group.ranks, group.index, group.handle),
+            },
+            process_group=group.handle,
+            parent=(self, axis),
+        )
+        return sub
 
     @property
     def broken(self) -> str | None:
@@ -414,7 +497,8 @@ class Communicator:
 
         def agree(times: list[float]) -> list[float]:
             t = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the whole world: everyone must agree
+            # this communicator's whole world: everyone must agree
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
             return t.tolist()
 
         choice = self.guard(
@@ -467,6 +551,8 @@ class Communicator:
         torch.distributed groups stay: they belong to the job (``coconet.runtime.shutdown``)."""
         if self.broken is None:
             self.broken = "closed"
+        for sub in self._subs.values():
+            sub.close()
         for route in self.routes.values():
             if route.transport is self.shm:
                 route.group.handle.close()
@@ -474,7 +560,8 @@ class Communicator:
 
     def __repr__(self) -> str:
         state = f", broken: {self.broken}" if self.broken else ""
-        return f"Communicator(rank {self.rank} of {self.mesh}, {self.backend}{state})"
+        where = "" if self._parent is None else f", the job's ranks {list(self.members)}"
+        return f"Communicator(rank {self.rank} of {self.mesh}{where}, {self.backend}{state})"
 
 
 def _nbytes(x: torch.Tensor) -> int:

@@ -44,12 +44,17 @@ class ControlChannel:
         timeout: float,
         guard: FaultGuard,
         abort_key: str,
+        process_group: Any = None,
+        root: int = 0,
     ) -> None:
         self.rank, self.world, self.device, self.timeout = rank, world, device, timeout
         self._guard = guard
+        # The torch.distributed group of this communicator's world (None: the default group) and
+        # the global rank of its first member (what torch names a broadcast's source by).
+        self.process_group, self._root = process_group, root
         # Where a rank whose step failed or was interrupted says so (``abort``); every rank makes
         # its communicators in the same order, so the key names the same one everywhere.
-        self._abort_key = abort_key
+        self._abort_key = self.abort_key = abort_key
         self._store = dist.distributed_c10d._get_default_store() if world > 1 else None
         self._ready_calls = 0
         self._shm: SharedMemoryTransport | None = None
@@ -82,7 +87,8 @@ class ControlChannel:
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         if self.world == 1:
             return t.tolist()
-        work = self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX, async_op=True)
+        work = self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX,
+                           group=self.process_group, async_op=True)  # fmt: skip
         self._guard(op, label, None, self.wait_work, work)
         return t.tolist()
 
@@ -90,7 +96,8 @@ class ControlChannel:
         """Element-wise MAX over the world of a short float vector (same length everywhere)."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.world > 1 and len(values):
-            self._guard("all_reduce", label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX)
+            self._guard("all_reduce", label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX,
+                        group=self.process_group)  # fmt: skip
         return t.tolist()
 
     def exchange(self, obj: Any, label: str) -> list[Any]:
@@ -98,7 +105,8 @@ class ControlChannel:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        self._guard("handshake", label, None, dist.all_gather_object, out, obj)
+        self._guard("handshake", label, None, dist.all_gather_object, out, obj,
+                    group=self.process_group)  # fmt: skip
         return out
 
     def broadcast_object(self, obj: Any, label: str) -> Any:
@@ -106,12 +114,13 @@ class ControlChannel:
         if self.world == 1:
             return obj
         box = [obj if self.rank == 0 else None]
-        self._guard("setup", label, None, dist.broadcast_object_list, box, src=0)
+        self._guard("setup", label, None, dist.broadcast_object_list, box, src=self._root,
+                    group=self.process_group)  # fmt: skip
         return box[0]
 
     def barrier(self, label: str = "barrier") -> None:
         if self.world > 1:
-            self._guard("barrier", label, None, dist.barrier)
+            self._guard("barrier", label, None, dist.barrier, group=self.process_group)
 
     # -- long work outside any collective: compiling, then readiness -----------------------------
 

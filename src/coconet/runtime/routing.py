@@ -11,7 +11,7 @@ all choose alike.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -50,14 +50,15 @@ def mesh_groups(
 
 def route_groups(
     groups: dict[str | None, Group],
-    hosts: Sequence[object],
+    hosts: Mapping[int, object],
     device: torch.device,
     options: CommOptions,
     torch_transport: TorchDistributedTransport,
     shm: SharedMemoryTransport,
 ) -> dict[str | None, Route]:
     """The route of each group: shared memory when its ranks share a host (``hosts``: every
-    rank's host identity, by rank) and run on CPU, unless ``options.transport`` says otherwise."""
+    rank's host identity, by the job's global rank) and run on CPU, unless
+    ``options.transport`` says otherwise."""
     policy = options.transport
     cpu = device.type == "cpu" and hasattr(os, "memfd_create")
     cache_dir = None if options.cache_dir is None else str(options.cache_dir)

@@ -91,7 +91,7 @@ class Communicators:
         key = (transport, algorithms)
         if key not in self._made:
             options = communicator_options(transport, algorithms, self.base.options)
-            self._made[key] = Communicator(self.base.mesh, options)
+            self._made[key] = self.base.variant(options)
         return self._made[key]
 
     def buffer(self, comm: Communicator, step, name: str, shape: tuple) -> torch.Tensor:
@@ -157,24 +157,27 @@ def _inputs(
     return out
 
 
-def _vote_failed(failed: bool, error: str | None) -> str | None:
-    """The first failing rank's error, the same on every rank (None: every rank succeeded)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _vote_failed(comm: Communicator, failed: bool, error: str | None) -> str | None:
+    """The first failing rank's error, the same on every rank of ``comm`` (None: every rank
+    succeeded). Over torch.distributed's group of ``comm``'s world, never its own channels: a
+    candidate that failed may have broken them."""
+    if comm.world == 1:
         return error if failed else None
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm.process_group)
     if not flag.item():
         return None
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, (dist.get_rank(), error) if failed else None)
+    errors: list[Any] = [None] * comm.world
+    dist.all_gather_object(errors, (comm.members[comm.rank], error) if failed else None,
+                           group=comm.process_group)  # fmt: skip
     rank, text = next(e for e in errors if e is not None)
     return f"rank {rank}: {text}"
 
 
-def _max_over_world(values: Sequence[float]) -> list[float]:
+def _max_over_world(comm: Communicator, values: Sequence[float]) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1 and len(values):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if comm.world > 1 and len(values):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.process_group)
     return t.tolist()
 
 
@@ -215,7 +218,7 @@ def _prepare(
         inputs = _inputs(candidate, sizes, comm, scalars, seed=1234)
     except Exception as e:  # noqa: BLE001 - any failure scores the candidate, never the tuning
         error = f"{type(e).__name__}: {e}"
-    error = _vote_failed(error is not None, error)
+    error = _vote_failed(comms.base, error is not None, error)
     if error is None:
         try:
             # An input a collective reads lives where the collective reads it (symmetric
@@ -237,7 +240,7 @@ def _prepare(
                 inputs[name] = live
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
-        error = _vote_failed(error is not None, error)
+        error = _vote_failed(comms.base, error is not None, error)
     if error is not None:
         return Measurement(candidate, None, error=error)
     originals = {
@@ -269,17 +272,17 @@ def _one(
         start = time.perf_counter()
         for _ in range(warmup):
             ready.step()
-        warm_s = _max_over_world([time.perf_counter() - start])[0]
+        warm_s = _max_over_world(comms.base, [time.perf_counter() - start])[0]
         timed_out = warm_s > budget_s
         if not timed_out:
             per_step = warm_s / max(warmup, 1)
             n = max(3, min(reps, int(budget_s / max(per_step, 1e-6))))
-            n = _max_over_world([n])[0]  # every rank times the same number of steps
+            n = _max_over_world(comms.base, [n])[0]  # every rank times the same number of steps
             for _ in range(int(n)):
                 times.append(_timed_step(ready))
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    error = _vote_failed(error is not None, error)
+    error = _vote_failed(comms.base, error is not None, error)
     if error is not None:
         comms.discard(candidate.transport, candidate.algorithms)  # a step failed: maybe broken
         return Measurement(candidate, None, error=error)
@@ -290,7 +293,7 @@ def _one(
             error=f"timed out: warm-up took more than {budget_s:g} s",
             timed_out=True,
         )
-    slowest = _max_over_world(times)
+    slowest = _max_over_world(comms.base, times)
     ms = [1e3 * t for t in slowest]
     return Measurement(candidate, statistics.median(ms), ms)
 
@@ -365,11 +368,11 @@ def rematch(
                 times[j].append(_timed_step(ready[j]))
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    if _vote_failed(error is not None, error) is not None:
+    if _vote_failed(comms.base, error is not None, error) is not None:
         for c in (first, second):
             comms.discard(c.transport, c.algorithms)
         return None
-    slowest = _max_over_world(times[0] + times[1])
+    slowest = _max_over_world(comms.base, times[0] + times[1])
     ms = [1e3 * t for t in slowest]
     return Rematch(first, second, ms[:steps], ms[steps:])
 

@@ -115,7 +115,7 @@ class TuneResult:
         options = communicator_options(w.transport, w.algorithms, comm.options)
         if options == comm.options or (comm.transport_of(None) is w.transport and not w.algorithms):
             return comm
-        return Communicator(comm.mesh, options)
+        return comm.variant(options)
 
     # -- explain ---------------------------------------------------------------------------------
 
