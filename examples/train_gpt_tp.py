@@ -3,16 +3,19 @@
 Each block's attention becomes a ``coconet.nn.ParallelSelfAttention`` (``heads / tp`` heads per
 rank, q/k/v column-parallel, the output projection row-parallel with the residual fused into its
 program) and its MLP a ``coconet.nn.ParallelMLP``; the embeddings, LayerNorms and the head stay
-as they are, replicated. Every rank sees the whole batch; the optimizer is plain
+as they are, replicated. With ``--dp D`` the mesh is ``dp x tp``: each of the D replicas of
+the tensor-parallel model takes its share of every batch, and ``coconet.optim.AdamW`` over the
+replica's dp group (``comm.along("dp")``) averages each shard's gradient over the replicas and
+updates it (its state sliced over them); with one replica the optimizer is plain
 ``torch.optim.AdamW`` over each rank's parameters (its shards and the replicated rest). The
 losses must follow one process training the same model on the same batches::
 
     python examples/train_gpt_tp.py                  # TP = 2, 40 steps
     python examples/train_gpt_tp.py --world 4        # TP = 4 (oversubscribes a 2-core machine)
+    python examples/train_gpt_tp.py --dp 2           # DP 2 x TP 2: 4 ranks (correctness here)
 
 The exit status is non-zero when any step's loss differs from one process's by more than
-``--tolerance`` (relative). Not yet here: DP x TP (``coconet.optim`` reduces over the whole world;
-a 2-D mesh needs its steps per axis).
+``--tolerance`` (relative).
 """
 
 from __future__ import annotations
@@ -58,12 +61,25 @@ def tensor_parallel(net: train_gpt.GPT, comm, axis: str | None = None) -> train_
 
 
 def ranks(comm, cfg: train_gpt.Config) -> dict:
+    """One rank of the ``dp x tp`` mesh: its tp group's layers, its dp replica's share of each
+    batch; with dp > 1 the optimizer is ``coconet.optim.AdamW`` over the dp group (each shard's
+    gradient averaged over its replicas), else ``torch.optim.AdamW``."""
+    import coconet.optim
+
     data = train_gpt.corpus()
-    net = tensor_parallel(train_gpt.model(cfg), comm)
-    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    dp = comm.mesh.axis_size("dp")
+    replica = comm.mesh.index_in(comm.rank, "dp")
+    net = tensor_parallel(train_gpt.model(cfg), comm, axis="tp")
+    if dp > 1:
+        opt = coconet.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  comm=comm.along("dp"))  # fmt: skip
+    else:
+        opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    share = cfg.batch // dp
     losses, ms = [], []
     for k in range(cfg.steps):
         x, y = train_gpt.batch(data, cfg, k)
+        x, y = (t[replica * share:(replica + 1) * share] for t in (x, y))
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = train_gpt.loss_of(net, x, y)
@@ -73,32 +89,45 @@ def ranks(comm, cfg: train_gpt.Config) -> dict:
         losses.append(loss.item())
     shards = sum(p.numel() for b in net.blocks for p in b.parameters()) - sum(
         p.numel() for b in net.blocks for p in (*b.ln1.parameters(), *b.ln2.parameters()))
-    return {"loss": losses, "ms": ms, "shard_parameters": shards}
+    return {"loss": losses, "ms": ms, "shard_parameters": shards, "replica": replica}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--world", type=int, default=2, help="tensor-parallel ranks (divide heads)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas of the tensor-parallel model (dp x world ranks)")
+    ap.add_argument("--batch", type=int, default=train_gpt.Config.batch,
+                    help="sequences per step, over all replicas")
     ap.add_argument("--d-model", type=int, default=train_gpt.Config.d_model)
     ap.add_argument("--layers", type=int, default=train_gpt.Config.layers)
     ap.add_argument("--heads", type=int, default=train_gpt.Config.heads)
     ap.add_argument("--tolerance", type=float, default=1e-4, help="relative, on the losses")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    if args.batch % args.dp:
+        ap.error(f"--dp {args.dp} must divide --batch {args.batch}")
     if args.heads % args.world or args.d_model % args.heads:
         ap.error(f"--world {args.world} must divide --heads {args.heads}, which must divide "
                  f"--d-model {args.d_model}")  # fmt: skip
     cfg = replace(train_gpt.Config(), steps=args.steps, d_model=args.d_model, layers=args.layers,
-                  heads=args.heads, world=args.world)  # fmt: skip
+                  heads=args.heads, world=args.world, batch=args.batch)  # fmt: skip
+    from coconet import Mesh
     from coconet.runtime import CommOptions, spawn
 
     params = sum(p.numel() for p in train_gpt.model(cfg).parameters())
     print(f"GPT: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, {params:,} "
-          f"parameters; tensor parallel over {cfg.world} ranks; {cfg.steps} steps")
+          f"parameters; tensor parallel over {cfg.world} ranks"
+          + (f" x {args.dp} data-parallel replicas (coconet.optim.AdamW over dp)"
+             if args.dp > 1 else "") + f"; {cfg.steps} steps")  # fmt: skip
     t0 = time.perf_counter()
-    res = spawn(ranks, cfg.world, cfg, options=CommOptions(timeout=300), timeout=1800)[0]
+    out = spawn(ranks, Mesh(dp=args.dp, tp=cfg.world), cfg, options=CommOptions(timeout=300),
+                timeout=1800)  # fmt: skip
     ref = train_gpt.single(cfg)
+    # the whole batch's loss: the mean of the replicas' (equal shares) losses
+    per_replica = {o["replica"]: o["loss"] for o in out}
+    res = dict(out[0], loss=[sum(v) / args.dp for v in zip(*per_replica.values(), strict=True)])
     drift = max(abs(a - b) / abs(b) for a, b in zip(res["loss"], ref, strict=True))
     print(f"\n{'step':>4} {'single':>10} {'tp':>10} {'tp ms':>8}")
     for k in range(cfg.steps):

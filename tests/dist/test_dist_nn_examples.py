@@ -1,6 +1,6 @@
-"""examples/train_gpt_tp.py and examples/generate_tp.py as a user runs them (small sizes): the
-tensor-parallel GPT's losses follow one process, and greedy decoding with the KV cache is token
-for token one process's."""
+"""examples/train_gpt_tp.py, train_gpt_pp.py and generate_tp.py as a user runs them (small
+sizes): the tensor-parallel (and dp x tp) and pipelined (and pp x tp) GPT's losses follow one
+process, and greedy decoding with the KV cache is token for token one process's."""
 
 from __future__ import annotations
 
@@ -24,6 +24,29 @@ def test_tensor_parallel_training_follows_one_process(world):
                 "--world", str(world), "--tolerance", "1e-5")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(r"max relative\): \S+ \(tolerance 1e-05\)", proc.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_data_x_tensor_parallel_training_follows_one_process():
+    # dp 2 x tp 2: coconet.optim over each replica group (comm.along("dp")), the layers over tp
+    proc = _run("train_gpt_tp.py", "--steps", "4", "--d-model", "32", "--layers", "1",
+                "--dp", "2", "--batch", "4", "--tolerance", "1e-5")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "x 2 data-parallel replicas" in proc.stdout
+    assert re.search(r"max relative\): \S+ \(tolerance 1e-05\)", proc.stdout)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule, tp", [("1f1b", 1), ("gpipe", 1), ("1f1b", 2)])
+def test_pipeline_training_follows_one_process(schedule, tp):
+    # pp 2 (x tp 2: 4 ranks, each stage's blocks coconet.nn layers over its own tp group)
+    proc = _run("train_gpt_pp.py", "--steps", "4", "--d-model", "32", "--layers", "2",
+                "--micro", "4", "--batch", "8", "--schedule", schedule, "--tp", str(tp),
+                "--tolerance", "1e-5")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"max relative\): \S+ \(tolerance 1e-05\)", proc.stdout)
+    held = [int(n) for n in re.findall(r"at most (\d+) micro-batches", proc.stdout)]
+    assert held == ([4, 4] if schedule == "gpipe" else [2, 1]), proc.stdout
 
 
 @pytest.mark.timeout(300)

@@ -46,7 +46,9 @@ def test_each_optimizer_matches_torch_on_the_average_gradient(nproc, transport):
     options = CommOptions(timeout=60, transport=transport)
     for rank, out in enumerate(spawn(_against_torch, nproc, 20, options=options, timeout=180)):
         for label, r in out.items():
-            assert r["rel"] <= 1e-6, (rank, label, r)
+            # float32: the average of 4 ranks' gradients summed in another order than the
+            # reference's, carried by momentum over 20 steps (2.3e-6 measured on one VM's CPU)
+            assert r["rel"] <= 1e-5, (rank, label, r)
             assert r["same_on_every_rank"], (rank, label)
             assert r["grads_are_views"], (rank, label)  # backward wrote into the buckets
             lr = CASES[label][0]["lr"]

@@ -1,7 +1,8 @@
 """coconet.pipeline.Pipeline on 2 and 4 ranks: GPipe and 1F1B (and fewer micro-batches than
 stages) train like one process (per-stage gradients and losses to 1e-5 relative in float32: the
 micro-batches' sums re-associate the batch's); a rank killed mid-schedule fails the others
-within the timeout, their parameters untouched."""
+within the timeout, their parameters untouched; 200 random schedules on 2-4 ranks are each
+refused before they run or run correctly, none hangs."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def test_a_rank_killed_mid_schedule():
     assert "stalled or died" in survivor["message"]
     assert survivor["seconds"] < 40
     assert survivor["unchanged"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("nproc", "count"), [(2, 80), (3, 60), (4, 60)])
+def test_random_schedules_are_refused_or_run_on_ranks(nproc, count):
+    # 200 in all. The same seed on every rank: the same pipelines, refused alike by `check`.
+    results = spawn(pipeline_workers.random_schedules, nproc, count, 1234 + nproc,
+                    options=CommOptions(timeout=20, transport="torch.distributed"),
+                    timeout=220)  # fmt: skip
+    counts = results[0]["counts"]
+    assert all(out["counts"] == counts for out in results), results
+    assert counts["ran"] + counts["refused"] == count
+    assert counts["ran"] >= count // 4 and counts["refused"] >= 1, counts  # both kinds met
+    assert max(out["worst"] for out in results) <= 1e-5, results

@@ -91,3 +91,62 @@ def killed_mid_schedule(comm, victim: int) -> dict:
                 "unchanged": all(torch.equal(a, b) for a, b in zip(before, stage.parameters(),
                                                                   strict=True))}  # fmt: skip
     return {"status": "no error"}
+
+
+def random_schedules(comm, count: int, seed: int) -> dict:
+    """``count`` random pipelines over this world, the same on every rank (one seed): a random
+    number of micro-batches (fewer than the stages included), a random width at each boundary
+    (shapes differ from boundary to boundary), float32 or float64, GPipe or 1F1B with up to two
+    random swaps of one rank's steps. Each is either refused when the Pipeline is built (on
+    every rank alike: ``check``) or runs, its gradients and loss equal one process. Counts what
+    happened; a hang would trip the communicator's timeout (a RuntimeFault, not counted)."""
+    import random
+
+    from coconet.errors import ScheduleError
+    from coconet.pipeline import gpipe, one_f_one_b
+
+    rng = random.Random(seed)
+    n = comm.world
+    counts = {"ran": 0, "refused": 0}
+    worst = 0.0
+    for _ in range(count):
+        micro, per = rng.randint(1, 5), rng.randint(1, 2)
+        widths = [rng.randint(1, 5) for _ in range(n + 1)]
+        dtype = rng.choice([torch.float32, torch.float64])
+        build = rng.choice([gpipe, one_f_one_b])
+        shapes = [(per, w) for w in widths[1:-1]]
+        schedule = build(n, micro, shapes, str(dtype).removeprefix("torch."))
+        for _ in range(rng.randint(0, 2)):
+            r = rng.randrange(n)
+            if len(schedule[r]) >= 2:
+                i, j = rng.sample(range(len(schedule[r])), 2)
+                schedule[r][i], schedule[r][j] = schedule[r][j], schedule[r][i]
+        torch.manual_seed(rng.randint(0, 2**31))
+        layers = [nn.Sequential(nn.Linear(widths[k], widths[k + 1]), nn.Tanh()).to(dtype)
+                  for k in range(n)]  # fmt: skip
+        gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
+        x = torch.randn(micro * per, widths[0], generator=gen, dtype=dtype)
+        t = torch.randn(micro * per, widths[-1], generator=gen, dtype=dtype)
+        stage = layers[comm.rank]
+        try:
+            pipe = Pipeline(stage, comm, micro_batches=micro, activation_shape=shapes,
+                            loss_fn=F.mse_loss, schedule=schedule, axis=None,
+                            dtype=dtype)  # fmt: skip
+        except ScheduleError:
+            counts["refused"] += 1
+            continue
+        loss = pipe.step(x if pipe.is_first else None, t if pipe.is_last else None)
+        reference = nn.Sequential(*[nn.Sequential(nn.Linear(widths[k], widths[k + 1]), nn.Tanh())
+                                    .to(dtype) for k in range(n)])  # fmt: skip
+        reference.load_state_dict(nn.Sequential(*layers).state_dict())
+        for p in reference.parameters():
+            p.grad = None
+        ref_loss = F.mse_loss(reference(x), t)
+        ref_loss.backward()
+        for a, b in zip(stage.parameters(), reference[comm.rank].parameters(), strict=True):
+            worst = max(worst, (a.grad - b.grad).abs().max().item()
+                        / max(b.grad.abs().max().item(), 1e-12))  # fmt: skip
+        if loss is not None:
+            worst = max(worst, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        counts["ran"] += 1
+    return {"counts": counts, "worst": worst}

@@ -170,3 +170,54 @@ def test_random_schedules_are_refused_or_run(stages, micro, gp, swaps, seed):
     except ScheduleError:
         return
     assert _runs(schedule, timeout=2.0)
+
+
+# -- a schedule the caller built, given to Pipeline --------------------------------------------
+
+
+def _fake_comm(world: int, rank: int = 0):
+    """What Pipeline reads of a communicator before anything runs (no processes here)."""
+    from types import SimpleNamespace
+
+    from coconet import Mesh
+
+    return SimpleNamespace(mesh=Mesh(pp=world), rank=rank,
+                           options=SimpleNamespace(timeout=5.0))  # fmt: skip
+
+
+def test_pipeline_takes_a_built_schedule_and_proves_it():
+    import torch.nn.functional as F
+    from torch import nn
+
+    from coconet.errors import ConfigError
+    from coconet.pipeline import Pipeline
+
+    stage = nn.Linear(4, 4)
+    kw = dict(activation_shape=(2, 4), loss_fn=F.mse_loss)
+    good = one_f_one_b(2, 3, (2, 4))
+    pipe = Pipeline(stage, _fake_comm(2), micro_batches=3, schedule=good, **kw)
+    assert pipe.steps == [tuple(s) for s in good[0]]
+    with pytest.raises(ConfigError, match="one list of steps per stage"):
+        Pipeline(stage, _fake_comm(2), micro_batches=3, schedule=good[:1], **kw)
+    with pytest.raises(ConfigError, match="each of the 4 micro-batches once"):
+        Pipeline(stage, _fake_comm(2), micro_batches=4, schedule=good, **kw)
+    blocking = [list(r) for r in good]
+    # the last stage's first backward before its first forward: its input never arrived
+    last = blocking[1]
+    f = next(i for i, s in enumerate(last) if s[0].kind is Kind.FORWARD)
+    b = next(i for i, s in enumerate(last) if s[0].kind is Kind.BACKWARD)
+    last[f], last[b] = last[b], last[f]
+    with pytest.raises(ScheduleError):
+        Pipeline(stage, _fake_comm(2, rank=1), micro_batches=3, schedule=blocking, **kw)
+
+
+def test_a_send_before_the_compute_that_makes_it_is_refused():
+    # found by tests/dist's random schedules: the messages still pair, the tensor is not there
+    schedule = gpipe(2, 2, (4,))
+    first = schedule[0]
+    f1 = next(i for i, s in enumerate(first) if s[0].kind is Kind.FORWARD and s[0].micro_batch == 1)
+    send1 = next(i for i, s in enumerate(first)
+                 if s[0].kind is Kind.SEND_ACTIVATION and s[0].micro_batch == 1)  # fmt: skip
+    first[f1], first[send1] = first[send1], first[f1]
+    with pytest.raises(ScheduleError, match="before running the forward of micro-batch 1"):
+        check(schedule)

@@ -43,7 +43,7 @@ class Pipeline:
         micro_batches: int,
         activation_shape: Sequence[int] | Sequence[Sequence[int]],
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        schedule: str = "1f1b",
+        schedule: str | Sequence[Sequence[Step]] = "1f1b",
         axis: str | None = "pp",
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -53,9 +53,10 @@ class Pipeline:
                 op="Pipeline",
                 hint="Pipeline(stage_module, comm, micro_batches=8, ...)",
             )
-        if schedule not in SCHEDULES:
+        if isinstance(schedule, str) and schedule not in SCHEDULES:
             raise ConfigError(f"Pipeline: schedule={schedule!r}", op="Pipeline",
-                              hint=f"one of {sorted(SCHEDULES)}")  # fmt: skip
+                              hint=f"one of {sorted(SCHEDULES)}, or a schedule: one list of "
+                                   "steps per stage")  # fmt: skip
         if axis is not None and axis not in comm.mesh.names:
             raise ConfigError(f"Pipeline: the mesh {comm.mesh} has no axis {axis!r}",
                               op="Pipeline", hint="axis=None pipelines over the whole world")
@@ -69,8 +70,11 @@ class Pipeline:
         if self.index == self.stages - 1 and loss_fn is None:
             raise ConfigError("Pipeline: the last stage needs loss_fn(output, target)",
                               op="Pipeline", hint="loss_fn=torch.nn.functional.cross_entropy")
-        self.schedule = SCHEDULES[schedule](self.stages, micro_batches, self.shapes,
-                                            str(dtype).removeprefix("torch."))  # fmt: skip
+        if isinstance(schedule, str):
+            self.schedule = SCHEDULES[schedule](self.stages, micro_batches, self.shapes,
+                                                str(dtype).removeprefix("torch."))  # fmt: skip
+        else:
+            self.schedule = _own_schedule(schedule, self.stages, micro_batches)
         check(self.schedule)  # refused here, naming both ranks' actions, never a hang later
         self.steps: list[Step] = self.schedule[self.index]
         self.timeout = datetime.timedelta(seconds=comm.options.timeout)
@@ -167,6 +171,40 @@ class Pipeline:
                 "boundary (the schedule was proven with it)",
             )
         return t.detach().contiguous()
+
+
+def _own_schedule(schedule: Any, stages: int, micro_batches: int) -> list[list[Step]]:
+    """A schedule the caller built (one list of steps per stage, as ``gpipe`` returns): it must
+    have one list per stage and compute each micro-batch's forward and backward once on each;
+    ``check`` proves the rest (matching, no wait cycle)."""
+    if not isinstance(schedule, Sequence) or len(schedule) != stages:
+        raise ConfigError(
+            f"Pipeline: a schedule is one list of steps per stage ({stages} here), got "
+            f"{type(schedule).__name__}" + (f" of {len(schedule)}" if isinstance(schedule,
+                                                                              Sequence) else ""),
+            op="Pipeline",
+            hint="schedule='1f1b', 'gpipe', or coconet.pipeline.one_f_one_b(stages, m, shape)",
+        )
+    out = [[tuple(step) if isinstance(step, (tuple, list)) else (step,) for step in steps]
+           for steps in schedule]  # fmt: skip
+    compute = (Kind.FORWARD.value, Kind.BACKWARD.value)
+    want = sorted((k, m) for k in compute for m in range(micro_batches))
+    for index, steps in enumerate(out):
+        done = sorted(
+            (a.kind.value, a.micro_batch)
+            for step in steps
+            for a in step
+            if isinstance(a, Action) and a.kind.value in compute
+        )
+        if done != want:
+            raise ConfigError(
+                f"Pipeline: stage {index} of the schedule does not run the forward and the "
+                f"backward of each of the {micro_batches} micro-batches once",
+                op="Pipeline",
+                details=[f"it runs {[f'{k}{m}' for k, m in done]}"],
+                hint="micro_batches= must be the number the schedule was built for",
+            )
+    return out
 
 
 def _boundary_shapes(shape: Any, stages: int) -> list[tuple[int, ...]]:

@@ -260,6 +260,7 @@ def check(schedule: Sequence[Sequence[Step]]) -> None:
     posted = [False] * n
     arrived: list[set[tuple[str, int]]] = [set() for _ in range(n)]
     done_forward: list[set[int]] = [set() for _ in range(n)]
+    done_backward: list[set[int]] = [set() for _ in range(n)]
 
     def step_of(r: int) -> Step | None:
         return steps[r][pos[r]] if pos[r] < len(steps[r]) else None
@@ -273,14 +274,16 @@ def check(schedule: Sequence[Sequence[Step]]) -> None:
             if step[0].peer is None:  # a compute action
                 a = step[0]
                 _check_compute(r, a, arrived[r], done_forward[r], n)
-                if a.kind is Kind.FORWARD:
-                    done_forward[r].add(a.micro_batch)
+                (done_forward if a.kind is Kind.FORWARD else done_backward)[r].add(a.micro_batch)
                 pos[r] += 1
                 progressed = True
                 continue
             if not posted[r]:
                 posted[r] = True
                 pending[r] = set(range(len(step)))
+                for a in step:
+                    if a.kind.is_send:
+                        _check_send(r, a, done_forward[r], done_backward[r])
                 for k, a in enumerate(step):
                     key = (r, a.peer) if a.kind.is_send else (a.peer, r)
                     (sends if a.kind.is_send else recvs).setdefault(key, deque()).append((k, a))
@@ -312,6 +315,21 @@ def check(schedule: Sequence[Sequence[Step]]) -> None:
             break
         if not progressed:
             raise _deadlock(steps, pos, step_of)
+
+
+def _check_send(r: int, a: Action, done_forward: set, done_backward: set) -> None:
+    """A rank sends only what it has computed: a micro-batch's activation after its forward,
+    its gradient after its backward (found by the randomized run: a send moved before its
+    compute passes the matching and only fails when the tensor is not there)."""
+    made, what = ((done_forward, "forward") if a.kind is Kind.SEND_ACTIVATION
+                  else (done_backward, "backward"))  # fmt: skip
+    if a.micro_batch not in made:
+        raise ScheduleError(
+            f"rank {r} posts its {a.describe()} before running the {what} of micro-batch "
+            f"{a.micro_batch}",
+            op="pipeline schedule",
+            hint=f"send a micro-batch's {a.kind.payload} after the {what} that computes it",
+        )
 
 
 def _check_compute(r: int, a: Action, arrived: set, done_forward: set, n: int) -> None:
