@@ -16,9 +16,11 @@ batch::
     python examples/train_gpt_pp.py --pp 2 --tp 2        # 4 ranks (oversubscribes 2 cores)
 
 The exit status is non-zero when any step's loss differs from one process's by more than
-``--tolerance`` (relative). Not yet here: the paper's sliced boundary (each tp rank sends 1/T of
-the activation and the next stage all_gathers it): with ``--tp`` every tp rank sends its whole
-replicated activation to its peer of the next stage.
+``--tolerance`` (relative). With ``--tp`` each tp rank sends only its 1/tp slice of the activation
+(and of its gradient) and the next stage all_gathers them (``Pipeline(slice_over="tp")``: the
+paper's sliced boundary); ``--whole-boundary`` sends whole activations instead. Not yet here: the
+fused form, where the sending stage's last row-parallel layer reduce_scatters instead of
+all_reducing.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Run:
     tp: int
     micro: int
     schedule: str
+    sliced: bool = True
 
 
 def ranks(comm, run: Run) -> dict:
@@ -105,7 +108,7 @@ def ranks(comm, run: Run) -> dict:
     stage = stage_of(net, index, run.pp)
     pipe = Pipeline(stage, comm, micro_batches=run.micro, schedule=run.schedule, axis="pp",
                     activation_shape=(cfg.batch // run.micro, cfg.seq, cfg.d_model),
-                    loss_fn=loss_fn)  # fmt: skip
+                    loss_fn=loss_fn, slice_over="tp" if run.sliced else None)  # fmt: skip
     opt = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     losses, ms = [], []
     for k in range(cfg.steps):
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    ap.add_argument("--whole-boundary", action="store_true",
+                    help="with --tp: every tp rank sends the whole activation (default: its "
+                    "1/tp slice, all_gathered by the next stage)")
     ap.add_argument("--d-model", type=int, default=train_gpt.Config.d_model)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=train_gpt.Config.heads)
@@ -147,14 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                  f"--d-model {args.d_model}")  # fmt: skip
     cfg = replace(train_gpt.Config(), steps=args.steps, d_model=args.d_model, layers=args.layers,
                   heads=args.heads, batch=args.batch, world=args.pp * args.tp)  # fmt: skip
-    run = Run(cfg, args.pp, args.tp, args.micro, args.schedule)
+    run = Run(cfg, args.pp, args.tp, args.micro, args.schedule, not args.whole_boundary)
     from coconet import Mesh
     from coconet.runtime import CommOptions, spawn
 
     params = sum(p.numel() for p in train_gpt.model(cfg).parameters())
     print(f"GPT: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, {params:,} "
           f"parameters; {args.pp} stages x tp {args.tp}, {args.schedule}, {args.micro} "
-          f"micro-batches of {cfg.batch // args.micro}; {cfg.steps} steps")
+          f"micro-batches of {cfg.batch // args.micro}; {cfg.steps} steps"
+          + ("" if args.tp == 1 else "; boundary: " + ("whole activations" if
+             args.whole_boundary else f"1/{args.tp} slices, all_gathered")))  # fmt: skip
     t0 = time.perf_counter()
     mesh = Mesh(pp=args.pp, tp=args.tp)
     out = spawn(ranks, mesh, run, options=CommOptions(timeout=300), timeout=1800)

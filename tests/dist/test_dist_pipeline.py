@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from support import pipeline_workers
 
+from coconet import Mesh
 from coconet.runtime import CommOptions, RankFailure, spawn
 
 OPTIONS = CommOptions(timeout=30, transport="torch.distributed")
@@ -53,3 +54,14 @@ def test_random_schedules_are_refused_or_run_on_ranks(nproc, count):
     assert counts["ran"] + counts["refused"] == count
     assert counts["ran"] >= count // 4 and counts["refused"] >= 1, counts  # both kinds met
     assert max(out["worst"] for out in results) <= 1e-5, results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_boundary_sliced_over_tp_trains_like_one_process(schedule):
+    results = spawn(pipeline_workers.sliced_boundary_vs_one_process, Mesh(pp=2, tp=2), schedule,
+                    options=CommOptions(timeout=30), timeout=100)  # fmt: skip
+    for global_rank, out in enumerate(results):
+        assert out["grads"] <= 1e-5, (global_rank, out)
+        assert out["sent"] == ([(8,)] if global_rank % 2 == 0 else [(7,)]), out  # 15 = 8 + 7
+    assert all(results[r]["loss"] <= 1e-5 for r in (2, 3)), results

@@ -150,3 +150,32 @@ def random_schedules(comm, count: int, seed: int) -> dict:
             worst = max(worst, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         counts["ran"] += 1
     return {"counts": counts, "worst": worst}
+
+
+def sliced_boundary_vs_one_process(comm, schedule: str) -> dict:
+    """Mesh(pp=2, tp=2): each stage's layers on both of its tp ranks; ``slice_over="tp"`` sends
+    each tp rank's uneven part of every activation and gradient (3 rows x 5 = 15 elements: 8
+    and 7) and the next stage all_gathers them. Gradients and the loss equal one process."""
+    width, rows, micro = 5, 3, 4
+    torch.manual_seed(3)
+    full = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4)])
+    reference = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                for _ in range(4)])  # fmt: skip
+    reference.load_state_dict(full.state_dict())
+    index = comm.mesh.index_in(comm.rank, "pp")
+    stage = nn.Sequential(*list(full)[2 * index : 2 * index + 2])
+    pipe = Pipeline(stage, comm, micro_batches=micro, activation_shape=(rows, width),
+                    loss_fn=F.mse_loss, schedule=schedule, slice_over="tp")  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    x, t = torch.randn(micro * rows, width, generator=gen), torch.randn(micro * rows, width,
+                                                                      generator=gen)  # fmt: skip
+    loss = pipe.step(x if pipe.is_first else None, t if pipe.is_last else None)
+    ref_loss = F.mse_loss(reference(x), t)
+    ref_loss.backward()
+    want = nn.Sequential(*list(reference)[2 * index : 2 * index + 2]).parameters()
+    worst = max((a.grad - b.grad).abs().max().item() / b.grad.abs().max().item()
+                for a, b in zip(stage.parameters(), want, strict=True))  # fmt: skip
+    out = {"grads": worst, "sent": [s for s in pipe.shapes]}
+    if loss is not None:
+        out["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    return out

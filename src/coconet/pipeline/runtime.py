@@ -9,6 +9,13 @@ stages (torch.distributed ``isend``/``irecv``, untagged, each step's messages po
 and waited for with the communicator's timeout). Parameter gradients accumulate over the
 micro-batches as with gradient accumulation; the caller steps its optimizer afterwards.
 
+``slice_over="tp"`` is the paper's sliced boundary (``RS_P2P_C_AG``'s point-to-point half): the
+ranks of each stage's tp group hold the same activation, so each sends only its contiguous 1/T
+of it (flattened) to its peer of the next stage, which all_gathers the slices over its own tp
+group (``comm.along("tp")``, shared memory on one host); gradients go back the same way. Every
+tp rank's pipeline runs the same steps, each proven by ``check`` with its slice's shape, and the
+all_gathers join a stage's tp ranks at the same step of each, so the proof carries over.
+
 The activations' shape and dtype are declared (``activation_shape``: one micro-batch's, or one
 per boundary), as Megatron's ``tensor_shape``: the schedule is proven with them, and an output
 that differs is refused before it is sent.
@@ -46,6 +53,7 @@ class Pipeline:
         schedule: str | Sequence[Sequence[Step]] = "1f1b",
         axis: str | None = "pp",
         dtype: torch.dtype = torch.float32,
+        slice_over: str | None = None,
     ) -> None:
         if not isinstance(stage, nn.Module):
             raise ConfigError(
@@ -67,6 +75,12 @@ class Pipeline:
         self.micro_batches = micro_batches
         self.dtype = dtype
         self.shapes = _boundary_shapes(activation_shape, self.stages)
+        self.full_shapes = list(self.shapes)  # what crosses each boundary, logically
+        self.slicer = self._slicer(slice_over, axis)
+        if self.slicer is not None:
+            # each rank of the slicing group sends its contiguous 1/T of the flattened tensor
+            self.parts = [_parts(_numel(sh), self.slicer.world) for sh in self.full_shapes]
+            self.shapes = [(p[self.slicer.rank],) for p in self.parts]
         if self.index == self.stages - 1 and loss_fn is None:
             raise ConfigError("Pipeline: the last stage needs loss_fn(output, target)",
                               op="Pipeline", hint="loss_fn=torch.nn.functional.cross_entropy")
@@ -78,6 +92,23 @@ class Pipeline:
         check(self.schedule)  # refused here, naming both ranks' actions, never a hang later
         self.steps: list[Step] = self.schedule[self.index]
         self.timeout = datetime.timedelta(seconds=comm.options.timeout)
+
+    def _slicer(self, slice_over: str | None, axis: str | None):
+        """The communicator of this rank's group along ``slice_over`` (None: whole tensors)."""
+        if slice_over is None:
+            return None
+        comm = self.comm
+        if slice_over not in comm.mesh.names or slice_over == axis:
+            raise ConfigError(
+                f"Pipeline: slice_over={slice_over!r} must be another axis of {comm.mesh} than "
+                f"the pipeline's ({axis!r})",
+                op="Pipeline",
+                hint="slice_over='tp': the tensor-parallel ranks of each stage hold the same "
+                "activation, each sends its slice and the next stage all_gathers them",
+            )
+        if comm.mesh.axis_size(slice_over) == 1:
+            return None
+        return comm.along(slice_over)
 
     @property
     def is_first(self) -> bool:
@@ -157,11 +188,39 @@ class Pipeline:
                 ) from None
         for a, buf in landed:
             if a.kind is Kind.RECV_ACTIVATION:
-                received[a.micro_batch] = buf.requires_grad_()
+                received[a.micro_batch] = self._whole(buf, self.index - 1, a).requires_grad_()
             else:
-                grads[a.micro_batch] = buf
+                grads[a.micro_batch] = self._whole(buf, self.index, a)
+
+    def _boundary_of(self, a: Action) -> int:
+        """The boundary an action's message crosses (boundary b: between stages b and b + 1)."""
+        forward = a.kind in (Kind.SEND_ACTIVATION, Kind.RECV_GRADIENT)
+        return self.index if forward else self.index - 1
+
+    def _whole(self, part: torch.Tensor, boundary: int, a: Action) -> torch.Tensor:
+        """What crossed ``boundary``: the message itself, or with ``slice_over`` the slices of
+        the group's ranks all_gathered (the same on each of them)."""
+        if self.slicer is None:
+            return part
+        sub = self.slicer
+        work = sub.all_gather_start(part, dim=0, parts=self.parts[boundary],
+                                    axis=sub.mesh.names[0], label=a.describe())  # fmt: skip
+        return sub.wait(work).view(self.full_shapes[boundary])
 
     def _outgoing(self, t: torch.Tensor | None, a: Action) -> torch.Tensor:
+        if self.slicer is not None and t is not None:
+            full = self.full_shapes[self._boundary_of(a)]
+            if tuple(t.shape) != full or t.dtype != self.dtype:
+                got = f"{list(t.shape)} {t.dtype}"
+                raise ConfigError(
+                    f"pipeline stage {self.index}: {a.describe()} is a slice of a {list(full)} "
+                    f"{str(self.dtype).removeprefix('torch.')} tensor, but the stage gives {got}",
+                    op="Pipeline.step",
+                    hint="declare activation_shape as one micro-batch's activation at each "
+                    "boundary (the schedule was proven with it)",
+                )
+            lo = sum(self.parts[self._boundary_of(a)][: self.slicer.rank])
+            t = t.detach().reshape(-1)[lo : lo + a.shape[0]]
         if t is None or tuple(t.shape) != a.shape or t.dtype != self.dtype:
             got = "no gradient" if t is None else f"{list(t.shape)} {t.dtype}"
             raise ConfigError(
@@ -171,6 +230,18 @@ class Pipeline:
                 "boundary (the schedule was proven with it)",
             )
         return t.detach().contiguous()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _parts(numel: int, n: int) -> list[int]:
+    """``numel`` elements in ``n`` contiguous parts, as ``tensor_split`` cuts them."""
+    return [numel // n + (1 if r < numel % n else 0) for r in range(n)]
 
 
 def _own_schedule(schedule: Any, stages: int, micro_batches: int) -> list[list[Step]]:
