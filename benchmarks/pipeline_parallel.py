@@ -23,7 +23,10 @@ and a barrier before each timed step, the slowest rank's time of each step:
   same stage modules, the micro-batch's input and output shapes declared, so torch runs in its
   STATIC mode with no shape inference at each step) with ``Schedule1F1B`` / ``ScheduleGPipe``
   (``loss_fn`` the same cross-entropy, ``scale_grads=True``, ``return_outputs=False``) on
-  the same gloo group.
+  the same gloo group. Both schedules run on gloo / CPU in torch 2.13 (a step's mixed sends
+  and receives go through ``batch_isend_irecv``); the declared example tensors must carry
+  ``requires_grad=True``, else torch's STATIC mode never receives stage 0's output gradient
+  ("grad can be implicitly created only for scalar outputs").
 
 Correctness, before anything is timed and again after the timed steps: every contender's loss
 (on the last stage) and the gradient of every parameter of both stages (each rank its stage's)
@@ -409,8 +412,8 @@ def summarize(res: list[dict], opts: dict) -> dict:
     t_mb = max(stage_ms) / m
     bound = (m + p - 1) * t_mb
     t1 = rows.get(ONE, {}).get("median_ms")
-    for row in rows.values():
-        row["x_bound"] = row["median_ms"] / bound
+    for name, row in rows.items():
+        row["x_bound"] = row["median_ms"] / bound if name != ONE else None  # a pipeline's bound
         if t1:
             row["speedup_vs_one_process"] = t1 / row["median_ms"]
     return {
@@ -474,10 +477,11 @@ def table(doc: dict) -> str:
     for name, r in s["rows"].items():
         sp = f"{r['speedup_vs_one_process']:.2f}x" if "speedup_vs_one_process" in r else ""
         mem = r["saved_bytes_per_rank"] or [0, 0]
+        xb = f"{r['x_bound']:.2f}x" if r["x_bound"] is not None else ""
         pk = "/".join(str(v) for v in r["schedule_peak_micro_batches"]) \
             if r["schedule_peak_micro_batches"] else ""  # fmt: skip
         lines.append(f"{name:<15} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} {r['max_ms']:>8.2f} "
-                     f"{sp:>10} {r['x_bound']:>7.2f}x {mem[0] / 2**20:>12.2f} "
+                     f"{sp:>10} {xb:>8} {mem[0] / 2**20:>12.2f} "
                      f"{mem[1] / 2**20:>6.2f} {pk:>10} {r['max_rel_err']:>11.1e}")  # fmt: skip
     b = s["bound"]
     contention = [a / c for a, c in zip(b["stage_alone_median_ms"], b["stage_solo_median_ms"],
