@@ -411,6 +411,11 @@ def summarize(res: list[dict], opts: dict) -> dict:
     solo_ms = [statistics.median(ts) * 1e3 for ts in r0["solo_s"]]
     t_mb = max(stage_ms) / m
     bound = (m + p - 1) * t_mb
+    # rounds where both stages at once ran well behind each alone in the same round: the two
+    # ranks slowing each other, or a third process on the cores
+    alone = [max(a, b) for a, b in zip(*r0["probe_s"], strict=True)]
+    solo = [max(a, b) for a, b in zip(*r0["solo_s"], strict=True)]
+    slow = sum(1 for a, b in zip(alone, solo, strict=True) if a > 1.25 * b)
     t1 = rows.get(ONE, {}).get("median_ms")
     for name, row in rows.items():
         row["x_bound"] = row["median_ms"] / bound if name != ONE else None  # a pipeline's bound
@@ -421,6 +426,7 @@ def summarize(res: list[dict], opts: dict) -> dict:
         "bound": {"ms": bound, "per_micro_batch_ms": t_mb, "stage_alone_median_ms": stage_ms,
                   "stage_solo_median_ms": solo_ms,
                   "solo_bound_ms": (m + p - 1) * max(solo_ms) / m,
+                  "rounds_concurrent_over_1.25x_solo": slow, "rounds": len(alone),
                   "formula": f"(m + p - 1) x t_mb = ({m} + {p} - 1) x {t_mb:.3f} ms"},
     }  # fmt: skip
 
@@ -492,7 +498,9 @@ def table(doc: dict) -> str:
         f"{o['micro']} micro-batches, both ranks at once) / {o['micro']}",
         f"each stage solo, the other rank idle: {ms_list(b['stage_solo_median_ms'])} ms (both at "
         f"once / solo: {ms_list(contention, 'x')}: what two busy ranks cost each other on the "
-        f"two cores); the bound from the solo times would be {b['solo_bound_ms']:.2f} ms",
+        f"two cores); the bound from the solo times would be {b['solo_bound_ms']:.2f} ms; in "
+        f"{b['rounds_concurrent_over_1.25x_solo']} of {b['rounds']} rounds both at once took "
+        "> 1.25x the slower solo stage of the same round",
         "saved MiB = peak bytes autograd holds saved for backward during one step, per rank "
         "(distinct storages, parameters excluded; one_process: all on rank 0); sched peak = "
         "coconet's schedule count of micro-batches held (rank 0/rank 1)",
