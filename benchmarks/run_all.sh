@@ -71,3 +71,8 @@ done
 # process, DTensor, Megatron f/g over gloo, coconet's and DeepSpeed's shared memory.
 "$PY" benchmarks/tensor_parallel.py --json "$R/tensor_parallel.json" \
   --plot "$R/tensor_parallel.png" | tee "$R/tensor_parallel.txt"
+
+# Pipeline parallelism (issue 21): train_gpt's GPT at PP=2, 8 micro-batches, coconet.pipeline's
+# 1F1B and GPipe against torch.distributed.pipelining's and one process, with issue 21's targets.
+"$PY" benchmarks/pipeline_parallel.py --json "$R/pipeline_parallel.json" \
+  --plot "$R/pipeline_parallel.png" | tee "$R/pipeline_parallel.txt"
