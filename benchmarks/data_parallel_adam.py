@@ -881,6 +881,36 @@ def loadavg() -> list[float]:
         return []
 
 
+def machine(before: list[float]) -> dict:
+    """What a result file says of the machine it ran on (``before``: the load at the start)."""
+    return {
+        "cpus": os.cpu_count(),
+        "device": "cpu",
+        "backend": "gloo",
+        "torch": torch.__version__.split("+")[0],
+        "torch_build": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_model": cpu_model(),
+        "loadavg_before": before,
+        "loadavg_after": loadavg(),
+        "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
+        "coconet_source_digest": coconet_digest(),
+    }
+
+
+def emit(doc: dict, text: str, wall: float, json_path: str | None,
+         plot_fn, plot_path: str | None) -> None:  # fmt: skip
+    """Print a benchmark's table, write its JSON and plot, as every benchmark here does."""
+    print(text)
+    print(f"(wall time {wall:.0f} s)")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"JSON written to {json_path}")
+    if plot_path:
+        plot_fn(doc, plot_path)
+
+
 DEEPSPEED = DeepSpeedShm.name
 # coconet.optim with param_storage="host-shared": one copy of the parameters per host
 HOST_SHARED_OPTIM = f"{CoconetOptim.name}[host-shared]"
@@ -1002,19 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
             r["x_bound"] = round(r["median_ms"] / bound, 3)
     doc = {
         "benchmark": "data_parallel_adam",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "device": "cpu",
-            "backend": "gloo",
-            "torch": torch.__version__.split("+")[0],
-            "torch_build": torch.__version__,
-            "python": platform.python_version(),
-            "cpu_model": cpu_model(),
-            "loadavg_before": before,
-            "loadavg_after": loadavg(),
-            "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
-            "coconet_source_digest": coconet_digest(),
-        },
+        "machine": machine(before),
         "world_size": args.world,
         "config": {
             "params": args.params,
@@ -1047,14 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": res["skipped"],
         "targets": targets(rows),
     }
-    print(table(doc))
-    print(f"(wall time {wall:.0f} s)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"JSON written to {args.json}")
-    if args.plot:
-        plot(doc, args.plot)
+    emit(doc, table(doc), wall, args.json, plot, args.plot)
     return 0 if all(r.get("correct", True) for r in rows) else 1
 
 

@@ -60,10 +60,8 @@ targets, each measured as a ratio of this run's medians or peaks, its threshold,
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -82,7 +80,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_gpt  # noqa: E402 - the model, the data
 import train_gpt_pp  # noqa: E402 - the stage split, the loss
-from data_parallel_adam import coconet_digest, cpu_model, loadavg  # noqa: E402
+from data_parallel_adam import emit, loadavg, machine  # noqa: E402
 
 ONE = "one_process"
 CONTENDERS = (ONE, "coconet_1f1b", "coconet_gpipe", "torch_1f1b", "torch_gpipe")
@@ -609,12 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(res, opts)
     doc = {
         "benchmark": "pipeline_parallel",
-        "machine": {
-            "cpus": os.cpu_count(), "device": "cpu", "torch": torch.__version__,
-            "python": platform.python_version(), "cpu_model": cpu_model(),
-            "loadavg_before": before, "loadavg_after": loadavg(),
-            "coconet_source_digest": coconet_digest(),
-        },  # fmt: skip
+        "machine": machine(before),
         "world_size": STAGES,
         "threads": res[0]["threads"],
         "config": asdict(cfg),
@@ -628,14 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(wall, 1),
     }
     doc["targets"] = targets(summary)
-    print(table(doc))
-    print(f"(wall time {wall:.0f} s)")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"JSON written to {args.json}")
-    if args.plot:
-        plot(doc, args.plot)
+    emit(doc, table(doc), wall, args.json, plot, args.plot)
     return 1 if doc["failed"] else 0
 
 

@@ -52,10 +52,8 @@ measured ratio of medians from this run, threshold, met); ``--plot`` a PNG (matp
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -72,10 +70,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_parallel_adam import (  # noqa: E402
-    coconet_digest,
-    cpu_model,
     deepspeed_available,
+    emit,
     loadavg,
+    machine,
     remove_deepspeed_segments,
 )
 
@@ -960,12 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     cases_doc = summarize(res, cfg)
     doc = {
         "benchmark": "tensor_parallel",
-        "machine": {
-            "cpus": os.cpu_count(), "device": "cpu", "torch": torch.__version__,
-            "python": platform.python_version(), "cpu_model": cpu_model(),
-            "loadavg_before": before, "loadavg_after": loadavg(),
-            "coconet_source_digest": coconet_digest(),
-        },  # fmt: skip
+        "machine": machine(before),
         "world_size": world,
         "config": {**cfg, "threads": res["threads"], "dtype": "float32", "rtol": RTOL},
         "coconet_kind": res["coconet_kind"],
@@ -976,16 +969,9 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(wall, 1),
     }
     doc["targets"] = targets(cases_doc)
-    print(table(doc))
-    print(f"(wall time {wall:.0f} s)")
     if res.get("removed"):
         print(f"removed DeepSpeed's /dev/shm workspace: {', '.join(res['removed'])}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"JSON written to {args.json}")
-    if args.plot:
-        plot(doc, args.plot)
+    emit(doc, table(doc), wall, args.json, plot, args.plot)
     failed = doc["failed"] or any(c["failed"] for c in cases_doc.values())
     return 1 if failed else 0
 
