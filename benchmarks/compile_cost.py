@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -203,8 +202,7 @@ def stats(values: list[float]) -> dict:
 
 
 def build_doc(args, cold: list[dict], warm: list[dict], timed: dict, before, after) -> dict:
-    import torch
-    from data_parallel_adam import ENV_KNOBS, coconet_digest, cpu_model
+    from data_parallel_adam import machine
 
     results = []
     for label, runs in (("cold", cold), ("warm", warm)):
@@ -234,19 +232,7 @@ def build_doc(args, cold: list[dict], warm: list[dict], timed: dict, before, aft
     mem_bytes = 7 * 4 * args.params  # read g, p, m, v; write p, m, v (world of one)
     return {
         "benchmark": "compile_cost",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "device": "cpu",
-            "backend": "gloo",
-            "torch": torch.__version__.split("+")[0],
-            "torch_build": torch.__version__,
-            "python": platform.python_version(),
-            "cpu_model": cpu_model(),
-            "loadavg_before": before,
-            "loadavg_after": after,
-            "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
-            "coconet_source_digest": coconet_digest(),
-        },
+        "machine": machine(before, after),
         "world_size": 1,
         "config": {
             "params": args.params,

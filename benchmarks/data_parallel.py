@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_parallel_adam import cpu_model  # noqa: E402  (one definition for the benchmarks)
+from data_parallel_adam import cpu_model, pyplot  # noqa: E402  (one definition for the benchmarks)
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "lamb")
 HYPER = {
@@ -301,13 +301,8 @@ def table(doc: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--plot {path}: matplotlib is not installed; no plot written")
+    plt = pyplot(path)
+    if plt is None:
         return
     rows = [r for r in doc["results"] if r["kind"] != "probe"]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))

@@ -881,8 +881,9 @@ def loadavg() -> list[float]:
         return []
 
 
-def machine(before: list[float]) -> dict:
-    """What a result file says of the machine it ran on (``before``: the load at the start)."""
+def machine(before: list[float], after: list[float] | None = None) -> dict:
+    """What a result file says of the machine it ran on (``before``/``after``: the load at the
+    start and the end; the end's is read now when not given)."""
     return {
         "cpus": os.cpu_count(),
         "device": "cpu",
@@ -892,10 +893,34 @@ def machine(before: list[float]) -> dict:
         "python": platform.python_version(),
         "cpu_model": cpu_model(),
         "loadavg_before": before,
-        "loadavg_after": loadavg(),
+        "loadavg_after": loadavg() if after is None else after,
         "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
         "coconet_source_digest": coconet_digest(),
     }
+
+
+def agree_failed(failed: dict[str, str], names: list[str]) -> None:
+    """Every rank leaves out the same contenders: a failure on any rank fails it everywhere."""
+    import torch.distributed as dist
+
+    flags = torch.tensor([1.0 if n in failed else 0.0 for n in names])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    for n, f in zip(names, flags.tolist(), strict=True):
+        if f and n not in failed:
+            failed[n] = "failed on another rank"
+
+
+def pyplot(path: str):
+    """matplotlib's pyplot on the Agg backend, or None (saying so) when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed; no plot written")
+        return None
+    return plt
 
 
 def emit(doc: dict, text: str, wall: float, json_path: str | None,

@@ -80,7 +80,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_gpt  # noqa: E402 - the model, the data
 import train_gpt_pp  # noqa: E402 - the stage split, the loss
-from data_parallel_adam import emit, loadavg, machine  # noqa: E402
+from data_parallel_adam import agree_failed, emit, loadavg, machine, pyplot  # noqa: E402
 
 ONE = "one_process"
 CONTENDERS = (ONE, "coconet_1f1b", "coconet_gpipe", "torch_1f1b", "torch_gpipe")
@@ -382,15 +382,6 @@ def rel_err(a: torch.Tensor | None, ref: torch.Tensor) -> float:
     return (a.detach().double() - ref.double()).abs().max().item() / (den or 1.0)
 
 
-def agree_failed(failed: dict[str, str], names: list[str]) -> None:
-    """Every rank leaves out the same contenders: a failure on any rank fails it everywhere."""
-    flags = torch.tensor([1.0 if n in failed else 0.0 for n in names])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    for n, f in zip(names, flags.tolist(), strict=True):
-        if f and n not in failed:
-            failed[n] = "failed on another rank"
-
-
 # -- the report --------------------------------------------------------------------------------
 
 
@@ -522,13 +513,8 @@ def ms_list(vs: list[float], unit: str = "") -> str:
 
 
 def plot(doc: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--plot {path}: matplotlib is not installed; no plot written")
+    plt = pyplot(path)
+    if plt is None:
         return
     s = doc["summary"]
     rows = s["rows"]

@@ -70,6 +70,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_parallel_adam import (  # noqa: E402
+    agree_failed,
     deepspeed_available,
     emit,
     loadavg,
@@ -591,15 +592,6 @@ def call_probes(block: CoconetBlock, comm, b: int, d: int, world: int) -> dict:
 
     return {"probe:call[coconet.nn RowParallelLinear]": (coconet_calls, True),
             "probe:call[F.linear + shm all_reduce + bias]": (bare_calls, True)}  # fmt: skip
-
-
-def agree_failed(failed: dict[str, str], names: list[str]) -> None:
-    """Every rank leaves out the same contenders: a failure on any rank fails it everywhere."""
-    flags = torch.tensor([1.0 if n in failed else 0.0 for n in names])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    for n, f in zip(names, flags.tolist(), strict=True):
-        if f and n not in failed:
-            failed[n] = "failed on another rank"
 
 
 def make_step(case, name, block, ref, x, dout, x_new, cfg, caches, world):
