@@ -24,6 +24,7 @@ that differs is refused before it is sent.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,7 +80,7 @@ class Pipeline:
         self.slicer = self._slicer(slice_over, axis)
         if self.slicer is not None:
             # each rank of the slicing group sends its contiguous 1/T of the flattened tensor
-            self.parts = [_parts(_numel(sh), self.slicer.world) for sh in self.full_shapes]
+            self.parts = [_parts(math.prod(sh), self.slicer.world) for sh in self.full_shapes]
             self.shapes = [(p[self.slicer.rank],) for p in self.parts]
         if self.index == self.stages - 1 and loss_fn is None:
             raise ConfigError("Pipeline: the last stage needs loss_fn(output, target)",
@@ -188,20 +189,21 @@ class Pipeline:
                 ) from None
         for a, buf in landed:
             if a.kind is Kind.RECV_ACTIVATION:
-                received[a.micro_batch] = self._whole(buf, self.index - 1, a).requires_grad_()
+                received[a.micro_batch] = self._whole(buf, a).requires_grad_()
             else:
-                grads[a.micro_batch] = self._whole(buf, self.index, a)
+                grads[a.micro_batch] = self._whole(buf, a)
 
     def _boundary_of(self, a: Action) -> int:
         """The boundary an action's message crosses (boundary b: between stages b and b + 1)."""
         forward = a.kind in (Kind.SEND_ACTIVATION, Kind.RECV_GRADIENT)
         return self.index if forward else self.index - 1
 
-    def _whole(self, part: torch.Tensor, boundary: int, a: Action) -> torch.Tensor:
-        """What crossed ``boundary``: the message itself, or with ``slice_over`` the slices of
-        the group's ranks all_gathered (the same on each of them)."""
+    def _whole(self, part: torch.Tensor, a: Action) -> torch.Tensor:
+        """What crossed ``a``'s boundary: the message itself, or with ``slice_over`` the slices
+        of the group's ranks all_gathered (the same on each of them)."""
         if self.slicer is None:
             return part
+        boundary = self._boundary_of(a)
         sub = self.slicer
         work = sub.all_gather_start(part, dim=0, parts=self.parts[boundary],
                                     axis=sub.mesh.names[0], label=a.describe())  # fmt: skip
@@ -230,13 +232,6 @@ class Pipeline:
                 "boundary (the schedule was proven with it)",
             )
         return t.detach().contiguous()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
 
 
 def _parts(numel: int, n: int) -> list[int]:
