@@ -20,8 +20,19 @@ measures the memory bandwidth; each contender's lower bound is the bytes its ste
 write at that bandwidth (and, for gloo contenders, the all_reduce's bus bytes at the gloo probe's
 bandwidth, printed separately).
 
+With ``--model gpt:LAYERS:WIDTH`` the parameters are not one tensor but the tensors of a
+nanoGPT model (``bias=False``, vocabulary 65, block 256: 6 tensors a layer + 3), in nanoGPT's
+two param groups (weight decay on the tensors of 2 or more dims, none on the rest), with
+``--clip`` (default 1.0; SGD/Adam/AdamW) clipping by the global norm: ``ddp`` is then DDP's
+communication (one flat bucket the gradients are views of, ``gradient_as_bucket_view=True``:
+all_reduce, divide) + ``clip_grad_norm_`` + the torch optimizer over the two groups, and
+``coconet.optim.<X>`` takes the same groups and ``max_grad_norm=``. This is the small-model row
+of issue 25: the step's fixed costs (per group, per tensor, per collective) matter at this size.
+
     python benchmarks/data_parallel.py --optimizer adam --params 16M --nproc 2 --json out.json
     python benchmarks/data_parallel.py --optimizer lamb
+    python benchmarks/data_parallel.py --optimizer adamw --model gpt:5:128 --steps 50
+    python benchmarks/data_parallel.py --optimizer lamb --model gpt:4:128 --steps 50
 """
 
 from __future__ import annotations
@@ -169,6 +180,99 @@ class CoconetOptim(Contender):
         self.opt.step()
 
 
+def gpt_shapes(layers: int, width: int, vocab: int = 65, block: int = 256
+               ) -> list[tuple[str, tuple[int, ...]]]:  # fmt: skip
+    """The parameter tensors of nanoGPT's ``GPT`` with ``bias=False`` (the lm_head tied to
+    ``wte``), in ``named_parameters()`` order: 6 a layer, plus ``wte``, ``wpe`` and ``ln_f``."""
+    shapes = [("transformer.wte.weight", (vocab, width)),
+              ("transformer.wpe.weight", (block, width))]
+    for i in range(layers):
+        h = f"transformer.h.{i}"
+        shapes += [(f"{h}.ln_1.weight", (width,)), (f"{h}.attn.c_attn.weight", (3 * width, width)),
+                   (f"{h}.attn.c_proj.weight", (width, width)), (f"{h}.ln_2.weight", (width,)),
+                   (f"{h}.mlp.c_fc.weight", (4 * width, width)),
+                   (f"{h}.mlp.c_proj.weight", (width, 4 * width))]
+    return shapes + [("transformer.ln_f.weight", (width,))]
+
+
+def model_params(p0: torch.Tensor, shapes) -> list[torch.nn.Parameter]:
+    """One Parameter per shape, each with storage of its own (as a model's), from ``p0``."""
+    sizes = [torch.Size(shape).numel() for _, shape in shapes]
+    return [torch.nn.Parameter(part.clone().view(shape))
+            for part, (_, shape) in zip(p0.split(sizes), shapes, strict=True)]
+
+
+def nanogpt_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """nanoGPT's ``configure_optimizers``: decay the tensors of 2+ dims, not the others."""
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+class ModelDDP(Contender):
+    """What DDP + a torch optimizer do for a model's step once backward has filled the bucket:
+    one flat gradient bucket (``gradient_as_bucket_view=True``: each ``.grad`` a view of it),
+    its all_reduce (gloo) and division by the world size, ``clip_grad_norm_`` (``foreach``) when
+    clipping, then the optimizer over nanoGPT's two param groups. (DDP overlaps the all_reduce
+    with backward where a core is free; on this 2-core machine none is.)"""
+
+    def __init__(self, name, opt, p0, shapes, hp, world, impl, clip) -> None:
+        self.name, self.world, self.clip = name, world, clip
+        self.params = model_params(p0, shapes)
+        self.bucket = torch.empty_like(p0)
+        off = 0
+        for p in self.params:
+            p.grad = self.bucket[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        rest = {k: v for k, v in hp.items() if k != "weight_decay"}
+        self.opt = torch_optimizer(opt, nanogpt_groups(self.params, hp["weight_decay"]), rest,
+                                   impl)
+
+    def prepare(self, g):
+        self.bucket.copy_(g)
+
+    def step(self) -> None:
+        dist.all_reduce(self.bucket)
+        self.bucket.div_(self.world)
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+        self.opt.step()
+
+    def param(self):
+        return flat(self.params)
+
+
+class ModelCoconet(Contender):
+    """``coconet.optim.<X>`` over the same tensors and groups, ``max_grad_norm=`` when clipping:
+    the loop's only change (its ``.grad``s are views of coconet's buckets, as backward fills)."""
+
+    kind = "coconet"
+
+    def __init__(self, name, opt, comm, p0, shapes, hp, clip) -> None:
+        import coconet.optim
+
+        self.name, self.params = name, model_params(p0, shapes)
+        rest = {k: v for k, v in hp.items() if k != "weight_decay"}
+        extra = {"max_grad_norm": clip} if clip is not None else {}
+        self.opt = getattr(coconet.optim, TORCH_NAME[opt])(
+            nanogpt_groups(self.params, hp["weight_decay"]), **rest, comm=comm, **extra)
+
+    def prepare(self, g):
+        off = 0
+        for p in self.params:
+            p.grad.copy_(g[off:off + p.numel()].view_as(p))
+            off += p.numel()
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def param(self):
+        return flat(self.params)
+
+
 class CopyProbe(Contender):
     name, kind = "probe:copy", "probe"
 
@@ -203,6 +307,8 @@ def worker(comm, cfg: dict) -> dict:
                                                transport="torch.distributed"))
     name = f"coconet.optim.{TORCH_NAME[opt]}"
     contenders = [CopyProbe(n), AllReduceProbe(n)]
+    if cfg.get("model"):
+        return run(comm, cfg, contenders + model_contenders(comm, gloo, cfg, p0, hp, name))
     contenders.append(DDP("ddp", opt, p0, hp, world, "foreach" if opt == "lamb" else "fused"))
     if opt == "lamb":
         contenders.append(DDP("ddp+lamb_single", opt, p0, hp, world, "single"))
@@ -211,7 +317,23 @@ def worker(comm, cfg: dict) -> dict:
         contenders.append(Zero(opt, p0, hp, world))
     contenders.append(CoconetOptim(name, opt, comm, p0, hp))
     contenders.append(CoconetOptim(f"{name}[gloo]", opt, gloo, p0, hp))
-    rounds = 1 + cfg["warmup"] + cfg["steps"]
+    return run(comm, cfg, contenders)
+
+
+def model_contenders(comm, gloo, cfg: dict, p0, hp: dict, name: str) -> list[Contender]:
+    """The small-model row's contenders (``--model``): ddp (the reference) first."""
+    opt, shapes, clip = cfg["optimizer"], gpt_shapes(*cfg["model"]), cfg["clip"]
+    impl = "foreach" if opt == "lamb" else "fused"
+    suffix = f"[clip {clip:g}]" if clip is not None else ""
+    return [ModelDDP(f"ddp{suffix}", opt, p0, shapes, hp, comm.world, impl, clip),
+            ModelCoconet(f"{name}{suffix}", opt, comm, p0, shapes, hp, clip),
+            ModelCoconet(f"{name}{suffix}[gloo]", opt, gloo, p0, shapes, hp, clip)]
+
+
+def run(comm, cfg: dict, contenders: list[Contender]) -> dict:
+    """Time ``contenders`` in alternation (the first two are the probes, the third the
+    reference the others' parameters are compared with) and return the rows."""
+    rounds, n = 1 + cfg["warmup"] + cfg["steps"], cfg["params"]
     times = torch.zeros(len(contenders), cfg["steps"], dtype=torch.float64)
     first = torch.zeros(len(contenders), dtype=torch.float64)
     for r in range(rounds):
@@ -272,10 +394,12 @@ def lower_bounds(rows: list[dict], opt: str, n: int, world: int) -> dict:
 
 def table(doc: dict) -> str:
     rows, cfg = doc["results"], doc["config"]
-    ddp = next(r for r in rows if r["name"] == "ddp")
+    ddp = next(r for r in rows if r["kind"] != "probe")  # the reference: ddp
     lb = doc["lower_bound"]
+    model = (f" in the {len(gpt_shapes(*cfg['model']))} tensors of nanoGPT {cfg['model'][0]} "
+             f"x {cfg['model'][1]} (2 param groups)" if cfg.get("model") else "")
     lines = [
-        f"data_parallel: {cfg['optimizer']}, {cfg['params']:,} float32 params, "
+        f"data_parallel: {cfg['optimizer']}, {cfg['params']:,} float32 params{model}, "
         f"{doc['world_size']} ranks x 1 thread, {cfg['steps']} timed steps after "
         f"{cfg['warmup']} warm-up (+1 first call); {doc['machine']['cpu_model']}, "
         f"{doc['machine']['cpus']} cpus",
@@ -297,7 +421,23 @@ def table(doc: dict) -> str:
         f"{lb['gloo_all_reduce_ms']:.1f} ms at the gloo probe's bandwidth)",
         "err vs ddp: max |p - p_ddp| / max |p_ddp| after every step; correct: <= 1e-5",
     ]
+    if doc["targets"]:
+        lines += ["", "targets (ratios of medians from this run):"]
+        lines += [f"  {'met ' if t['met'] else 'MISSED'} {t['name']}: {t['value']:.2f} >= "
+                  f"{t['threshold']}" for t in doc["targets"]]
     return "\n".join(lines)
+
+
+def targets(rows: list[dict], cfg: dict) -> list[dict]:
+    """Issue 25's small-model targets, from this run's medians: coconet's step over shared
+    memory no slower than ddp's (ddp's median / coconet's >= 1)."""
+    if not cfg.get("model"):
+        return []
+    ddp = next(r for r in rows if r["kind"] != "probe")
+    mine = next(r for r in rows if r["kind"] == "coconet")
+    value = ddp["median_ms"] / mine["median_ms"]
+    return [{"name": f"{mine['name']} no slower than {ddp['name']} ({ddp['name']} / coconet)",
+             "value": round(value, 3), "threshold": 1.0, "met": value >= 1.0}]
 
 
 def plot(doc: dict, path: str) -> None:
@@ -328,9 +468,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", metavar="gpt:LAYERS:WIDTH",
+                    help="the tensors and two param groups of a nanoGPT model instead of one "
+                    "tensor of --params (e.g. gpt:4:128, the issue's 27 tensors)")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="with --model: the max_grad_norm / clip_grad_norm_ (SGD/Adam/AdamW; "
+                    "0: off)")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--plot", metavar="PATH")
     args = ap.parse_args(argv)
+    model = None
+    if args.model:
+        try:
+            kind, layers, width = args.model.split(":")
+            model = (int(layers), int(width))
+        except ValueError:
+            kind = ""
+        if kind != "gpt" or model is None or min(model) < 1:
+            ap.error(f"--model {args.model!r}: expected gpt:LAYERS:WIDTH, e.g. gpt:4:128")
     if args.steps < 10:
         ap.error("--steps must be at least 10")
     if args.optimizer == "lamb":
@@ -340,11 +495,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--optimizer lamb compares with pytorch_optimizer.Lamb: pip install -e "
                      "'.[bench]'")
     n = parse_size(args.params)
+    clip = args.clip if model and args.clip > 0 and args.optimizer != "lamb" else None
+    if model:
+        n = sum(torch.Size(shape).numel() for _, shape in gpt_shapes(*model))
     from coconet.runtime import CommOptions, spawn
 
     os.environ["OMP_NUM_THREADS"] = "1"
     cfg = {"optimizer": args.optimizer, "params": n, "steps": args.steps,
-           "warmup": args.warmup, "seed": args.seed}
+           "warmup": args.warmup, "seed": args.seed, "model": model, "clip": clip}
     with tempfile.TemporaryDirectory(prefix="coconet-bench-"):
         t0 = time.perf_counter()
         res = spawn(worker, args.nproc, cfg, options=CommOptions(timeout=600), timeout=3600)[0]
@@ -367,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(wall, 1),
     }
     doc["lower_bound_ms"] = doc["lower_bound"]["fused_shared_memory_ms"]
+    doc["targets"] = targets(rows, cfg)
     doc["results"] += doc["probes"]
     print(table(doc))
     print(f"(wall time {wall:.0f} s)")
