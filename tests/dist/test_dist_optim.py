@@ -117,11 +117,13 @@ def test_closure_hooks_and_a_group_added_mid_training():
 
 
 @pytest.mark.timeout(120)
-def test_ddp_refuses_param_groups_and_host_shared_parameters_saying_what_to_do():
+def test_ddp_refuses_param_groups_host_shared_parameters_and_lamb_saying_what_to_do():
     for out in spawn(optim_workers.ddp_refusals, 2, options=OPTIONS, timeout=100):
         assert "one param group; 2 were given" in out["groups"], out
         assert "leave ddp= out" in out["groups"]
         assert "cannot be combined with ddp=" in out["host-shared"], out
+        assert "LAMB cannot be combined with ddp=" in out["lamb"], out
+        assert "each parameter tensor's own" in out["lamb"]
 
 
 def _ddp(comm):

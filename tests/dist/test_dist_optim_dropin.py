@@ -46,3 +46,23 @@ def test_the_drop_in_cases_on_two_ranks():
         assert out["usable_after"]
         assert out["default_world"] == 2
         assert "amsgrad=True is not supported (param group 0)" in out["amsgrad_group"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_lamb_steps_equal_sized_tensors_as_rows_of_one_bucket(world):
+    """LAMB's small tensors of one size share a step, one per row, each rank updating whole
+    tensors (their norms need no collective): equal to pytorch_optimizer.Lamb on the averaged
+    gradient with rows missing gradients on some ranks or on all, with pre_norm, and through
+    checkpoints both ways (3 ranks: the two 7-element tensors are fewer than the ranks and
+    step alone, the four of 24 are sliced 2 / 1 / 1)."""
+    results = spawn(dropin_workers.lamb_rows, world, options=CommOptions(timeout=60),
+                    timeout=280)
+    rows = [[0, 2, 5, 7], [1, 4]] if world == 2 else [[0, 2, 5, 7]]
+    for rank, out in enumerate(results):
+        for label, rel in out["cases"].items():
+            assert rel <= LAMB_RTOL, (rank, label, rel)
+        assert [b for b, r in zip(out["buckets"], out["rows"], strict=True) if r] == rows
+        assert sorted(i for b in out["buckets"] for i in b) == list(range(8))
+        assert out["state_view"] <= LAMB_RTOL
+        assert max(out["compiled"], out["from_lamb"], out["to_lamb"]) <= LAMB_RTOL, out

@@ -236,3 +236,132 @@ def _refusals(comm: Communicator) -> dict:
     except CoconetError as e:
         out["amsgrad_group"] = str(e)
     return out
+
+
+# -- LAMB's buckets of rows: many small tensors of one size in one step ----------------------------
+
+# Repeated sizes, as a model's layers repeat them: four tensors of 24 elements (two shapes) and
+# two of 7 share a bucket each (one tensor per row; on 3 ranks the two 7s are fewer than the
+# ranks and step alone), 25 and 3 are alone.
+ROW_SHAPES = ((4, 6), (7,), (4, 6), (5, 5), (7,), (2, 12), (3,), (4, 6))
+# which tensors each rank uses, step by step (a row bucket with some rows missing a gradient on
+# some ranks, or on all, and nothing at all on one rank)
+ROW_MASKS = [
+    None,
+    [(0, 1, 2), (2, 3)],
+    [(1, 4, 5, 6, 7), ()],
+    [(), ()],
+    [(0, 5), (0, 5, 7)],
+]
+
+
+def _row_values(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in ROW_SHAPES]
+
+
+def _row_loss(params, x: torch.Tensor, used) -> torch.Tensor:
+    out = torch.zeros(())
+    for i in used:
+        p = params[i]
+        out = out + (p * p.sin() * x[: p.numel()].view_as(p)).sum() + p.pow(2).sum() * x[i]
+    return out
+
+
+def _row_grads(params, world: int, k: int, used_by_rank) -> None:
+    """The reference's gradients: the average over ranks (None where no rank has one)."""
+    total: list[torch.Tensor | None] = [None] * len(params)
+    for r in range(world):
+        for p in params:
+            p.grad = None
+        used = used_by_rank[r]
+        if used:
+            _row_loss(params, _row_x(k, r), used).backward()
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                total[i] = p.grad.clone() if total[i] is None else total[i] + p.grad
+    for p, g in zip(params, total, strict=True):
+        p.grad = None if g is None else g / world
+
+
+def _row_x(k: int, rank: int) -> torch.Tensor:
+    return torch.randn(25, generator=torch.Generator().manual_seed(1000 * k + rank))
+
+
+def _row_masks(world: int, k: int):
+    mask = ROW_MASKS[k % len(ROW_MASKS)]
+    every = tuple(range(len(ROW_SHAPES)))
+    return [every] * world if mask is None else [mask[r % 2] for r in range(world)]
+
+
+def _row_train(comm, ours, theirs, o, t, first, steps, masked=True, set_to_none=True):
+    every = [tuple(range(len(ROW_SHAPES)))] * comm.world
+    for k in range(first, first + steps):
+        used_by_rank = _row_masks(comm.world, k) if masked else every
+        o.zero_grad(set_to_none=set_to_none)
+        if used_by_rank[comm.rank]:
+            _row_loss(ours, _row_x(k, comm.rank), used_by_rank[comm.rank]).backward()
+        o.step()
+        had = [p.grad is not None for p in theirs]
+        _row_grads(theirs, comm.world, k, used_by_rank)
+        if not set_to_none:
+            for p, h in zip(theirs, had, strict=True):
+                if h and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        t.step()
+
+
+def lamb_rows(comm: Communicator) -> dict:
+    """coconet.optim.LAMB over ``ROW_SHAPES`` against pytorch_optimizer.Lamb on the averaged
+    gradient: the buckets it makes, every rank's parameters after training (all tensors used,
+    and ``ROW_MASKS``), ``pre_norm`` (the global-norm factor), and checkpoints both ways."""
+    lamb = _reference("LAMB")
+    out: dict = {"cases": {}}
+    cases = [
+        ("all", {"lr": 1e-1, "weight_decay": 1e-2}, False, True),
+        ("masked", {"lr": 1e-1, "weight_decay": 1e-2}, True, True),
+        ("masked, set_to_none=False", {"lr": 1e-1, "weight_decay": 1e-2}, True, False),
+        ("adam", {"lr": 1e-2, "adam": True, "eps": 1e-8}, True, True),
+        ("pre_norm", {"lr": 1e-1, "pre_norm": True, "max_grad_norm": 0.5}, True, True),
+    ]
+    for label, kw, masked, set_to_none in cases:
+        ours = [P(v.clone()) for v in _row_values()]
+        theirs = [P(v.clone()) for v in _row_values()]
+        o = coconet.optim.LAMB(ours, comm=comm, options=EAGER, **kw)
+        t = lamb(theirs, **kw)
+        _row_train(comm, ours, theirs, o, t, 0, 10, masked, set_to_none)
+        out["cases"][label] = _rel(ours, theirs)
+        if label == "all":
+            where = {id(p): i for i, p in enumerate(ours)}
+            out["buckets"] = [[where[id(p)] for p in b.params] for b in o._buckets]
+            out["rows"] = [b.row for b in o._buckets]
+            # opt.state[p]: this rank's part of each tensor, as the reference's flattened state
+            worst = 0.0
+            for a, b in zip(ours, theirs, strict=True):
+                start, stop = o.state_range(a)
+                if stop > start:
+                    ref = t.state[b]["exp_avg"].reshape(-1)[start:stop]
+                    worst = max(worst, _rel([o.state[a]["exp_avg"]], [ref]))
+            out["state_view"] = worst
+    # checkpoints both ways after 4 masked steps, then 4 more side by side (compiled steps)
+    kw = {"lr": 1e-1, "weight_decay": 1e-2}
+    ours = [P(v.clone()) for v in _row_values()]
+    theirs = [P(v.clone()) for v in _row_values()]
+    o = coconet.optim.LAMB(ours, comm=comm, **kw)
+    t = lamb(theirs, **kw)
+    _row_train(comm, ours, theirs, o, t, 0, 4)
+    buf = io.BytesIO()
+    torch.save(o.state_dict(), buf)
+    buf.seek(0)
+    into_lamb = [P(p.detach().clone()) for p in ours]
+    t2 = lamb(into_lamb, **kw)
+    t2.load_state_dict(torch.load(buf, weights_only=True))
+    into_ours = [P(p.detach().clone()) for p in theirs]
+    o2 = coconet.optim.LAMB(into_ours, comm=comm, **kw)
+    o2.load_state_dict(t.state_dict())
+    _row_train(comm, into_ours, into_lamb, o2, t2, 4, 4)
+    _row_train(comm, ours, theirs, o, t, 4, 4)
+    out["compiled"] = _rel(ours, theirs)
+    out["from_lamb"] = _rel(into_ours, theirs)
+    out["to_lamb"] = _rel(into_lamb, theirs)
+    return out

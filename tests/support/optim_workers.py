@@ -386,8 +386,8 @@ def _worst_relative_error(net, ref) -> float:
 
 
 def ddp_refusals(comm: Communicator) -> dict:
-    """What ``ddp=`` refuses, with the reason: two param groups (nanoGPT's decay / no decay), and
-    ``param_storage="host-shared"``."""
+    """What ``ddp=`` refuses, with the reason: two param groups (nanoGPT's decay / no decay),
+    ``param_storage="host-shared"``, and LAMB (per-tensor norms: DDP's buckets mix tensors)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from coconet.errors import ConfigError
@@ -402,6 +402,7 @@ def ddp_refusals(comm: Communicator) -> dict:
             comm=comm, ddp=net)),
         ("host-shared", lambda: coconet.optim.AdamW(
             net.parameters(), comm=comm, ddp=net, param_storage="host-shared")),
+        ("lamb", lambda: coconet.optim.LAMB(net.parameters(), comm=comm, ddp=net)),
     ):
         try:
             make()

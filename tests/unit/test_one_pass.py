@@ -13,6 +13,7 @@ does not, and that the generated code says so.
 from __future__ import annotations
 
 import pytest
+import torch
 from support.examples_loader import load_example
 
 import coconet as cc
@@ -159,3 +160,44 @@ def test_a_gather_is_published_only_when_no_collective_follows_it():
     alone = cc.Program("alone", [g, w], [cc.update(w, w_new)])
     assert "published=True" not in _source(fuse_RS_C_AG(followed))
     assert "published=True" in _source(fuse_RS_C_AG(alone))
+
+
+LAMB_SCALARS = {"grad_scale": 0.5, "beta1": 0.9, "beta3": 0.1, "beta2": 0.999,
+                "one_minus_beta2": 1e-3, "eps": 1e-6, "decay": 0.99, "step_size": 0.1,
+                "use_trust": 1.0}
+
+
+def test_lambs_rows_are_one_whole_pass_without_a_norm_collective():
+    """``programs.lamb(rows=True)`` (coconet.optim.LAMB's bucket of equal-sized tensors, one per
+    row) sliced by rows: each rank's norms are its own rows', so nothing cuts the unit."""
+    from coconet.optim import programs
+    from coconet.schedule import fuse_RS_C_AG
+
+    s = fuse_RS_C_AG(programs.lamb(rows=True), state=("m", "v"))
+    (unit,) = lower(s.program, set()).fused_collectives
+    op = one_pass(unit)
+    assert op is not None and op.reduce_scatter is not None and op.all_gather is not None
+    shm = _source(s)
+    assert "all_reduce_start(" not in shm and "norm_sumsq" not in shm
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_lambs_rows_are_each_the_flat_program_of_that_row(world):
+    """Simulated: row k of the rows program (sliced by rows over ``world`` ranks, 5 rows: slices
+    of unequal row counts) is the flat program over tensor k."""
+    from coconet.optim import programs
+    from coconet.schedule import fuse_RS_C_AG
+
+    gen = torch.Generator().manual_seed(3)
+    g = [torch.randn(5, 12, generator=gen) for _ in range(world)]
+    p, m, v = torch.randn(5, 12, generator=gen), torch.randn(5, 12, generator=gen) * 0.1, \
+        torch.rand(5, 12, generator=gen) * 0.1
+    rows = fuse_RS_C_AG(programs.lamb(rows=True), state=("m", "v")).program
+    got = cc.simulate(rows, {"g": g, "p": p, "m": m, "v": v, **LAMB_SCALARS}, world)
+    flat = programs.lamb()
+    for k in range(5):
+        want = cc.simulate(flat, {"g": [x[k] for x in g], "p": p[k], "m": m[k], "v": v[k],
+                                  **LAMB_SCALARS}, world)
+        for name in ("p", "m", "v"):
+            torch.testing.assert_close(got.updated(name)[k], want.updated(name),
+                                       rtol=1e-6, atol=1e-7)

@@ -100,6 +100,10 @@ from coconet.schedule import Schedule
 __all__ = ["DistributedOptimizer", "LocalGradientEditWarning"]
 
 _DTYPES = {torch.float32: DType.float32}
+# The largest tensor (elements) of a bucket of rows (``_tensor_buckets``): 1 MiB of float32, about
+# what a step's fixed cost (~1 ms of agreement, waits and launches) moves at the copy bandwidth;
+# a slice of whole rows leaves a rank at most one tensor of this size more than its peer.
+ROW_ELEMENTS = 1 << 18
 # the key under which the ranks compare which parameters have a gradient (see _step_agreeing)
 _AGREE = "coconet.optim: which parameters have a gradient"
 # what the clipping scalars are made from, as an error naming a differing one says it
@@ -122,6 +126,9 @@ class _Bucket:
     bounds: tuple[int, int]  # this rank's slice of the bucket (the state it keeps)
     names: dict[str, str]  # state: program input -> torch's state key
     clip: Clip = Clip.OFF  # how step_fn clips the gradient (max_grad_norm=)
+    # elements per row of a bucket of equal-sized tensors, one per row (``programs.lamb(
+    # rows=True)``; its slices are whole rows); 0: a flat bucket
+    row: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # program name -> this slice
     # Per parameter: how many times it was stepped (torch's per-parameter ``step``; 0: no state
     # yet, as torch has none before a parameter's first step).
@@ -185,6 +192,28 @@ class _Bucket:
     def numel(self) -> int:
         return self.size
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape the program steps: flat, or one row per parameter."""
+        return (self.size // self.row, self.row) if self.row else (self.size,)
+
+    def bounds_of(self, rank: int, world: int) -> tuple[int, int]:
+        """Rank ``rank``'s slice of the bucket (flat elements): the program's slice along dim
+        0, so whole rows of a bucket of rows."""
+        if not self.row:
+            return slice_bounds(self.size, world, rank)
+        lo, hi = slice_bounds(self.size // self.row, world, rank)
+        return lo * self.row, hi * self.row
+
+    def inputs(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The step's tensor inputs: the gradient, ``p`` and the state, in the program's shape
+        (views of the flat buffers; the commit writes through them)."""
+        shape = self.shape
+        if not self.row:
+            return {"g": self.grad, "p": p, **self.state}
+        rows = {name: x.view(-1, self.row) for name, x in self.state.items()}
+        return {"g": self.grad.view(shape), "p": p.view(shape), **rows}
+
     def span(self, i: int) -> tuple[int, int]:
         """Parameter ``i``'s elements in the bucket."""
         return self.offsets[i], self.offsets[i] + self.params[i].numel()
@@ -209,8 +238,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     initialised ``torch.distributed``, or a world of one).
     """
 
-    # One bucket per parameter tensor instead of per (group, dtype): for updates whose norms are
-    # a tensor's own (LAMB's layer-wise trust ratio). One fused collective per parameter.
+    # Buckets of tensors instead of per (group, dtype): for updates whose norms are a tensor's
+    # own (LAMB's layer-wise trust ratio). The small tensors of one size share a bucket, one
+    # per row (``program(..., rows=True)``), the others are a bucket each (``_tensor_buckets``).
     bucket_per_parameter = False
     # Whether ``program`` takes ``clip=`` (a ``Clip``): ``max_grad_norm=`` needs it.
     supports_grad_clip = False
@@ -366,12 +396,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # DDP's buckets are the buckets: made on the hook's first call
         for dtype, params in by_dtype.items():
             if self.bucket_per_parameter:
-                for param in params:
-                    self._buckets.append(self._bucket(index, group, dtype, [param]))
+                for members in self._tensor_buckets(params):
+                    self._buckets.append(self._bucket(index, group, dtype, members))
             else:
                 self._buckets.append(self._bucket(index, group, dtype, params))
         self._settle_clip()
         self._refresh_identity()
+
+    def _tensor_buckets(self, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+        """The buckets of an optimizer whose norms are each tensor's own (``bucket_per_parameter``):
+        the tensors of one size together, one per row, where that pays and holds, every other
+        tensor alone. Rows pay for small tensors, whose step is mostly its fixed cost (a
+        nanoGPT-sized model's 27 tensors are 27 steps otherwise): at most ``ROW_ELEMENTS``
+        elements each, at least one per rank (a row bucket's slices are whole rows: every rank
+        updates whole tensors, so the norms need no collective). A large tensor keeps its own
+        flat step, sliced evenly whatever the tensor count. Not with host-shared parameters
+        (one flat copy per host)."""
+        if self._storage is ParamStorage.HOST_SHARED:
+            return [[p] for p in params]
+        by_size: dict[int, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_size.setdefault(p.numel(), []).append(p)
+        buckets: list[list[torch.nn.Parameter]] = []
+        for n, same in by_size.items():  # in the order of first appearance: the same on every rank
+            if 0 < n <= ROW_ELEMENTS and len(same) >= max(2, self._comm.world):
+                buckets.append(same)
+            else:
+                buckets.extend([p] for p in same)
+        return buckets
 
     # -- gradient clipping (max_grad_norm=) -----------------------------------------------------
 
@@ -394,7 +446,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b in self._buckets:
             if b.clip is Clip.IN_STEP:
                 group = self.param_groups[b.group]
-                b.step_fn = self._step_fn(group, b.params[0].dtype, b.size, Clip.GIVEN)
+                b.step_fn = self._step_fn(group, b.params[0].dtype, b.size, Clip.GIVEN, b.row)
                 b.clip = Clip.GIVEN
 
     def _norm_step(self) -> Any:
@@ -562,7 +614,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             flat = torch.empty(total, dtype=dtype, device=self._comm.device)
         writes = not shared or self._comm.rank == 0
-        grad = bucket.step_fn.input_buffer("g", (total,))
+        grad = bucket.step_fn.input_buffer("g", bucket.shape).view(-1)
         grad.zero_()
         with torch.no_grad():
             for i, p in enumerate(params):
@@ -594,29 +646,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
             offsets.append(total)
             total += p.numel()
         clip = self._clip_of_new_bucket()
-        step_fn = self._step_fn(group, dtype, total, clip)
+        # several tensors in a bucket of an optimizer with per-tensor norms: one per row
+        row = params[0].numel() if self.bucket_per_parameter and len(params) > 1 else 0
+        step_fn = self._step_fn(group, dtype, total, clip, row)
         names = self.state_names(group)
-        bounds = slice_bounds(total, comm.world, comm.rank)
-        bucket = _Bucket(index, params, offsets, total, step_fn, bounds, names, clip)
+        bucket = _Bucket(index, params, offsets, total, step_fn, (0, total), names, clip, row)
+        bucket.bounds = bounds = bucket.bounds_of(comm.rank, comm.world)
         n = bounds[1] - bounds[0]
         for name in names:
             size = n if _is_sliced(step_fn.program, name) else total
             bucket.state[name] = torch.zeros(size, dtype=dtype, device=comm.device)
         return bucket
 
-    def _step_fn(self, group: dict[str, Any], dtype: torch.dtype, total: int, clip: Clip) -> Any:
-        """The compiled step of a bucket of ``total`` elements of ``group`` (collective)."""
+    def _step_fn(self, group: dict[str, Any], dtype: torch.dtype, total: int, clip: Clip,
+                 row: int = 0) -> Any:  # fmt: skip
+        """The compiled step of a bucket of ``total`` elements of ``group`` (collective);
+        ``row``: of equal-sized tensors of ``row`` elements, one per row (``_tensor_buckets``;
+        0: flat)."""
+        extra: dict[str, Any] = {"rows": True} if row else {}
         if clip is Clip.OFF:
-            program = self.program(group, _DTYPES[dtype])
+            program = self.program(group, _DTYPES[dtype], **extra)
         else:
-            program = self.program(group, _DTYPES[dtype], clip=clip)
-        target = self._scheduled(program, tuple(self.state_names(group)), total)
+            program = self.program(group, _DTYPES[dtype], clip=clip, **extra)
+        target = self._scheduled(program, tuple(self.state_names(group)), total, row)
         step_fn = coconet_compile(target, comm=self._comm, options=self._options)
         step_fn.input_sources = {**self.SCALAR_SOURCES, **_CLIP_SOURCES}
         return step_fn
 
     def _scheduled(
-        self, program: Program, state: tuple[str, ...], total: int = 0
+        self, program: Program, state: tuple[str, ...], total: int = 0, row: int = 0
     ) -> Program | Schedule:
         # A world of one has nothing to fuse the update with: its default is the program as
         # written (one no-op all_reduce instead of a reduce_scatter and an all_gather).
@@ -625,7 +683,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if callable(choice):
             return choice(program)
         if choice == "auto":
-            return self._tuned(program, state, total)
+            return self._tuned(program, state, total, row)
         named = {
             "AR_C": lambda p: schedules.AR_C(p),
             "RS_C_AG": lambda p: schedules.RS_C_AG(p, state=state),
@@ -641,7 +699,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         return named[choice](program)
 
-    def _tuned(self, program: Program, state: tuple[str, ...], total: int) -> Program | Schedule:
+    def _tuned(self, program: Program, state: tuple[str, ...], total: int, row: int = 0
+               ) -> Program | Schedule:
         """``schedule="auto"``: the tuner's choice for a bucket of ``total`` elements, once per
         (program, size class): buckets of very different sizes (LAMB's one per parameter, or
         param groups) may get different schedules, and same-class buckets reuse the choice (a
@@ -654,7 +713,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             result = tune(
                 program,
                 self._comm,
-                {"N": max(total, self._comm.world)},
+                # a bucket of rows: K tensors of N (at least one per rank, _tensor_buckets)
+                {"K": total // row, "N": row} if row else {"N": max(total, self._comm.world)},
                 options=self._options,
                 state=state,
                 transports=[self._comm.transport_of(None)],
@@ -939,15 +999,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if b.replica is None:
             # `flat` is passed as a view: the commit writes a view's values in place rather
             # than handing it new storage, so the parameters (views of it) see the update.
-            out = b.step_fn.run({"g": b.grad, "p": b.flat[:], **b.state, **scalars, **clip},
-                                agree=agree)
+            out = b.step_fn.run({**b.inputs(b.flat[:]), **scalars, **clip}, agree=agree)
             self._keep_norm(out)
             return
         # A host replica: the commit re-points `flat` at the buffer the step wrote (every rank
         # wrote its slice there); the parameters follow it.
         before = b.flat.data_ptr()
-        out = b.step_fn.run({"g": b.grad, "p": b.flat, **b.state, **scalars, **clip},
-                            agree=agree)
+        out = b.step_fn.run({**b.inputs(b.flat), **scalars, **clip}, agree=agree)
         self._keep_norm(out)
         if b.flat.data_ptr() != before:
             with torch.no_grad():
@@ -967,7 +1025,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameters stepped with them); each group keeps its own parameters' results, everything
         else keeps its values: per element the same arithmetic as the common case. The
         programs are elementwise over the bucket (a norm is a tensor's own: LAMB's buckets hold
-        one parameter), so a parameter's result does not depend on the others'. On a failure
+        one parameter, or one per row), so a parameter's result does not depend on the
+        others'. On a failure
         the bucket is put back as it was."""
         if b.replica is not None:
             self._run_some_shared(b, plan, agree)
@@ -1143,7 +1202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if x.numel() == b.numel:
             return x
         comm = self._comm
-        bounds = (slice_bounds(b.numel, comm.world, r) for r in range(comm.world))
+        bounds = (b.bounds_of(r, comm.world) for r in range(comm.world))
         parts = [hi - lo for lo, hi in bounds]
         work = comm.all_gather_start(x, dim=0, parts=parts, axis=None, label=f"state {name}")
         return comm.wait(work)

@@ -39,6 +39,16 @@ def check_and_register(
     opt: DistributedOptimizer, ddp: DistributedDataParallel, params: list | None = None
 ) -> None:
     name = f"coconet.optim.{type(opt).__name__}"
+    if opt.bucket_per_parameter:
+        # DDP's buckets hold many tensors as one flat vector; this optimizer's norms are each
+        # tensor's own (LAMB's trust ratio), so a DDP bucket cannot be its step
+        raise ConfigError(
+            f"{name} cannot be combined with ddp=: its norms are each parameter tensor's own, "
+            "and DDP's gradient buckets hold many tensors as one vector",
+            op=name,
+            hint="leave ddp= out and the model unwrapped: coconet.optim averages the gradients "
+            "in its step (backward() writes straight into its buckets)",
+        )
     groups = [g for g in params or () if isinstance(g, dict)]
     if len(groups) > 1:
         raise ConfigError(

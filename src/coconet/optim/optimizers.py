@@ -311,8 +311,10 @@ class LAMB(_AdamFamily):
     as Lamb does on one process (or after DDP's average): inside the step, after a norm pass
     over every bucket (``coconet.optim.base``). Not supported (an error, in the constructor, a
     group or a loaded state dict): ``rectify``, ``weight_decouple=False``, ``adanorm``,
-    ``adam_debias``. Each parameter tensor is its own
-    step (its norms are its own): a model of many small tensors pays one collective per tensor.
+    ``adam_debias``. The norms are each tensor's own: the small
+    tensors of one size (at most ``base.ROW_ELEMENTS`` elements, at least one per rank) share one
+    step, one tensor per row, each rank updating whole tensors; every other tensor is a step of
+    its own (a model of many small tensors of different sizes still pays a step per size).
 
     As Lamb, the step count is its param group's (``param_groups[i]["step"]``, counted at every
     ``step()``, also for parameters without a gradient, which are skipped), so checkpoints move
@@ -389,8 +391,9 @@ class LAMB(_AdamFamily):
                 hint="use the decoupled decay (the default), or pytorch_optimizer.Lamb",
             )
 
-    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
-        return programs.lamb(dtype, clip)
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
+                rows: bool = False) -> Program:  # fmt: skip
+        return programs.lamb(dtype, clip, rows)
 
     SCALAR_SOURCES = {
         "grad_scale": "maximize (and the world size)",

@@ -77,11 +77,12 @@ def _outputs(updates: list, extra: dict) -> list | dict:
     return {**extra, **{f"update_{i}": u for i, u in enumerate(updates)}}
 
 
-def _bucket(dtype: DType, state: tuple[str, ...]):
-    n = Dim("N")
-    g = cc.Tensor("g", dtype, [n], Local)
-    p = cc.Tensor("p", dtype, [n], Replicated)
-    return g, p, [cc.Tensor(name, dtype, [n], Replicated) for name in state]
+def _bucket(dtype: DType, state: tuple[str, ...], rows: bool = False):
+    # rows: a bucket of K parameter tensors of N elements each, one per row ([K, N])
+    dims = [Dim("K"), Dim("N")] if rows else [Dim("N")]
+    g = cc.Tensor("g", dtype, dims, Local)
+    p = cc.Tensor("p", dtype, dims, Replicated)
+    return g, p, [cc.Tensor(name, dtype, dims, Replicated) for name in state]
 
 
 def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
@@ -151,10 +152,11 @@ def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program
 LAMB_WEIGHT_NORM_CLAMP = 10.0
 
 
-def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
+def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False) -> Program:
     """``pytorch_optimizer.Lamb`` (4.x; its defaults ``weight_decouple=True``, ``rectify=False``,
     ``adam=False``, ``pre_norm=False``) over **one parameter tensor**: its trust ratio is that
-    tensor's (layer-wise), so ``coconet.optim.LAMB`` runs one program per parameter.
+    tensor's (layer-wise), so ``coconet.optim.LAMB`` runs it per tensor (or ``rows=True``,
+    below, over tensors of one size).
 
     ``m = beta1 m + beta3 g`` (``beta3 = 1 - beta1``, or 1 without grad averaging),
     ``v = beta2 v + (1 - beta2) g g``, ``p_d = decay p`` (``decay = 1 - lr weight_decay``: the
@@ -163,8 +165,16 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     ``= w / (|u| + eps)`` (1 where ``w`` or ``|u|`` is 0; ``use_trust = 0`` for ``adam=True``),
     ``p = p_d - step_size trust u`` with ``step_size = lr / (1 - beta1 ** t)``. ``clip``: Lamb's
     ``pre_norm`` (``Clip.GIVEN``: the gradient times the factor of its global norm).
+
+    ``rows=True``: the same over **K parameter tensors of N elements each**, one per row of
+    ``[K, N]`` inputs, each row's norms its own (``norm(dim=1)``): many tensors in one step.
+    Sliced by rows (``fuse_RS_C_AG``), a rank updates whole tensors, so their norms need no
+    collective: the step is one pass over shared memory (the flat program's norms over a
+    sliced tensor are partial sums and an all_reduce each, which cut it in two).
     """
-    g, p, (m, v) = _bucket(dtype, ("m", "v"))
+    g, p, (m, v) = _bucket(dtype, ("m", "v"), rows)
+    # the per-tensor norms: whole (flat), or each row's, kept as a column to scale its row
+    over = {"dim": 1, "keepdim": True} if rows else {}
     names = (
         "grad_scale", "beta1", "beta3", "beta2", "one_minus_beta2", "eps", "decay",
         "step_size", "use_trust",
@@ -179,15 +189,15 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     update = (m_new / (cc.sqrt(v_new) + s["eps"])).named("update")
     # |decay p| as decay |p| (decay > 0): the norm then reads only p, so a schedule computes it
     # before the gradient arrives (the same value up to one rounding)
-    p_norm = (s["decay"] * cc.norm(p).named("p_norm_raw")).named("p_norm")
+    p_norm = (s["decay"] * cc.norm(p, **over).named("p_norm_raw")).named("p_norm")
     weight_norm = cc.where(p_norm > LAMB_WEIGHT_NORM_CLAMP, LAMB_WEIGHT_NORM_CLAMP, p_norm)
-    u_norm = cc.norm(update).named("u_norm")
+    u_norm = cc.norm(update, **over).named("u_norm")
     ratio = cc.where(u_norm > 0, weight_norm / (u_norm + s["eps"]), 1.0)
     trust = cc.where(weight_norm > 0, ratio, 1.0)
     trust = (s["use_trust"] * trust + (1 - s["use_trust"])).named("trust_ratio")
     p_new = (p_d - s["step_size"] * (trust * update)).named("p_new")
     return Program(
-        _name("lamb", clip),
+        _name("lamb_rows" if rows else "lamb", clip),
         [g, p, m, v, *s.values(), *extra_in],
         _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
     )
