@@ -1,0 +1,97 @@
+"""Two hosts on one machine (``support.hosts``: network, UTS, PID and mount namespaces with a
+private /dev/shm each, a bridge between them, torchrun agents with --nnodes 2): coconet sees two
+hosts, runs the groups inside a host on shared memory and those across on torch.distributed,
+every example x schedule equals the simulator there, ``coconet.optim`` equals torch, and a host
+that dies mid-step gives the other host's ranks a fault within the timeout, tensors untouched.
+
+2 hosts x 2 ranks oversubscribe this 2-core machine (4 ranks): correctness only. Skipped where
+namespaces cannot be made (not root, no iproute2), with the reason."""
+
+from __future__ import annotations
+
+import pytest
+from support import dist_workers
+from support.hosts import Hosts
+from support.tolerances import OPTIM_RTOL, REASSOCIATED_RTOL, schedule_rtol
+
+WHY = Hosts.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+MESH = {"pp": 2, "tp": 2}  # rank = 2 pp + tp: tp inside a host, pp across
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with Hosts(2) as h:
+        yield h
+
+
+@pytest.mark.timeout(120)
+def test_two_namespace_hosts_are_two_hosts_and_share_memory_inside(hosts):
+    out = hosts.run("host_workers:where", MESH, nproc=2, timeout=100)
+    ids = [o["host"] for o in out]
+    assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2], ids
+    for o in out:
+        assert o["world"] == "torch.distributed", o  # the world spans the hosts
+        assert o["mesh"] == {"pp": "torch.distributed", "tp": "shared memory"}, o
+
+
+def _rtol(name: str, schedule: str) -> float:
+    if schedule == "(none)":
+        return 0.0
+    mod = dist_workers.load_example(name)
+    program = mod.program()
+    return schedule_rtol(program, mod.SCHEDULES[schedule](program).program, "float32")
+
+
+@pytest.mark.timeout(400)
+def test_every_example_and_schedule_on_two_hosts_equals_the_simulator(hosts):
+    """2 x 2 ranks: the optimizers and the layer on the world (across hosts: gloo), the
+    pipeline examples on the pp x tp mesh (tp over each host's shared memory, pp over gloo),
+    the mesh programs; as test_dist_examples' 4-rank tier, with gloo's native algorithms
+    too."""
+    out = hosts.run("dist_workers:run_world_and_mesh", (12, 7), MESH, nproc=2, timeout=380)[0]
+    for key in ("world", "native", "mesh"):
+        assert out[key], key
+        for r in out[key]:
+            exact = 1e-6 if key == "native" else 0.0  # gloo's own order (NATIVE_GLOO_RTOL)
+            assert r["status"] == "ok", (key, r)
+            assert r["rel"] <= max(exact, _rtol(r["example"], r["schedule"])), (key, r)
+    cases = {(r["example"], r["schedule"]) for r in out["world"]}
+    expected = {(n, s) for n in dist_workers.OPTIMIZERS + dist_workers.LAYERS
+                for s in ("(none)", *dist_workers.load_example(n).SCHEDULES)}
+    assert cases == expected
+    assert {r["world"] for r in out["mesh"]} == {"Mesh(pp=2, tp=2)"}
+    for r in out["mesh_program"]:
+        assert r["status"] == "ok" and r["abs"] == 0.0, r
+
+
+@pytest.mark.timeout(300)
+def test_coconet_optim_on_two_hosts_equals_torch(hosts):
+    """One rank per host (the state sliced across hosts, every collective over gloo): the
+    drop-in tier's cases against torch.optim / pytorch_optimizer.Lamb on the averaged
+    gradient; 2 x 2 ranks: LAMB's buckets of rows."""
+    for rank, out in enumerate(hosts.run("dropin_workers:dropin", nproc=1, timeout=280)):
+        for label, rel in {**out["cases"], **out["missing"]}.items():
+            rtol = REASSOCIATED_RTOL["float32"] if label.startswith("LAMB") else OPTIM_RTOL
+            assert rel <= rtol, (rank, label, rel)
+        assert out["compiled"] <= OPTIM_RTOL and out["from_torch"] <= OPTIM_RTOL
+        assert out["steps"] == out["torch_steps"]
+    for out in hosts.run("dropin_workers:lamb_rows", nproc=2, timeout=280):
+        for label, rel in out["cases"].items():
+            assert rel <= REASSOCIATED_RTOL["float32"], (label, rel)
+        assert max(out["compiled"], out["from_lamb"], out["to_lamb"]) <= 1e-5
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("where", ["all_gather", "commit"])
+def test_a_host_that_dies_mid_step_gives_the_other_host_a_fault(hosts, where):
+    """Rank 3 kills its whole host (ranks 2 and 3) inside the fused Adam step: ranks 0 and 1
+    get a fault well within the timeout (60 s), their tensors as they were."""
+    out = hosts.run("host_workers:host_dies", 3, where, nproc=2, timeout=150,
+                    env={"COCONET_HOSTS_TIMEOUT": "60"}, dead={2, 3})
+    for survivor in out[:2]:
+        assert survivor["status"] == "fault", survivor
+        assert "peer" in survivor["message"], survivor["message"]
+        assert survivor["seconds"] < 30, survivor
+        assert survivor["unchanged"], "a survivor committed part of a failed step"
+    assert out[2:] == [None, None]
