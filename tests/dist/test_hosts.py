@@ -27,7 +27,7 @@ def hosts():
 
 @pytest.mark.timeout(120)
 def test_two_namespace_hosts_are_two_hosts_and_share_memory_inside(hosts):
-    out = hosts.run("host_workers:where", MESH, nproc=2, timeout=100)
+    out = hosts.run("support.host_workers:where", MESH, nproc=2, timeout=100)
     ids = [o["host"] for o in out]
     assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2], ids
     for o in out:
@@ -49,7 +49,7 @@ def test_every_example_and_schedule_on_two_hosts_equals_the_simulator(hosts):
     pipeline examples on the pp x tp mesh (tp over each host's shared memory, pp over gloo),
     the mesh programs; as test_dist_examples' 4-rank tier, with gloo's native algorithms
     too."""
-    out = hosts.run("dist_workers:run_world_and_mesh", (12, 7), MESH, nproc=2, timeout=380)[0]
+    out = hosts.run("support.dist_workers:run_world_and_mesh", (12, 7), MESH, nproc=2, timeout=380)[0]
     for key in ("world", "native", "mesh"):
         assert out[key], key
         for r in out[key]:
@@ -70,13 +70,13 @@ def test_coconet_optim_on_two_hosts_equals_torch(hosts):
     """One rank per host (the state sliced across hosts, every collective over gloo): the
     drop-in tier's cases against torch.optim / pytorch_optimizer.Lamb on the averaged
     gradient; 2 x 2 ranks: LAMB's buckets of rows."""
-    for rank, out in enumerate(hosts.run("dropin_workers:dropin", nproc=1, timeout=280)):
+    for rank, out in enumerate(hosts.run("support.dropin_workers:dropin", nproc=1, timeout=280)):
         for label, rel in {**out["cases"], **out["missing"]}.items():
             rtol = REASSOCIATED_RTOL["float32"] if label.startswith("LAMB") else OPTIM_RTOL
             assert rel <= rtol, (rank, label, rel)
         assert out["compiled"] <= OPTIM_RTOL and out["from_torch"] <= OPTIM_RTOL
         assert out["steps"] == out["torch_steps"]
-    for out in hosts.run("dropin_workers:lamb_rows", nproc=2, timeout=280):
+    for out in hosts.run("support.dropin_workers:lamb_rows", nproc=2, timeout=280):
         for label, rel in out["cases"].items():
             assert rel <= REASSOCIATED_RTOL["float32"], (label, rel)
         assert max(out["compiled"], out["from_lamb"], out["to_lamb"]) <= 1e-5
@@ -87,7 +87,7 @@ def test_coconet_optim_on_two_hosts_equals_torch(hosts):
 def test_a_host_that_dies_mid_step_gives_the_other_host_a_fault(hosts, where):
     """Rank 3 kills its whole host (ranks 2 and 3) inside the fused Adam step: ranks 0 and 1
     get a fault well within the timeout (60 s), their tensors as they were."""
-    out = hosts.run("host_workers:host_dies", 3, where, nproc=2, timeout=150,
+    out = hosts.run("support.host_workers:host_dies", 3, where, nproc=2, timeout=150,
                     env={"COCONET_HOSTS_TIMEOUT": "60"}, dead={2, 3})
     for survivor in out[:2]:
         assert survivor["status"] == "fault", survivor

@@ -1,7 +1,7 @@
 """A rank of a namespace-hosts job (``support.hosts.Hosts.run``): ``host_main.py MODULE:FUNCTION
-WORKDIR`` joins torchrun's job, calls ``support.MODULE.FUNCTION(comm, *args)`` (the arguments
-pickled in WORKDIR/args.pkl) and writes what it returned, or the exception it raised, to
-WORKDIR/rank<R>.pkl."""
+WORKDIR`` joins torchrun's job, calls ``MODULE.FUNCTION(comm, *args)`` (the arguments pickled in
+WORKDIR/args.pkl; MODULE importable from tests/ or the job's ``path``) and writes what it
+returned, or the exception it raised, to WORKDIR/rank<R>.pkl."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from coconet.runtime import CommOptions
 def main() -> None:
     target, work = sys.argv[1], Path(sys.argv[2])
     module, _, name = target.partition(":")
-    fn = getattr(importlib.import_module(f"support.{module}"), name)
+    fn = getattr(importlib.import_module(module), name)
     args = pickle.loads((work / "args.pkl").read_bytes())
     timeout = float(os.environ.get("COCONET_HOSTS_TIMEOUT", "60"))
     comm = runtime.init(options=CommOptions(timeout=timeout))

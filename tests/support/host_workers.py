@@ -54,3 +54,4 @@ def host_dies(comm: Communicator, victim: int, where: str) -> dict:
 
         os.kill = kill
     return dist_workers.fault_peer_dies(comm, victim, where)
+

@@ -7,7 +7,8 @@ works inside a host but cannot reach across. The hosts are wired to one bridge i
 namespace by a veth pair each (10.77.0.<i + 1>/24), optionally rate-shaped with ``tc tbf`` on
 each host's side (egress; ``netem`` is not available here, so there is no added latency). Each
 host runs a torchrun agent (``--nnodes`` = the hosts, static rendezvous at host 0), whose ranks
-run ``host_main.py``: one function of ``tests/support`` called with the communicator.
+run ``host_main.py``: one function (of ``tests/support``, or of a module on ``path``) called
+with the communicator.
 
 What it does not model: separate kernels (the hosts share the boot id, the page cache and the
 two cores: a 2 x 2 job oversubscribes the machine), latency, packet loss. Needs root and
@@ -150,8 +151,10 @@ class Hosts:
         self._made.clear()
 
     def run(self, fn: str, *args, nproc: int = 1, timeout: float = 240.0,
-            env: dict[str, str] | None = None, dead: set[int] = frozenset()) -> list:
-        """``support.<module>.<function>(comm, *args)`` on every rank of a job of ``nproc``
+            env: dict[str, str] | None = None, dead: set[int] = frozenset(),
+            path: tuple[str, ...] = ()) -> list:
+        """``<module>.<function>(comm, *args)`` (``fn``: "support.host_workers:where"; the
+        module importable from tests/ or from ``path``) on every rank of a job of ``nproc``
         ranks per host (rank = host * nproc + local rank, as torchrun numbers them); returns
         the ranks' results in rank order (a rank's exception comes back as itself: the caller
         checks; the ranks in ``dead``, expected to die, give None). Raises ``HostsFailed``
@@ -166,7 +169,7 @@ class Hosts:
                 logs.append(log)
                 procs.append(subprocess.Popen(
                     self._command(i, ns, fn, work, nproc), stdout=log, stderr=subprocess.STDOUT,
-                    env=self._env(link, env), cwd=ROOT, start_new_session=True,
+                    env=self._env(link, env, path), cwd=ROOT, start_new_session=True,
                 ))
             late = self._wait(procs, work, nproc, dead, timeout)
             if any(p.poll() is None for p in procs):
@@ -228,13 +231,13 @@ class Hosts:
                 "--mount-proc", "sh", "-c", inside]
 
     @staticmethod
-    def _env(link: str, extra: dict[str, str] | None) -> dict[str, str]:
+    def _env(link: str, extra: dict[str, str] | None, path: tuple[str, ...]) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         env["GLOO_SOCKET_IFNAME"] = link  # the host's own address (its hostname resolves nowhere)
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT / "tests"), *filter(None, [env.get("PYTHONPATH")])])
+            [str(ROOT / "tests"), *path, *filter(None, [env.get("PYTHONPATH")])])
         env.update(extra or {})
         return env
 
