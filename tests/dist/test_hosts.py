@@ -33,6 +33,8 @@ def test_two_namespace_hosts_are_two_hosts_and_share_memory_inside(hosts):
     for o in out:
         assert o["world"] == "torch.distributed", o  # the world spans the hosts
         assert o["mesh"] == {"pp": "torch.distributed", "tp": "shared memory"}, o
+        # a choice measured inside one host is not reused across hosts
+        assert o["key_hosts"] == {"None": 2, "pp": 2, "tp": 1}, o
 
 
 def _rtol(name: str, schedule: str) -> float:

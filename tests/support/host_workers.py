@@ -7,6 +7,7 @@ import os
 import signal
 
 import coconet as cc
+from coconet.ir.ops import Op
 from coconet.options import CommOptions
 from coconet.runtime import Communicator
 from coconet.runtime.symmem import host_identity
@@ -15,13 +16,17 @@ from support import dist_workers
 
 def where(comm: Communicator, mesh_axes: dict[str, int]) -> dict:
     """This rank's host as coconet's evidence sees it, and the transport of the world and of
-    each axis of a ``mesh_axes`` mesh over the same processes."""
+    each axis of a ``mesh_axes`` mesh over the same processes (and the host count its
+    algorithm choices are keyed by)."""
     mesh = Communicator(cc.Mesh(**mesh_axes), CommOptions(timeout=60))
     out = {
         "rank": comm.rank,
         "host": host_identity(),
         "world": comm.transport_of(None).value,
         "mesh": {axis: mesh.transport_of(axis).value for axis in mesh_axes},
+        # the hosts its measured algorithm choices are keyed by (coconet.runtime.tuning)
+        "key_hosts": {str(axis): mesh.tuning_key(Op.ALL_REDUCE, ">16MiB", axis).hosts
+                      for axis in (None, *mesh_axes)},
     }
     mesh.close()
     return out

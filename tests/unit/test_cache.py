@@ -123,3 +123,33 @@ def test_prune_keeps_the_newest_and_respects_the_byte_bound(tmp_path):
     # the newest file stays even when it alone is over the bound
     assert cache.prune(tmp_path, max_files=1, max_bytes=10) == [tmp_path / "m2.py"]
     assert (tmp_path / "m3.py").exists()
+
+
+def test_an_algorithm_choice_is_keyed_by_the_hosts_its_group_spans(tmp_path):
+    """A choice measured on one host's loopback is not taken for a group across hosts: the key
+    carries the host count (older files, without it, read as one host; a foreign key is
+    skipped, never an error)."""
+    from coconet.ir.ops import Op
+    from coconet.options import Algorithm
+    from coconet.runtime.tuning import AlgorithmTable, Choice, TuningKey
+
+    one = TuningKey(Op.REDUCE_SCATTER, ">16MiB", "gloo", 2)
+    two = TuningKey(Op.REDUCE_SCATTER, ">16MiB", "gloo", 2, hosts=2)
+    assert one.text() == "reduce_scatter|>16MiB|gloo|2"  # the format older files have
+    assert two.text() == "reduce_scatter|>16MiB|gloo|2|hosts=2"
+    assert TuningKey.parse(one.text()) == one and TuningKey.parse(two.text()) == two
+    table = AlgorithmTable(tmp_path / AlgorithmTable.FILENAME)
+    table.put(one, Choice(Algorithm.ALL_TO_ALL, {Algorithm.ALL_TO_ALL: 19.0}))
+    table.save()
+    back = AlgorithmTable.load(tmp_path)
+    assert back.get(one) is not None and back.get(two) is None
+    back.put(two, Choice(Algorithm.NATIVE, {Algorithm.NATIVE: 600.0}))
+    back.save()
+    both = AlgorithmTable.load(tmp_path)
+    assert both.get(one).algorithm is Algorithm.ALL_TO_ALL
+    assert both.get(two).algorithm is Algorithm.NATIVE
+    assert "hosts=2" in both.format()
+    raw = json.loads((tmp_path / AlgorithmTable.FILENAME).read_text())
+    raw["choices"]["reduce_scatter|>16MiB|gloo|2|racks=3"] = raw["choices"][one.text()]
+    (tmp_path / AlgorithmTable.FILENAME).write_text(json.dumps(raw))
+    assert AlgorithmTable.load(tmp_path).entries == {}  # a foreign file: measured again

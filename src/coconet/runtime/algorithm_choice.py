@@ -15,7 +15,7 @@ from coconet.options import CommOptions
 from coconet.runtime.comm import Communicator
 from coconet.runtime.launch import spawn
 from coconet.runtime.transport import TunableTransport
-from coconet.runtime.tuning import SIZE_CLASSES, AlgorithmTable, TuningKey
+from coconet.runtime.tuning import SIZE_CLASSES, AlgorithmTable
 
 __all__ = ["choose_all", "choose_all_locally"]
 
@@ -38,10 +38,9 @@ def choose_all(
     Collective: every rank calls it. Classes already in the table are skipped unless ``force``.
     """
     labels = list(classes) if classes else [label for _, label, _ in SIZE_CLASSES]
-    size = comm.group(axis).size
     for op in tuned_ops(comm.torch):
         for cls in labels:
-            if force or comm.table.get(TuningKey(op, cls, comm.backend, size)) is None:
+            if force or comm.table.get(comm.tuning_key(op, cls, axis)) is None:
                 comm.measure(op, cls, axis)
     return comm.table
 

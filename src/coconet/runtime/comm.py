@@ -173,6 +173,8 @@ class Communicator:
         self.routes = route_groups(
             self._groups, hosts, self.device, self.options, self.torch, self.shm
         )
+        # how many hosts each group spans: part of what a measured algorithm is valid for
+        self._hosts = {axis: len({hosts[r] for r in g.ranks}) for axis, g in self._groups.items()}
         self.control.abort_groups(
             [r.group for r in self.routes.values() if r.transport is self.shm]
         )
@@ -468,11 +470,17 @@ class Communicator:
         fixed = self.options.fixed_algorithm(op, self.torch)
         if fixed is not None:
             return fixed  # the communicator checked it against its transport at construction
-        key = TuningKey(op, size_class(nbytes), self.backend, group.size)
+        key = self.tuning_key(op, size_class(nbytes), group.axis)
         choice = self.table.get(key)
         if choice is None:
             choice = self.measure(op, key.size_class, group.axis)
         return choice.algorithm
+
+    def tuning_key(self, op: Op, cls: str, axis: str | None = None) -> TuningKey:
+        """What a choice of ``op``'s algorithm at size class ``cls`` on ``axis``'s group is
+        measured for and looked up by."""
+        group = self.group(axis)
+        return TuningKey(op, cls, self.backend, group.size, self._hosts.get(axis, 1))
 
     def measure(self, op: Op, cls: str, axis: str | None = None) -> Choice:
         """Measure every algorithm of ``op`` at size class ``cls`` on ``axis``'s group, choose the
@@ -511,7 +519,7 @@ class Communicator:
             agree,
             reps_for(cls, self.options.measure_reps),
         )
-        self.table.put(TuningKey(op, cls, self.backend, n), choice)
+        self.table.put(self.tuning_key(op, cls, axis), choice)
         if self.rank == 0:
             try:
                 self.table.save()

@@ -82,21 +82,33 @@ class Choice:
 
 @dataclass(frozen=True)
 class TuningKey:
-    """What a measured choice is valid for: one op, size class, backend and group size."""
+    """What a measured choice is valid for: one op, size class, backend, group size and the
+    number of hosts the group spans (a choice measured over one host's loopback says nothing
+    about a link between hosts, and the cache is shared by every job of the machine)."""
 
     op: Op
     size_class: str
     backend: str
     world: int
+    hosts: int = 1
 
     def text(self) -> str:
-        """The key as the JSON file spells it: ``op|size class|backend|world``."""
-        return f"{self.op.value}|{self.size_class}|{self.backend}|{self.world}"
+        """The key as the JSON file spells it: ``op|size class|backend|world``, and
+        ``|hosts=H`` for a group across H > 1 hosts (older files: one host)."""
+        base = f"{self.op.value}|{self.size_class}|{self.backend}|{self.world}"
+        return base if self.hosts == 1 else f"{base}|hosts={self.hosts}"
 
     @classmethod
     def parse(cls, text: str) -> TuningKey:
-        op, size, backend, world = text.split("|")
-        return cls(Op(op), size, backend, int(world))
+        op, size, backend, world, *rest = text.split("|")
+        hosts = 1
+        if rest:
+            (extra,) = rest  # a key with more parts is foreign: ValueError, ignored by load
+            name, _, value = extra.partition("=")
+            if name != "hosts":
+                raise ValueError(f"unknown part {extra!r} of tuning key {text!r}")
+            hosts = int(value)
+        return cls(Op(op), size, backend, int(world), hosts)
 
 
 class AlgorithmTable:
@@ -156,7 +168,8 @@ class AlgorithmTable:
             times = ", ".join(f"{a} {ms:.2f} ms" for a, ms in sorted(c.ms.items(), key=_value))
             rows.append(
                 f"{key.op.value:<15} {key.size_class:<8} {key.backend:<5} world={key.world:<3} "
-                f"-> {c.algorithm.value:<10} ({times})"
+                + (f"hosts={key.hosts} " if key.hosts > 1 else "")
+                + f"-> {c.algorithm.value:<10} ({times})"
             )
         where = f" ({self.path})" if self.path is not None else ""
         if not rows:
