@@ -20,9 +20,9 @@ private /dev/shm mounts.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
+import shlex
 import shutil
 import signal
 import subprocess
@@ -47,6 +47,12 @@ def _kill(pid: str) -> None:
         os.kill(int(pid), signal.SIGKILL)
     except (ProcessLookupError, ValueError):
         pass
+
+
+def _kill_all(ns: str) -> None:
+    """Every process in network namespace ``ns``."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        _kill(pid)
 
 
 def _exists(pid: int) -> bool:
@@ -113,8 +119,7 @@ class Hosts:
             for prefix in ("cch", "ccsw"):
                 tag = name[len(prefix):].split("_")[0]
                 if name.startswith(prefix) and tag.isdigit() and not _exists(int(tag)):
-                    for pid in _ip("netns", "pids", name, check=False).stdout.split():
-                        _kill(pid)
+                    _kill_all(name)
                     _ip("netns", "del", name, check=False)
                     break
 
@@ -145,8 +150,7 @@ class Hosts:
 
     def _down(self) -> None:
         for ns in reversed(self._made):
-            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-                _kill(pid)
+            _kill_all(ns)
             _ip("netns", "del", ns, check=False)  # its links go with it
         self._made.clear()
 
@@ -213,8 +217,7 @@ class Hosts:
 
     def _down_jobs(self, procs: list[subprocess.Popen]) -> None:
         for ns in self.names:
-            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
-                _kill(pid)
+            _kill_all(ns)
         for p in procs:
             p.wait(timeout=30)
 
@@ -226,7 +229,7 @@ class Hosts:
         ]
         # in the host's namespaces: its hostname, a private /dev/shm, then the agent as PID 1
         inside = (f"hostname host{i} && mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "
-                  + " ".join(torchrun))
+                  + shlex.join(torchrun))
         return ["ip", "netns", "exec", ns, "unshare", "--uts", "--pid", "--fork", "--mount",
                 "--mount-proc", "sh", "-c", inside]
 
@@ -241,7 +244,3 @@ class Hosts:
         env.update(extra or {})
         return env
 
-
-def describe(results: list) -> str:
-    """The ranks' results, short, for an assertion message."""
-    return json.dumps([repr(r)[:400] for r in results], indent=1)

@@ -208,11 +208,10 @@ class _Bucket:
     def inputs(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The step's tensor inputs: the gradient, ``p`` and the state, in the program's shape
         (views of the flat buffers; the commit writes through them)."""
-        shape = self.shape
         if not self.row:
             return {"g": self.grad, "p": p, **self.state}
         rows = {name: x.view(-1, self.row) for name, x in self.state.items()}
-        return {"g": self.grad.view(shape), "p": p.view(shape), **rows}
+        return {"g": self.grad.view(self.shape), "p": p.view(self.shape), **rows}
 
     def span(self, i: int) -> tuple[int, int]:
         """Parameter ``i``'s elements in the bucket."""
@@ -1026,8 +1025,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else keeps its values: per element the same arithmetic as the common case. The
         programs are elementwise over the bucket (a norm is a tensor's own: LAMB's buckets hold
         one parameter, or one per row), so a parameter's result does not depend on the
-        others'. On a failure
-        the bucket is put back as it was."""
+        others'. On a failure the bucket is put back as it was."""
         if b.replica is not None:
             self._run_some_shared(b, plan, agree)
             return
