@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from coconet.options import TransportKind
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data_parallel_adam import cpu_model, pyplot  # noqa: E402  (one definition for the benchmarks)
 
@@ -315,7 +317,10 @@ def worker(comm, cfg: dict) -> dict:
         contenders.append(ForeachLamb(p0, hp, world))
     if opt != "lamb":  # ZeRO shards whole tensors: LAMB's per-tensor norms would change meaning
         contenders.append(Zero(opt, p0, hp, world))
-    contenders.append(CoconetOptim(name, opt, comm, p0, hp))
+    # across hosts the default may be two levels (shared memory inside each host): say so
+    two_levels = comm.transport_of(None) is TransportKind.HIERARCHICAL
+    contenders.append(CoconetOptim(f"{name}[hierarchical]" if two_levels else name, opt, comm,
+                                   p0, hp))
     contenders.append(CoconetOptim(f"{name}[gloo]", opt, gloo, p0, hp))
     return run(comm, cfg, contenders)
 

@@ -163,14 +163,22 @@ class TransportKind(str, enum.Enum):
 
     TORCH_DISTRIBUTED = "torch.distributed"  # gloo on CPU, NCCL on GPU, across hosts
     SHARED_MEMORY = "shared memory"  # symmetric memory among the ranks of one host
+    # shared memory inside each host, torch.distributed between hosts (coconet.runtime.hierarchy)
+    HIERARCHICAL = "hierarchical"
 
 
 class TransportPolicy(str, enum.Enum):
     """Which transport a group uses (``CommOptions.transport``)."""
 
-    AUTO = "auto"  # shared memory when every rank of the group is on one host, else torch
+    # shared memory when every rank of the group is on one host; hierarchical when it spans
+    # hosts with 2+ of its ranks on each, as many on each, and reductions need not be in rank
+    # order (algorithms is not "exact"); else torch.distributed
+    AUTO = "auto"
     SHARED_MEMORY = "shared memory"  # shared memory, or a ConfigError when the group spans hosts
-    TORCH_DISTRIBUTED = "torch.distributed"  # always torch.distributed
+    TORCH_DISTRIBUTED = "torch.distributed"  # always torch.distributed (flat across hosts)
+    # as auto, but a ConfigError for a group over hosts that cannot run in two levels (hosts
+    # holding different numbers of its ranks, or algorithms="exact")
+    HIERARCHICAL = "hierarchical"
 
 
 class Algorithm(str, enum.Enum):

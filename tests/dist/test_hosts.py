@@ -1,7 +1,7 @@
 """Two hosts on one machine (``support.hosts``: network, UTS, PID and mount namespaces with a
 private /dev/shm each, a bridge between them, torchrun agents with --nnodes 2): coconet sees two
-hosts, runs the groups inside a host on shared memory and those across on torch.distributed,
-every example x schedule equals the simulator there, ``coconet.optim`` equals torch, and a host
+hosts, runs the groups inside a host on shared memory, those across with 2 ranks on each host in
+two levels (``coconet.runtime.hierarchy``) and the others on torch.distributed, every example x schedule equals the simulator there, ``coconet.optim`` equals torch, and a host
 that dies mid-step gives the other host's ranks a fault within the timeout, tensors untouched.
 
 2 hosts x 2 ranks oversubscribe this 2-core machine (4 ranks): correctness only. Skipped where
@@ -31,7 +31,7 @@ def test_two_namespace_hosts_are_two_hosts_and_share_memory_inside(hosts):
     ids = [o["host"] for o in out]
     assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2], ids
     for o in out:
-        assert o["world"] == "torch.distributed", o  # the world spans the hosts
+        assert o["world"] == "hierarchical", o  # the world spans the hosts, 2 ranks on each
         assert o["mesh"] == {"pp": "torch.distributed", "tp": "shared memory"}, o
         # a choice measured inside one host is not reused across hosts
         assert o["key_hosts"] == {"None": 2, "pp": 2, "tp": 1}, o
@@ -47,15 +47,17 @@ def _rtol(name: str, schedule: str) -> float:
 
 @pytest.mark.timeout(400)
 def test_every_example_and_schedule_on_two_hosts_equals_the_simulator(hosts):
-    """2 x 2 ranks: the optimizers and the layer on the world (across hosts: gloo), the
-    pipeline examples on the pp x tp mesh (tp over each host's shared memory, pp over gloo),
-    the mesh programs; as test_dist_examples' 4-rank tier, with gloo's native algorithms
-    too."""
-    out = hosts.run("support.dist_workers:run_world_and_mesh", (12, 7), MESH, nproc=2, timeout=380)[0]
-    for key in ("world", "native", "mesh"):
+    """2 x 2 ranks: the optimizers and the layer on the world (across hosts: rank-ordered
+    sums, flat), the pipeline examples on the pp x tp mesh (tp over each host's shared memory,
+    pp over gloo), the mesh programs; as test_dist_examples' 4-rank tier, with gloo's native
+    algorithms and with two levels too."""
+    out = hosts.run("support.dist_workers:run_world_and_mesh", (12, 7), MESH, True, nproc=2,
+                    timeout=380)[0]
+    for key in ("world", "native", "two_levels", "mesh"):
         assert out[key], key
         for r in out[key]:
-            exact = 1e-6 if key == "native" else 0.0  # gloo's own order (NATIVE_GLOO_RTOL)
+            # gloo's own order (NATIVE_GLOO_RTOL); two levels: over hosts of each host's sum
+            exact = 1e-6 if key in ("native", "two_levels") else 0.0
             assert r["status"] == "ok", (key, r)
             assert r["rel"] <= max(exact, _rtol(r["example"], r["schedule"])), (key, r)
     cases = {(r["example"], r["schedule"]) for r in out["world"]}
@@ -82,6 +84,30 @@ def test_coconet_optim_on_two_hosts_equals_torch(hosts):
         for label, rel in out["cases"].items():
             assert rel <= REASSOCIATED_RTOL["float32"], (label, rel)
         assert max(out["compiled"], out["from_lamb"], out["to_lamb"]) <= 1e-5
+
+
+@pytest.mark.timeout(150)
+def test_a_group_over_two_hosts_runs_in_two_levels_with_the_stated_order_and_blocks(hosts):
+    """2 x 2 ranks: the world runs in two levels (shared memory inside each host, point to
+    point between); all_reduce, reduce_scatter and all_gather over uneven sizes, both dims,
+    float32 and bfloat16, sum and max equal bitwise the sum over hosts of each host's sum
+    (``hierarchy.reduce_order``), reduce_scatter's blocks are the flat split's, and within
+    rounding of the simulator's rank order; broadcast, reduce and send run flat; "exact" is
+    rank order (flat), whether asked for at construction or after."""
+    out = hosts.run("support.host_workers:hierarchical_collectives", nproc=2, timeout=130)
+    for rank, o in enumerate(out):
+        assert o["transport"] == "hierarchical", o["transport"]
+        assert o["layout"] == [[0, 0, 1, 1], [0, 1, 0, 1]], o["layout"]
+        assert len(o["cases"]) == 20
+        for c in o["cases"]:
+            assert c["all_reduce"] and c["reduce_scatter"] and c["all_gather"], c
+            bound = 1e-6 if "float32" in c["case"] else 1e-2  # a bfloat16 rounding: 2^-7
+            assert c["vs_rank_order"] <= bound, c
+        x = [float(i) for i in range(6)]
+        assert o["broadcast"] == [v + 2 for v in x]
+        assert o["reduce"] == ([4 * v + 6 for v in x] if rank == 1 else [0.0] * 6)
+        assert o["send"] == ([v + rank - 1 for v in x] if rank else [0.0] * 6)
+        assert o["exact"] and o["exact_transport"] == "torch.distributed"
 
 
 @pytest.mark.timeout(200)

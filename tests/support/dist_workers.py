@@ -86,9 +86,10 @@ def run_examples(comm: Communicator, names, sizes, dtypes, algorithms="exact") -
     return rows
 
 
-def run_world_and_mesh(comm: Communicator, sizes, mesh_axes) -> dict:
+def run_world_and_mesh(comm: Communicator, sizes, mesh_axes, two_levels: bool = False) -> dict:
     """On 4 ranks: the optimizer and layer examples on the world, then the pipeline example and
-    a mesh program on a 2-D mesh (a second communicator over the same processes)."""
+    a mesh program on a 2-D mesh (a second communicator over the same processes).
+    ``two_levels`` (2 hosts x 2 ranks): the optimizers on the world in two levels too."""
     from support import dist_programs as dp
 
     out = {"world": run_examples(comm, OPTIMIZERS + LAYERS, sizes, ["float32"])}
@@ -98,6 +99,10 @@ def run_world_and_mesh(comm: Communicator, sizes, mesh_axes) -> dict:
         comm.mesh, CommOptions(algorithms="native", timeout=60, transport="torch.distributed")
     )
     out["native"] = run_examples(gloo, ("adam", "lamb"), sizes[:1], ["float32"], "native")
+    if two_levels:
+        levels = Communicator(comm.mesh, CommOptions(timeout=60))
+        assert levels.transport_of(None).value == "hierarchical", levels.transport_of(None)
+        out["two_levels"] = run_examples(levels, ("adam", "lamb"), sizes[:1], ["float32"], "auto")
     mesh_comm = Communicator(cc.Mesh(**mesh_axes), CommOptions(algorithms="exact", timeout=60))
     out["mesh"] = run_examples(mesh_comm, PIPELINES, sizes, ["float32", "bfloat16"])
     rows = []

@@ -3,6 +3,7 @@ namespaces and /dev/shm, torchrun agents with --nnodes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -60,3 +61,74 @@ def host_dies(comm: Communicator, victim: int, where: str) -> dict:
         os.kill = kill
     return dist_workers.fault_peer_dies(comm, victim, where)
 
+
+
+def hierarchical_collectives(comm: Communicator) -> dict:
+    """On 2 hosts x 2 ranks: the world runs in two levels; each collective, over uneven sizes,
+    both dims, 16- and 32-bit floats, sum and max, equals bitwise what ``reduce_order`` (the
+    sum over hosts of each host's sum) computes from every rank's input, and the simulator's
+    rank-ordered result within rounding; reduce_scatter's blocks are the flat split's; the
+    rooted and point-to-point ops run flat; a communicator switched to "exact" runs flat."""
+    import torch
+
+    from coconet.ir.ops import ReduceOp
+    from coconet.ir.semantics import reduce_values
+    from coconet.runtime.hierarchy import HostLayout, reduce_order
+
+    world = Communicator(cc.Mesh.world(comm.world), CommOptions(timeout=60))
+    out: dict = {"transport": world.transport_of(None).value, "cases": []}
+    layout = HostLayout.of([h for h, _ in world.exchange((host_identity(), 0), "hosts")])
+    out["layout"] = [list(layout.host_of), list(layout.local_of)]
+    n, me = world.world, world.rank
+
+    def inputs(case: int, shape, dtype) -> list:
+        g = torch.Generator().manual_seed(1000 + case)
+        return [torch.randn(shape, generator=g).to(dtype) for _ in range(n)]
+
+    def wait(work):
+        return world.wait(work)
+
+    case = 0
+    for shape, dim in (((13, 5), 0), ((3, 4), 0), ((6, 7), 1), ((1 << 16,), 0), ((2,), 0)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for op in (ReduceOp.SUM, ReduceOp.MAX):
+                case += 1
+                xs = inputs(case, shape, dtype)
+                two_levels = reduce_order(op, xs, layout)
+                flat = reduce_values(op, xs)
+                ar = wait(world.all_reduce_start(xs[me].clone(), op, axis=None, donate=False,
+                                                 label="test all_reduce"))  # fmt: skip
+                rs = wait(world.reduce_scatter_start(xs[me].clone(), op, dim=dim, axis=None,
+                                                     donate=False, label="test rs"))  # fmt: skip
+                block = torch.tensor_split(two_levels, n, dim)[me]
+                parts = [p.shape[dim] for p in torch.tensor_split(xs[0], n, dim)]
+                mine = torch.tensor_split(xs[me], n, dim)[me].contiguous()
+                ag = wait(world.all_gather_start(mine, dim=dim, parts=parts, axis=None,
+                                                 label="test all_gather"))  # fmt: skip
+                gathered = torch.cat([torch.tensor_split(x, n, dim)[r] for r, x in
+                                      enumerate(xs)], dim)  # fmt: skip
+                scale = float(flat.float().abs().max()) or 1.0
+                out["cases"].append({
+                    "case": f"{tuple(shape)} dim {dim} {dtype} {op.value}",
+                    "all_reduce": torch.equal(ar, two_levels),
+                    "reduce_scatter": torch.equal(rs, block),
+                    "all_gather": torch.equal(ag, gathered),
+                    "vs_rank_order": float((ar.float() - flat.float()).abs().max()) / scale,
+                })
+    x = torch.arange(6.0) + me
+    out["broadcast"] = wait(world.broadcast_start(x, root=2, axis=None, donate=False,
+                                                  label="test")).tolist()  # fmt: skip
+    out["reduce"] = wait(world.reduce_start(x, ReduceOp.SUM, root=1, axis=None, donate=False,
+                                            label="test")).tolist()  # fmt: skip
+    out["send"] = wait(world.send_start(x, axis=None, label="test")).tolist()
+    # switched to exact after routing: rank order, bitwise the simulator's
+    world.options = dataclasses.replace(world.options, algorithms="exact")
+    xs = inputs(99, (9, 3), torch.float32)
+    ar = wait(world.all_reduce_start(xs[me].clone(), ReduceOp.SUM, axis=None, donate=False,
+                                     label="test exact"))  # fmt: skip
+    out["exact"] = torch.equal(ar, reduce_values(ReduceOp.SUM, xs))
+    world.close()
+    exact = Communicator(cc.Mesh.world(comm.world), CommOptions(timeout=60, algorithms="exact"))
+    out["exact_transport"] = exact.transport_of(None).value
+    exact.close()
+    return out

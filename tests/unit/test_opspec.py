@@ -99,18 +99,19 @@ def test_every_communication_op_has_a_typed_start_and_a_cost_shape():
         assert cost is not None and (cost.traffic is not Traffic.RING or cost.ring_passes >= 1)
 
 
-@pytest.mark.parametrize("transport", ["torchdist", "shmem"])
+@pytest.mark.parametrize("transport", ["torchdist", "shmem", "hierarchy"])
 def test_each_transport_implements_the_protocol_with_its_signatures(transport):
     """Every transport has every method of ``Transport``, with the protocol's parameters (the
     communicator calls them by keyword)."""
     import inspect
 
-    from coconet.runtime import shmem, torchdist
+    from coconet.runtime import hierarchy, shmem, torchdist
     from coconet.runtime.transport import Transport
 
     cls = {
         "torchdist": torchdist.TorchDistributedTransport,
         "shmem": shmem.SharedMemoryTransport,
+        "hierarchy": hierarchy.HierarchicalTransport,
     }[transport]
     for op in COMMUNICATION:
         name = spec(op).transport

@@ -239,6 +239,8 @@ REGISTRY: dict[TransportKind, TransportForms] = {
         all_reduce=reads_in_place,
         publishes=True,
     ),
+    # two levels of plain collectives (coconet.runtime.hierarchy): no form of its own yet
+    TransportKind.HIERARCHICAL: TransportForms(),
 }
 
 

@@ -36,12 +36,19 @@ from coconet.cache import keyed_cache_dir
 from coconet.errors import ConfigError
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
-from coconet.options import Algorithm, CommOptions, TransportKind
+from coconet.options import Algorithm, AlgorithmPolicy, CommOptions, TransportKind
 from coconet.runtime.channels import OnePassChannel
 from coconet.runtime.control import ControlChannel
 from coconet.runtime.faults import FaultGuard
+from coconet.runtime.hierarchy import HierarchicalTransport
 from coconet.runtime.replica import HostReplica
-from coconet.runtime.routing import control_group, mesh_groups, route_groups
+from coconet.runtime.routing import (
+    control_group,
+    host_levels,
+    mesh_groups,
+    route_groups,
+    wants_levels,
+)
 from coconet.runtime.shmem import SharedMemoryTransport
 from coconet.runtime.symmem import host_identity
 from coconet.runtime.torchdist import TorchDistributedTransport
@@ -156,6 +163,7 @@ class Communicator:
         )
         self.torch = TorchDistributedTransport()
         self.shm = SharedMemoryTransport()
+        self.hier = HierarchicalTransport(self.shm, self.torch)
         self._channels: dict[str | None, OnePassChannel] = {}  # comm.one_pass(axis), made once
         self._groups = (
             groups if groups is not None else mesh_groups(mesh, rank, self.world, self.torch)
@@ -170,13 +178,22 @@ class Communicator:
         )
         # by the job's global rank, as groups name their ranks
         hosts = {g: host for g, (host, _) in zip(members, evidence, strict=True)}
+        # groups over hosts in two levels: their level groups are made over the whole job, so
+        # only a communicator of the whole job (not one ``along`` an axis) makes them
+        levels = (
+            host_levels(mesh, rank, self.world, hosts, self.torch)
+            if groups is None and wants_levels(self.options, self.device)
+            else {}
+        )
         self.routes = route_groups(
-            self._groups, hosts, self.device, self.options, self.torch, self.shm
+            self._groups, hosts, self.device, self.options, self.torch, self.shm, self.hier,
+            levels,
         )
         # how many hosts each group spans: part of what a measured algorithm is valid for
         self._hosts = {axis: len({hosts[r] for r in g.ranks}) for axis, g in self._groups.items()}
         self.control.abort_groups(
             [r.group for r in self.routes.values() if r.transport is self.shm]
+            + [r.group.handle.local for r in self.routes.values() if r.transport is self.hier]
         )
         control = control_group(self.routes[None], self.options.timeout)
         if control is not None:
@@ -386,6 +403,9 @@ class Communicator:
         """Run ``run(transport, group, algorithm)`` under the fault guard: the algorithm is
         chosen here when the group's transport has several for ``op`` (None otherwise)."""
         transport, group = self.route(axis)
+        if transport is self.hier and self.options.algorithms is AlgorithmPolicy.EXACT:
+            # rank-ordered sums were asked for after routing: the group's flat forms have them
+            transport, group = self.torch, group.handle.flat
         if transport is not self.torch or not self.torch.algorithms(op):
             # one way only: nothing to choose (the common small-step path: no closure)
             return Work(op.value, label, axis, self.guard(op.value, label, axis, run,
@@ -562,7 +582,7 @@ class Communicator:
         for sub in self._subs.values():
             sub.close()
         for route in self.routes.values():
-            if route.transport is self.shm:
+            if route.transport is self.shm or route.transport is self.hier:
                 route.group.handle.close()
         self.control.close()
 

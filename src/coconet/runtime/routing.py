@@ -4,26 +4,30 @@ Every rank creates every group of the mesh over torch.distributed, in the same o
 requires): that group is the transport of groups that span hosts and the control channel of the
 others. A group whose ranks all share one host (the same hostname, boot id and PID namespace:
 ``coconet.runtime.symmem.host_identity``, exchanged once) runs on shared memory instead, on CPU;
-``CommOptions.transport`` can force either. Every member of a group sees the same hosts, so they
-all choose alike.
+``CommOptions.transport`` can force either. A group that spans hosts with 2+ of its ranks on
+each, as many on each, runs in two levels (``coconet.runtime.hierarchy``): for it every rank
+also creates, after the host identities are known, the torch.distributed groups of each host's
+members and of the members with one local index (``host_levels``). Every member of a group sees
+the same hosts, so they all choose alike.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from coconet.errors import ConfigError
 from coconet.ir.mesh import Mesh
-from coconet.options import CommOptions, TransportPolicy
+from coconet.options import AlgorithmPolicy, CommOptions, TransportPolicy
+from coconet.runtime.hierarchy import HierarchicalTransport, HierGroup, HostLayout
 from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup, torch_gather
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import Group, Transport
 
-__all__ = ["Route", "control_group", "mesh_groups", "route_groups"]
+__all__ = ["Levels", "Route", "control_group", "host_levels", "mesh_groups", "route_groups"]
 
 
 class Route(NamedTuple):
@@ -48,6 +52,85 @@ def mesh_groups(
     return groups
 
 
+class Levels(NamedTuple):
+    """A group's two levels: its layout over the hosts, this rank's host's members (with their
+    torch.distributed process group, the shared-memory group's setup channel) and this rank's
+    counterparts on the other hosts (reached point to point: no group of their own)."""
+
+    layout: HostLayout
+    local: Group
+    cross: Group
+
+
+def _cpu(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(os, "memfd_create")
+
+
+def wants_levels(options: CommOptions, device: torch.device) -> bool:
+    """Whether groups that span hosts may run in two levels with these options (the same on
+    every rank: every rank must create the same groups)."""
+    return (
+        _cpu(device)
+        and options.transport in (TransportPolicy.AUTO, TransportPolicy.HIERARCHICAL)
+        and options.algorithms is not AlgorithmPolicy.EXACT
+    )
+
+
+def _two_levels(ranks: tuple[int, ...], layout: HostLayout) -> bool:
+    """Whether a group of ``ranks`` (the job's, in group order) can run in two levels: its
+    layout is worth it, and the torch.distributed groups of its levels order their members as
+    the layout does (torch numbers a group's members by global rank)."""
+    if not layout.worthwhile:
+        return False
+    levels = [layout.members(h) for h in range(layout.hosts)]
+    levels += [layout.counterparts(local) for local in range(layout.per_host)]
+    return all(
+        [ranks[p] for p in level] == sorted(ranks[p] for p in level) for level in levels
+    )
+
+
+def host_levels(
+    mesh: Mesh,
+    rank: int,
+    world: int,
+    hosts: Mapping[int, object],
+    torch_transport: TorchDistributedTransport,
+) -> dict[str | None, Levels]:
+    """This rank's ``Levels`` of each of its groups that run in two levels. Collective: every
+    rank creates the process groups of every host's members of every such group of the mesh,
+    in the same order (as ``mesh_groups``), each set of ranks once."""
+    made: dict[tuple[int, ...], Any] = {}
+
+    def level(ranks: tuple[int, ...]) -> Any:
+        if ranks not in made:
+            made[ranks] = torch_transport.new_group(ranks, world)
+        return made[ranks]
+
+    out: dict[str | None, Levels] = {}
+    every: list[tuple[str | None, list[int]]] = [(None, list(range(world)))]
+    every += [(axis, ranks) for axis in mesh.names for ranks in mesh.groups(axis)]
+    for axis, group_ranks in every:
+        ranks = tuple(group_ranks)
+        layout = HostLayout.of([hosts[r] for r in ranks])
+        if not _two_levels(ranks, layout):
+            continue
+        local_sets = [tuple(ranks[p] for p in layout.members(h)) for h in range(layout.hosts)]
+        cross_sets = [
+            tuple(ranks[p] for p in layout.counterparts(lo)) for lo in range(layout.per_host)
+        ]
+        for s in local_sets:  # (the exchanges across hosts are point to point: no group)
+            level(s)
+        if rank in ranks:
+            p = ranks.index(rank)
+            h, lo = layout.host_of[p], layout.local_of[p]
+            out[axis] = Levels(
+                layout,
+                Group(axis, local_sets[h], lo, made[local_sets[h]]),
+                Group(axis, cross_sets[lo], h, None),
+            )
+    return out
+
+
 def route_groups(
     groups: dict[str | None, Group],
     hosts: Mapping[int, object],
@@ -55,16 +138,36 @@ def route_groups(
     options: CommOptions,
     torch_transport: TorchDistributedTransport,
     shm: SharedMemoryTransport,
+    hier: HierarchicalTransport | None = None,
+    levels: Mapping[str | None, Levels] | None = None,
 ) -> dict[str | None, Route]:
     """The route of each group: shared memory when its ranks share a host (``hosts``: every
-    rank's host identity, by the job's global rank) and run on CPU, unless
+    rank's host identity, by the job's global rank) and run on CPU; two levels (``hier``) when
+    it has ``levels`` (``host_levels``); torch.distributed otherwise; unless
     ``options.transport`` says otherwise."""
     policy = options.transport
-    cpu = device.type == "cpu" and hasattr(os, "memfd_create")
+    cpu = _cpu(device)
     cache_dir = None if options.cache_dir is None else str(options.cache_dir)
+    levels = levels or {}
     routes: dict[str | None, Route] = {}
     for axis, group in groups.items():
         one_host = len({hosts[r] for r in group.ranks}) == 1
+        if policy is TransportPolicy.HIERARCHICAL and not one_host and axis not in levels:
+            layout = HostLayout.of([hosts[r] for r in group.ranks])
+            if not (layout.homogeneous and wants_levels(options, device)) or hier is None:
+                raise ConfigError(
+                    f"CommOptions(transport='hierarchical'), but the group along axis {axis!r} "
+                    "cannot run in two levels",
+                    op="CommOptions",
+                    details=[
+                        f"its ranks per host: "
+                        f"{[layout.host_of.count(h) for h in range(layout.hosts)]}",
+                        f"algorithms: {options.algorithms}, device: {device}",
+                    ],
+                    hint="two levels need as many of the group's ranks on every host, on CPU, "
+                    "and algorithms other than 'exact' (its sums are over hosts of each host's "
+                    "sum); transport='auto' runs such a group flat",
+                )
         if policy is TransportPolicy.SHARED_MEMORY and not (one_host and cpu):
             spread = sorted({hosts[r] for r in group.ranks})
             raise ConfigError(
@@ -83,6 +186,16 @@ def route_groups(
                 group.index, group.size, torch_gather(group.handle), options.timeout, cache_dir
             )
             routes[axis] = Route(shm, Group(axis, group.ranks, group.index, state))
+        elif axis in levels and hier is not None and not one_host:
+            lv = levels[axis]
+            local = ShmGroup(
+                lv.local.index, lv.local.size, torch_gather(lv.local.handle), options.timeout,
+                cache_dir,
+            )
+            state = HierGroup(
+                lv.layout, Group(axis, lv.local.ranks, lv.local.index, local), lv.cross, group
+            )
+            routes[axis] = Route(hier, Group(axis, group.ranks, group.index, state))
         else:
             routes[axis] = Route(torch_transport, group)
     return routes

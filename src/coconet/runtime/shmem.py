@@ -502,21 +502,46 @@ class SharedMemoryTransport:
         donate: bool,
         algorithm: Algorithm | None = None,
     ) -> Pending:
-        st: ShmGroup = group.handle
         x0 = x.movedim(dim, 0).contiguous()
-        n, i = st.size, st.index
+        st: ShmGroup = group.handle
+        rows = [slice_bounds(x0.shape[0], st.size, st.index)]
+        return ready(self.reduce_rows(x0, group, reduce_op=reduce_op, rows=rows).movedim(0, dim))
+
+    def reduce_rows(
+        self,
+        x0: torch.Tensor,
+        group: Group,
+        *,
+        reduce_op: ReduceOp,
+        rows: Sequence[tuple[int, int]],
+    ) -> torch.Tensor:
+        """The group's reduction of the ``[start, stop)`` row ranges ``rows`` of contiguous
+        ``x0`` (each rank names its own), concatenated in the order given: a reduce_scatter
+        (one range: the rank's slice), or the hierarchical transport's first phase, where a
+        rank reduces the blocks its counterparts on the other hosts own
+        (``coconet.runtime.hierarchy``)."""
+        st: ShmGroup = group.handle
+        n = st.size
         mem, e = st.begin(x0.numel() * x0.element_size())
         peer, registered = st.publish(mem, x0)
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
-        lo, hi = slice_bounds(x0.shape[0], n, i)
-        mine = [peer(j)[lo:hi] for j in range(n)]
-        out = _accumulate(mine, reduce_op, x0.dtype)  # a new tensor, never the segment itself
+        if len(rows) == 1:
+            ((lo, hi),) = rows
+            out = _accumulate([peer(j)[lo:hi] for j in range(n)], reduce_op, x0.dtype)
+        else:
+            out = x0.new_empty((sum(hi - lo for lo, hi in rows), *x0.shape[1:]))
+            at = 0
+            for lo, hi in rows:  # each range straight into its place: no concatenation pass
+                part = out[at : at + hi - lo]
+                _accumulate([peer(j)[lo:hi] for j in range(n)], reduce_op, x0.dtype, part)
+                at += hi - lo
+        # ``out`` is a new tensor, never the segment itself
         mem.post(Phase.CONSUMED, e)
         if registered:
             # the caller may overwrite x as soon as this returns: the peers must be done with it
             mem.wait(Phase.CONSUMED, e)
-        return ready(out.movedim(0, dim))
+        return out
 
     def all_gather(
         self,
@@ -527,23 +552,37 @@ class SharedMemoryTransport:
         parts: Sequence[int],
         algorithm: Algorithm | None = None,
     ) -> Pending:
-        st: ShmGroup = group.handle
         x0 = x.movedim(dim, 0).contiguous()
+        starts = [sum(parts[:r]) for r in range(len(parts))]
+        rows = [[(starts[r], starts[r] + parts[r])] for r in range(len(parts))]
+        return ready(self.gather_rows(x0, group, rows=rows).movedim(0, dim))
+
+    def gather_rows(
+        self, x0: torch.Tensor, group: Group, *, rows: Sequence[Sequence[tuple[int, int]]]
+    ) -> torch.Tensor:
+        """The whole of which each rank's contiguous ``x0`` fills the ``[start, stop)`` row
+        ranges ``rows[rank]``, in order (its ``x0`` is their concatenation): an all_gather (one
+        range per rank, in rank order), or the hierarchical transport's last phase."""
+        st: ShmGroup = group.handle
         n, i = st.size, st.index
-        rows = sum(parts)
-        shape = (rows, *x0.shape[1:])
+        total = max((hi for ranges in rows for _, hi in ranges), default=0)
+        shape = (total, *x0.shape[1:])
         numel = _numel(shape)
-        starts = [sum(parts[:r]) for r in range(n)]
         mem, e = st.begin(numel * x0.element_size())
-        mem.buffer(i, x0.dtype, numel).view(shape)[starts[i] : starts[i] + parts[i]].copy_(x0)
+        mine = mem.buffer(i, x0.dtype, numel).view(shape)
+        at = 0
+        for lo, hi in rows[i]:
+            mine[lo:hi].copy_(x0[at : at + hi - lo])
+            at += hi - lo
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
         out = torch.empty(shape, dtype=x0.dtype)
         for j in range(n):
-            a, b = starts[j], starts[j] + parts[j]
-            out[a:b].copy_(mem.buffer(j, x0.dtype, numel).view(shape)[a:b])
+            theirs = mem.buffer(j, x0.dtype, numel).view(shape)
+            for lo, hi in rows[j]:
+                out[lo:hi].copy_(theirs[lo:hi])
         mem.post(Phase.CONSUMED, e)
-        return ready(out.movedim(0, dim))
+        return out
 
     def broadcast(self, x, group: Group, *, root: int, donate: bool) -> Pending:
         st: ShmGroup = group.handle

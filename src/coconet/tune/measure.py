@@ -81,10 +81,11 @@ class Communicators:
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def transports(self) -> list[TransportKind]:
-        """The transports the ranks can use: shared memory where they share a host."""
+        """The transports the ranks can use: shared memory where they share a host, two levels
+        where they span hosts that allow it, and torch.distributed (flat) either way."""
         own = self.base.transport_of(None)
-        if own is TransportKind.SHARED_MEMORY:
-            return [TransportKind.SHARED_MEMORY, TransportKind.TORCH_DISTRIBUTED]
+        if own in (TransportKind.SHARED_MEMORY, TransportKind.HIERARCHICAL):
+            return [own, TransportKind.TORCH_DISTRIBUTED]
         return [own]
 
     def get(self, transport: TransportKind, algorithms: tuple = ()) -> Communicator:
@@ -424,10 +425,9 @@ def communicator_options(
 ) -> CommOptions:
     """``base`` with ``transport`` forced and ``algorithms`` (``((op, algorithm), ...)``; empty:
     ``base``'s) fixed: how to run a candidate outside the tuner."""
-    policy = (
-        TransportPolicy.SHARED_MEMORY
-        if transport is TransportKind.SHARED_MEMORY
-        else TransportPolicy.TORCH_DISTRIBUTED
-    )
+    policy = {
+        TransportKind.SHARED_MEMORY: TransportPolicy.SHARED_MEMORY,
+        TransportKind.HIERARCHICAL: TransportPolicy.HIERARCHICAL,
+    }.get(transport, TransportPolicy.TORCH_DISTRIBUTED)
     chosen = dict(algorithms) if algorithms else base.algorithms
     return dataclasses.replace(base, transport=policy, algorithms=chosen)
