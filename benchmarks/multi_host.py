@@ -8,15 +8,18 @@ rank's time of each step:
 
 - ``ddp``: gloo all_reduce of the gradient + ``torch.optim.Adam(fused=True)``;
 - ``zero``: ``ZeroRedundancyOptimizer`` over the same;
-- ``coconet.optim.Adam``: the default transport, which for a group across hosts is gloo for
-  everything (**flat**: there is no hierarchical path yet, shared memory inside each host and
-  gloo between), and ``[gloo]``, the same forced.
+- ``coconet.optim.Adam``: the default transport: with 2 ranks per host, **two levels**
+  (``[hierarchical]``: ``coconet.runtime.hierarchy``, shared memory inside each host and
+  pipelined point-to-point exchanges between); with 1 per host, gloo for everything;
+- ``coconet.optim.Adam[gloo]``: torch.distributed forced (**flat**: gloo for everything).
 
 The link-rate bound is what any algorithm must move across the link per step: each host needs
 the other host's half of the reduced gradient and sends its own (reduce_scatter at host level),
 then the same for the parameters (all_gather): the gradient's bytes S each way, S / rate (the
-update and the copies inside a host are not counted). A hierarchical all_reduce reaches it; a
-flat ring over 2 x 2 ranks sends 1.5 S across each direction of the link.
+update and the copies inside a host are not counted). Two levels reach it; a flat ring over
+2 x 2 ranks sends 1.5 S across each direction of the link, so no flat contender (DDP's gloo
+all_reduce included) can be faster than 1.5x the bound, and "hierarchical >= 2x DDP" would need
+DDP at 2x the bound or more.
 
 2 hosts x 2 ranks oversubscribe the 2 cores (4 ranks); the hosts share one kernel, the page cache
 and the cores, and there is no added latency (``netem`` is not available here). Needs root
