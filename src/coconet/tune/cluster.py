@@ -3,22 +3,36 @@
 A description is a small JSON file (two ship with coconet, by name: ``dgx-a100-ib`` and
 ``cpu-2core``; see ``coconet/tune/clusters/``)::
 
-    {"name": "...", "ranks_per_node": 8,
+    {"name": "...", "ranks_per_node": 8, "device": "cuda",
      "intra_node": {"bandwidth_GBps": 230, "latency_us": 4},
      "inter_node": {"bandwidth_GBps": 23, "latency_us": 6},
      "memory_bandwidth_GBps": 1400, "peak_tflops": 19.5,
      "kernel_launch_us": 6, "step_overhead_us": 30, "overlap": 1.0}
 
-Bandwidths are per rank (a GPU's NVLink bus bandwidth; its share of the node's network). The
-collectives are hierarchical rings, as NCCL runs them over nodes of G ranks (N nodes of a
-group of W): an all_reduce of S bytes is a reduce_scatter inside each node, an all_reduce of
-the node's 1/G across nodes, and an all_gather inside the node:
+Bandwidths are per rank (a GPU's NVLink bus bandwidth; its share of the node's network: a node
+of G ranks has G B_inter). Over nodes of G ranks (N nodes of a group of W), by transport:
 
-    t = 2 (G-1)/G S / B_intra + 2 (G-1) a_intra + 2 (N-1)/N (S/G) / B_inter + 2 (N-1) a_inter
+- **two levels** (``hierarchical``; and a group inside one node): a reduce_scatter inside each
+  node, an all_reduce of the node's 1/G across nodes, an all_gather inside the node (as
+  ``coconet.runtime.hierarchy`` runs it):
 
-a reduce_scatter or an all_gather is half of that; a reducing collective also reads what it
-reduces once (S / memory bandwidth: the gamma term). A send crosses to the next stage once.
-Everything runs on torch.distributed (NCCL): there is no shared memory across nodes.
+      t = 2 (G-1)/G S / B_intra + 2 (G-1) a_intra + 2 (N-1)/N (S/G) / B_inter + 2 (N-1) a_inter
+
+- **flat** (``torch.distributed`` over nodes): rings over all W ranks, each pass moving
+  (W-1)/W of the tensor through every edge, the slowest bounding it: inside a node at B_intra,
+  across through the node's network (G B_inter: NCCL's rings, one per NIC, or one flow on a
+  host's one NIC, as gloo):
+
+      t = 2 (W-1)/W S max(1 / B_intra, 1 / (G B_inter)) + 2 (W-1) max(a_intra, a_inter)
+
+  so across nodes a flat ring moves (W-1)/W of the tensor through a node's network where two
+  levels move (N-1)/N (1.5x more at 2 nodes x 2 ranks).
+
+``device`` (``"cuda"`` when absent): two levels run over shared memory, so ``coconet plan``
+predicts them for ``"cpu"`` hosts only. A reduce_scatter or an all_gather is half of an
+all_reduce; a reducing collective also reads
+what it reduces once (S / memory bandwidth: the gamma term). A send crosses to the next stage
+once. There is no shared memory across nodes.
 """
 
 from __future__ import annotations
@@ -102,13 +116,19 @@ def cluster_model(description: Mapping[str, Any], world: int) -> MachineModel:
     def collective(op: Op, transport: TransportKind, nbytes: float, group: int) -> float:
         g = min(per_node, group)
         n = math.ceil(group / g)
-        # one ring pass (reduce_scatter or all_gather) inside the node and across the nodes
-        inside = (g - 1) / g * nbytes * b_in + (g - 1) * a_in
-        across = (n - 1) / n * (nbytes / g) * b_out + (n - 1) * a_out
+        if n > 1 and transport is TransportKind.TORCH_DISTRIBUTED:
+            # one flat ring pass over every rank: the slowest edge bounds it
+            w = group
+            one_pass = (w - 1) / w * nbytes * max(b_in, b_out / g) + (w - 1) * max(a_in, a_out)
+        else:
+            # one pass in two levels: inside the node, then the node's 1/g across the nodes
+            inside = (g - 1) / g * nbytes * b_in + (g - 1) * a_in
+            across = (n - 1) / n * (nbytes / g) * b_out + (n - 1) * a_out
+            one_pass = inside + across
         cost = spec(op).comm_cost
         gamma = nbytes * mem_b if cost.reduces else 0.0  # reading what is reduced
         if cost.traffic is Traffic.RING:
-            return cost.ring_passes * (inside + across) + gamma
+            return cost.ring_passes * one_pass + gamma
         if cost.traffic is Traffic.POINT_TO_POINT:
             return a_out + nbytes * b_out
         # rooted (broadcast, reduce): one pipelined pass of the whole tensor
@@ -123,8 +143,8 @@ def cluster_model(description: Mapping[str, Any], world: int) -> MachineModel:
         memory=Curve(0.0, mem_b),  # the launch is op_overhead
         flops=float(description["peak_tflops"]) * 1e12,
         control={
-            TransportKind.TORCH_DISTRIBUTED: float(description.get("step_overhead_us", 0.0))
-            * 1e-6 / 2
+            t: float(description.get("step_overhead_us", 0.0)) * 1e-6 / 2
+            for t in (TransportKind.TORCH_DISTRIBUTED, TransportKind.HIERARCHICAL)
         },
         op_overhead=launch,
         overlap=float(description.get("overlap", 0.0)),

@@ -1,10 +1,11 @@
 """``coconet plan``: predicted step times of every candidate at world sizes no one here can run.
 
-No processes: each candidate (on torch.distributed: across nodes there is nothing else) is
-predicted by the cost model of a written cluster description (``coconet.tune.cluster``) at each
-world size, and the table shows where each schedule pays. A prediction, not a measurement: it is
-as good as the description's bandwidths and the model's assumptions (hierarchical rings,
-streaming kernels at memory bandwidth, overlap as described).
+No processes: each candidate, on each transport that runs across nodes (torch.distributed's flat
+rings, and two levels where nodes hold 2+ ranks: ``coconet.runtime.hierarchy``), is predicted by
+the cost model of a written cluster description (``coconet.tune.cluster``) at each world size,
+and the table shows where each schedule and transport pays. A prediction, not a measurement: it
+is as good as the description's bandwidths and the model's assumptions (rings, streaming
+kernels at memory bandwidth, overlap as described).
 """
 
 from __future__ import annotations
@@ -45,11 +46,10 @@ class PlanTable:
         lines = [
             f"coconet plan: {self.program.name} with {sizes}",
             f"cost model: {self.description}",
-            "predicted ms per step (torch.distributed: hierarchical rings inside and across "
-            "nodes); * marks the best at each world size",
+            f"predicted ms per step ({self._legend()}); * marks the best at each world size",
             "",
         ]
-        names = [c.name for c in self.candidates]
+        names = [c.label for c in self.candidates]
         width = max(len(n) for n in names)
         head = "schedule".ljust(width) + "".join(f"{w:>11}" for w in self.worlds)
         lines += [head, "-" * len(head)]
@@ -65,8 +65,16 @@ class PlanTable:
         for w in self.worlds:
             b = best[w]
             kinds = ", ".join(f"{k} {1e3 * s:.2f}" for k, s in b.by_kind().items() if s > 0)
-            lines.append(f"{w:>5} ranks: best {b.candidate.name} {b.ms:.2f} ms ({kinds})")
+            lines.append(f"{w:>5} ranks: best {b.candidate.label} {b.ms:.2f} ms ({kinds})")
         return "\n".join(lines)
+
+    def _legend(self) -> str:
+        what = {
+            TransportKind.TORCH_DISTRIBUTED: "flat rings over every rank",
+            TransportKind.HIERARCHICAL: "two levels, inside each node and across",
+        }
+        used = dict.fromkeys(c.transport for c in self.candidates)
+        return "; ".join(f"[{t.value}]: {what[t]}" for t in used)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,9 +104,11 @@ def plan(
     commit: CommitMode = CommitMode.SWAP,
 ) -> PlanTable:
     """Predict every candidate of ``program`` at each world size on the described cluster."""
-    candidates, _ = enumerate_candidates(
-        program, [TransportKind.TORCH_DISTRIBUTED], chunks, state
-    )
+    transports = [TransportKind.TORCH_DISTRIBUTED]
+    if description.get("device", "cuda") == "cpu" and int(description["ranks_per_node"]) >= 2:
+        # two levels run over shared memory: CPU hosts (NCCL has its own topology-aware rings)
+        transports.append(TransportKind.HIERARCHICAL)
+    candidates, _ = enumerate_candidates(program, transports, chunks, state)
     predictions: dict[int, list[Prediction]] = {}
     name = ""
     for w in worlds:
