@@ -111,6 +111,26 @@ def test_a_group_over_two_hosts_runs_in_two_levels_with_the_stated_order_and_blo
 
 
 @pytest.mark.timeout(200)
+def test_tune_on_two_hosts_weighs_flat_against_two_levels(hosts):
+    """coconet.tune over 2 x 2 ranks: every schedule is a candidate flat (torch.distributed)
+    and in two levels, the cost model calibrated for both; the baseline (unscheduled, on the
+    transport the ranks use: two levels) is measured; every rank picks the same winner."""
+    out = hosts.run("support.tune_workers:tune_adam", 1 << 16, 4, nproc=2, timeout=180)
+    first = out[0]
+    assert first["own_transport"] == "hierarchical"
+    by_transport = {}
+    for r in first["rows"]:
+        by_transport.setdefault(r["transport"], []).append(r)
+    assert set(by_transport) == {"hierarchical", "torch.distributed"}
+    # every schedule on both (on torch.distributed, once per algorithm choice too)
+    names = {t: {r["label"].split(" [")[0] for r in rows} for t, rows in by_transport.items()}
+    assert names["hierarchical"] == names["torch.distributed"], names
+    baseline = next(r for r in by_transport["hierarchical"] if r["unscheduled"])
+    assert baseline["measured"] and baseline["measured_ms"] > 0
+    assert all(o["winner"] == first["winner"] for o in out)
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("where", ["all_gather", "commit"])
 def test_a_host_that_dies_mid_step_gives_the_other_host_a_fault(hosts, where):
     """Rank 3 kills its whole host (ranks 2 and 3) inside the fused Adam step: ranks 0 and 1
