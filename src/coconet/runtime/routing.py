@@ -6,8 +6,8 @@ others. A group whose ranks all share one host (the same hostname, boot id and P
 ``coconet.runtime.symmem.host_identity``, exchanged once) runs on shared memory instead, on CPU;
 ``CommOptions.transport`` can force either. A group that spans hosts with 2+ of its ranks on
 each, as many on each, runs in two levels (``coconet.runtime.hierarchy``): for it every rank
-also creates, after the host identities are known, the torch.distributed groups of each host's
-members and of the members with one local index (``host_levels``). Every member of a group sees
+also creates, after the host identities are known, the torch.distributed group of each host's
+members (the shared-memory group's setup channel; ``host_levels``). Every member of a group sees
 the same hosts, so they all choose alike.
 """
 
@@ -78,8 +78,9 @@ def wants_levels(options: CommOptions, device: torch.device) -> bool:
 
 def _two_levels(ranks: tuple[int, ...], layout: HostLayout) -> bool:
     """Whether a group of ``ranks`` (the job's, in group order) can run in two levels: its
-    layout is worth it, and the torch.distributed groups of its levels order their members as
-    the layout does (torch numbers a group's members by global rank)."""
+    layout is worth it, and each level's members (a host's; one local index's, host by host)
+    come in global-rank order, as torch numbers a process group's members (conservative for
+    the second: the exchanges address global ranks and need no group)."""
     if not layout.worthwhile:
         return False
     levels = [layout.members(h) for h in range(layout.hosts)]
