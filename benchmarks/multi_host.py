@@ -8,9 +8,9 @@ rank's time of each step:
 
 - ``ddp``: gloo all_reduce of the gradient + ``torch.optim.Adam(fused=True)``;
 - ``zero``: ``ZeroRedundancyOptimizer`` over the same;
-- ``coconet.optim.Adam``: the default transport: with 2 ranks per host, **two levels**
-  (``[hierarchical]``: ``coconet.runtime.hierarchy``, shared memory inside each host and
-  pipelined point-to-point exchanges between); with 1 per host, gloo for everything;
+- ``coconet.optim.Adam[hierarchical]``: the default transport, **two levels**
+  (``coconet.runtime.hierarchy``: shared memory inside each host and pipelined point-to-point
+  exchanges between; with 1 rank per host, the exchanges alone);
 - ``coconet.optim.Adam[gloo]``: torch.distributed forced (**flat**: gloo for everything).
 
 The link-rate bound is what any algorithm must move across the link per step: each host needs

@@ -171,8 +171,8 @@ class TransportPolicy(str, enum.Enum):
     """Which transport a group uses (``CommOptions.transport``)."""
 
     # shared memory when every rank of the group is on one host; hierarchical when it spans
-    # hosts with 2+ of its ranks on each, as many on each, and reductions need not be in rank
-    # order (algorithms is not "exact"); else torch.distributed
+    # hosts with as many of its ranks on each and reductions need not be in rank order
+    # (algorithms is not "exact"); else torch.distributed
     AUTO = "auto"
     SHARED_MEMORY = "shared memory"  # shared memory, or a ConfigError when the group spans hosts
     TORCH_DISTRIBUTED = "torch.distributed"  # always torch.distributed (flat across hosts)

@@ -64,7 +64,7 @@ def host_dies(comm: Communicator, victim: int, where: str) -> dict:
 
 
 def hierarchical_collectives(comm: Communicator) -> dict:
-    """On 2 hosts x 2 ranks: the world runs in two levels; each collective, over uneven sizes,
+    """On 2 hosts x 1 or 2 ranks: the world runs in two levels; each collective, over uneven sizes,
     both dims, 16- and 32-bit floats, sum and max, equals bitwise what ``reduce_order`` (the
     sum over hosts of each host's sum) computes from every rank's input, and the simulator's
     rank-ordered result within rounding; reduce_scatter's blocks are the flat split's; the
@@ -116,7 +116,7 @@ def hierarchical_collectives(comm: Communicator) -> dict:
                     "vs_rank_order": float((ar.float() - flat.float()).abs().max()) / scale,
                 })
     x = torch.arange(6.0) + me
-    out["broadcast"] = wait(world.broadcast_start(x, root=2, axis=None, donate=False,
+    out["broadcast"] = wait(world.broadcast_start(x, root=n - 1, axis=None, donate=False,
                                                   label="test")).tolist()  # fmt: skip
     out["reduce"] = wait(world.reduce_start(x, ReduceOp.SUM, root=1, axis=None, donate=False,
                                             label="test")).tolist()  # fmt: skip

@@ -28,7 +28,7 @@ def test_a_layout_numbers_hosts_and_local_places_in_group_order(idents):
         assert layout.position(layout.host_of[p], layout.local_of[p]) == p
     counts = [idents.count(h) for h in seen]
     assert layout.homogeneous == (len(set(counts)) == 1)
-    assert layout.worthwhile == (len(seen) >= 2 and len(set(counts)) == 1 and counts[0] >= 2)
+    assert layout.worthwhile == (len(seen) >= 2 and len(set(counts)) == 1)
     if layout.homogeneous:  # each position is on one host and has one local index
         by_host = sorted(p for h in range(layout.hosts) for p in layout.members(h))
         by_local = sorted(p for lo in range(layout.per_host) for p in layout.counterparts(lo))
@@ -59,6 +59,6 @@ def test_routing_runs_two_levels_only_where_they_pay_and_ranks_come_in_order():
     assert _two_levels((0, 1, 2, 3), two_by_two)
     assert _two_levels((0, 1, 2, 3), HostLayout.of("abab"))  # hosts interleaved: fine
     assert not _two_levels((0, 1, 2, 3), HostLayout.of("abba"))  # b's 1st member after a's 2nd
-    assert not _two_levels((0, 1), HostLayout.of("ab"))  # one rank per host: flat
+    assert _two_levels((0, 1), HostLayout.of("ab"))  # one rank per host: the exchange alone
     assert not _two_levels((0, 1, 2), HostLayout.of("aab"))  # not homogeneous: flat
     assert not _two_levels((0, 1, 2, 3), HostLayout.of("aaaa"))  # one host: shared memory

@@ -193,7 +193,11 @@ class Communicator:
         self._hosts = {axis: len({hosts[r] for r in g.ranks}) for axis, g in self._groups.items()}
         self.control.abort_groups(
             [r.group for r in self.routes.values() if r.transport is self.shm]
-            + [r.group.handle.local for r in self.routes.values() if r.transport is self.hier]
+            + [
+                r.group.handle.local
+                for r in self.routes.values()
+                if r.transport is self.hier and r.group.handle.local.handle is not None
+            ]
         )
         control = control_group(self.routes[None], self.options.timeout)
         if control is not None:

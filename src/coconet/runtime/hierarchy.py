@@ -1,9 +1,11 @@
 """The hierarchical transport: a group that spans hosts, shared memory inside each host and
 torch.distributed (gloo) between them.
 
-A group whose ranks span ``H`` hosts with ``L >= 2`` of its ranks on each (homogeneous hosts,
-the usual torchrun layout) runs its reductions and gathers in two levels, as Horovod's
-hierarchical all_reduce does, so that only what must cross a host's link crosses it:
+A group whose ranks span ``H`` hosts with ``L`` of its ranks on each (homogeneous hosts, the
+usual torchrun layout) runs its reductions and gathers in two levels, as Horovod's hierarchical
+all_reduce does, so that only what must cross a host's link crosses it (with ``L = 1`` the
+inside level is nothing, and the exchange alone replaces gloo's reduce_scatter and all_gather,
+which run well below the link's rate):
 
 - ``all_reduce``: reduce_scatter inside the host over shared memory (each local rank reduces
   one slice of its host's ranks), a reduce_scatter and an all_gather of that slice across hosts
@@ -109,8 +111,10 @@ class HostLayout:
 
     @property
     def worthwhile(self) -> bool:
-        """Two levels pay: 2+ hosts, 2+ members on each, the same number on each."""
-        return self.hosts >= 2 and self.per_host >= 2 and self.homogeneous
+        """Two levels pay: 2+ hosts, the same number of members on each. One member per host
+        too: there the inside level is nothing and the exchange across hosts alone replaces
+        gloo's reduce_scatter and all_gather, which on a link run well below its rate."""
+        return self.hosts >= 2 and self.homogeneous
 
 
 def reduce_order(op: ReduceOp, values: Sequence[torch.Tensor], layout: HostLayout) -> torch.Tensor:
@@ -129,13 +133,14 @@ class HierGroup:
     the flat group (torch.distributed) for the rooted and point-to-point ops."""
 
     layout: HostLayout
-    local: Group  # this rank's host's members, handle a ShmGroup
+    local: Group  # this rank's host's members, handle a ShmGroup (None: this rank alone)
     cross: Group  # the members with this rank's local index (point to point: no handle)
     flat: Group  # the whole group over torch.distributed
 
     def close(self) -> None:
-        shm: ShmGroup = self.local.handle
-        shm.close()
+        shm: ShmGroup | None = self.local.handle  # None: a host of one has no inside level
+        if shm is not None:
+            shm.close()
 
 
 def _bounds(total: int, n: int) -> list[tuple[int, int]]:
@@ -187,6 +192,16 @@ def _finish(works: list) -> None:
         wait_work(WholeWait(w))
 
 
+def _in_order(rows: Sequence[tuple[int, int]], total: int) -> bool:
+    """Whether the ranges tile ``[0, total)`` in order (side by side they are the whole)."""
+    at = 0
+    for a, b in rows:
+        if a != at:
+            return False
+        at = b
+    return at == total
+
+
 class HierarchicalTransport:
     """Collectives of groups that span homogeneous hosts, in two levels (module docstring).
     Its work is done when a collective starts, as shared memory's: on a CPU the copying and
@@ -210,16 +225,20 @@ class HierarchicalTransport:
         flat = x.reshape(-1)
         L, H = h.local.size, h.cross.size
         # inside the host: this rank reduces one of L slices of its host's sum
-        mine = self.shm.reduce_scatter(flat, h.local, reduce_op=reduce_op, dim=0, donate=False)
-        mine = mine.wait().contiguous()  # (shared memory's work is done when it returns)
+        mine = flat.contiguous()
+        if L > 1:
+            mine = self.shm.reduce_scatter(flat, h.local, reduce_op=reduce_op, dim=0,
+                                           donate=False).wait()  # fmt: skip
+            mine = mine.contiguous()  # (shared memory's work is done when it returns)
         # across hosts: each of H blocks of that slice to its owner, which reduces every host's
         # in host order, then the reduced blocks back to every counterpart
         blocks = _bounds(mine.shape[0], H)
         reduced = self._across_reduce(mine, blocks, reduce_op, h)
         whole = self._across_gather(reduced, [b - a for a, b in blocks], h)
-        # inside the host: every local rank's slice
-        slices = [b - a for a, b in _bounds(flat.numel(), L)]
-        return ready(self.shm.all_gather(whole, h.local, dim=0, parts=slices).wait().view(x.shape))
+        if L > 1:  # inside the host: every local rank's slice
+            slices = [b - a for a, b in _bounds(flat.numel(), L)]
+            whole = self.shm.all_gather(whole, h.local, dim=0, parts=slices).wait()
+        return ready(whole.view(x.shape))
 
     def reduce_scatter(
         self,
@@ -237,7 +256,7 @@ class HierarchicalTransport:
         ours = [blocks[p] for p in h.layout.counterparts(h.local.index)]  # by host
         # inside the host: the blocks this local index owns on every host, summed over this
         # host's ranks (side by side, in host order)
-        host_sums = self.shm.reduce_rows(x0, h.local, reduce_op=reduce_op, rows=ours)
+        host_sums = self._inside_reduce(x0, ours, reduce_op, h)
         at = algos.offsets([b - a for a, b in ours])
         local = [(o, o + b - a) for o, (a, b) in zip(at, ours, strict=True)]
         return ready(self._across_reduce(host_sums, local, reduce_op, h).movedim(0, dim))
@@ -262,7 +281,36 @@ class HierarchicalTransport:
             [(starts[p], starts[p] + parts[p]) for p in layout.counterparts(local)]
             for local in range(h.local.size)
         ]
-        return ready(self.shm.gather_rows(mine, h.local, rows=rows).movedim(0, dim))
+        return ready(self._inside_gather(mine, rows, h).movedim(0, dim))
+
+    def _inside_reduce(
+        self, x0: torch.Tensor, rows: Sequence[tuple[int, int]], op: ReduceOp, h: HierGroup
+    ) -> torch.Tensor:
+        """The row ranges ``rows`` of ``x0``, side by side, summed over this host's ranks (a
+        host of one: the ranges themselves)."""
+        if h.local.size > 1:
+            return self.shm.reduce_rows(x0, h.local, reduce_op=op, rows=rows)
+        if _in_order(rows, x0.shape[0]):
+            return x0
+        return torch.cat([x0[a:b] for a, b in rows])
+
+    def _inside_gather(
+        self, mine: torch.Tensor, rows: Sequence[Sequence[tuple[int, int]]], h: HierGroup
+    ) -> torch.Tensor:
+        """The whole of which each local rank's ``mine`` fills its ``rows`` (a host of one: its
+        own pieces put in place)."""
+        if h.local.size > 1:
+            return self.shm.gather_rows(mine.contiguous(), h.local, rows=rows)
+        (ranges,) = rows
+        total = max((b for _, b in ranges), default=0)
+        if _in_order(ranges, total):
+            return mine
+        out = mine.new_empty((total, *mine.shape[1:]))
+        at = 0
+        for a, b in ranges:
+            out[a:b].copy_(mine[at : at + b - a])
+            at += b - a
+        return out
 
     @staticmethod
     def _across_reduce(

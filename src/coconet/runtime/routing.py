@@ -4,8 +4,8 @@ Every rank creates every group of the mesh over torch.distributed, in the same o
 requires): that group is the transport of groups that span hosts and the control channel of the
 others. A group whose ranks all share one host (the same hostname, boot id and PID namespace:
 ``coconet.runtime.symmem.host_identity``, exchanged once) runs on shared memory instead, on CPU;
-``CommOptions.transport`` can force either. A group that spans hosts with 2+ of its ranks on
-each, as many on each, runs in two levels (``coconet.runtime.hierarchy``): for it every rank
+``CommOptions.transport`` can force either. A group that spans hosts with as many of its ranks
+on each runs in two levels (``coconet.runtime.hierarchy``): for it every rank
 also creates, after the host identities are known, the torch.distributed group of each host's
 members (the shared-memory group's setup channel; ``host_levels``). Every member of a group sees
 the same hosts, so they all choose alike.
@@ -120,13 +120,14 @@ def host_levels(
             tuple(ranks[p] for p in layout.counterparts(lo)) for lo in range(layout.per_host)
         ]
         for s in local_sets:  # (the exchanges across hosts are point to point: no group)
-            level(s)
+            if len(s) > 1:  # (a host of one has no inside level)
+                level(s)
         if rank in ranks:
             p = ranks.index(rank)
             h, lo = layout.host_of[p], layout.local_of[p]
             out[axis] = Levels(
                 layout,
-                Group(axis, local_sets[h], lo, made[local_sets[h]]),
+                Group(axis, local_sets[h], lo, made.get(local_sets[h])),
                 Group(axis, cross_sets[lo], h, None),
             )
     return out
@@ -189,10 +190,12 @@ def route_groups(
             routes[axis] = Route(shm, Group(axis, group.ranks, group.index, state))
         elif axis in levels and hier is not None and not one_host:
             lv = levels[axis]
-            local = ShmGroup(
-                lv.local.index, lv.local.size, torch_gather(lv.local.handle), options.timeout,
-                cache_dir,
-            )
+            local = None  # a host of one: no inside level
+            if lv.local.size > 1:
+                local = ShmGroup(
+                    lv.local.index, lv.local.size, torch_gather(lv.local.handle),
+                    options.timeout, cache_dir,
+                )
             state = HierGroup(
                 lv.layout, Group(axis, lv.local.ranks, lv.local.index, local), lv.cross, group
             )
