@@ -37,8 +37,6 @@ INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'st
 
 def _kernel_fused_1(p, beta1, m, sub_1, g_sum, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay):
     """fuse([p_norm, gt_1, mul_1, ..., p_new (30 values)]): one kernel (torch.compile, or eager)."""
-    # p_norm = norm(p)  at examples/lamb.py:88
-    p_norm = _ops.reduction(Op.NORM, p, None, False)
     # mul_1 = mul(beta1, m)  at examples/lamb.py:82
     mul_1 = _mul(beta1, m)
     # mul_2 = mul(sub_1, g_sum)  at examples/lamb.py:82
@@ -67,6 +65,8 @@ def _kernel_fused_1(p, beta1, m, sub_1, g_sum, sub_2, beta2, v, sub_3, sub_4, ep
     mul_6 = _mul(weight_decay, p)
     # direction = add(adam_dir, mul_6)  at examples/lamb.py:87
     direction = _add(adam_dir, mul_6)
+    # p_norm = norm(p)  at examples/lamb.py:88
+    p_norm = _ops.reduction(Op.NORM, p, None, False)
     # dir_norm = norm(direction)  at examples/lamb.py:89
     dir_norm = _ops.reduction(Op.NORM, direction, None, False)
     return (p_norm, m_new, v_new, direction, dir_norm)
@@ -103,8 +103,8 @@ def step(comm, env, kernels, g, p, m, v, lr, beta1, beta2, eps, weight_decay, st
     # sub_4 = sub(1, pow_2)  at examples/lamb.py:85
     sub_4 = _sub(_c2, pow_2)
     g_sum = comm.wait(g_sum_work)
-    # fuse: p_norm, mul_1, mul_2, m_new, div_1, mul_3, mul_4, mul_5, v_new, div_2, sqrt_1, add_1,
-    #   adam_dir, mul_6, direction, dir_norm  (one kernel)
+    # fuse: mul_1, mul_2, m_new, div_1, mul_3, mul_4, mul_5, v_new, div_2, sqrt_1, add_1, adam_dir,
+    #   mul_6, direction, p_norm, dir_norm  (one kernel)
     p_norm, m_new, v_new, direction, dir_norm = kernels.fused_1(
         p, beta1, m, sub_1, g_sum, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay
     )

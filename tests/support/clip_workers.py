@@ -94,6 +94,10 @@ def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict | No
         "same_on_every_rank": bool(torch.equal(flat, rank0)),
         "buckets": len(ours._buckets),
         "clip": [b.clip.value for b in ours._buckets],
+        # the first bucket's calls of each of its steps, by how it clips (a speculative
+        # bucket's other steps are compiled at their first use)
+        "runs": {ours._buckets[0].clip.value: ours._buckets[0].step_fn.calls,
+                 **{c.value: s.calls for c, s in ours._buckets[0].clip_steps.items()}},
     }
 
 

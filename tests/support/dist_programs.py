@@ -308,7 +308,25 @@ def mesh_program_grad_inputs(mesh, size, dtype=torch.float32, seed=0):
     return inputs
 
 
+def norm_alongside():
+    """A one-pass unit whose gather is published and a scalar all_reduce after it (the sum of
+    squares of the reduced slice, computed in the same pass: a speculative step's norm), which
+    runs over the control channel on shared memory."""
+    from coconet.schedule import fuse_RS_C_AG
+
+    N = cc.Dim("N")
+    g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    p = cc.Tensor("p", cc.float32, [N], cc.Replicated)
+    lr = cc.Scalar("lr")
+    g_sum = cc.all_reduce(g, name="g_sum")
+    norm = cc.sqrt(cc.sum(g_sum * g_sum).named("sumsq")).named("norm")
+    p_new = (p - lr * g_sum).named("p_new")
+    program = cc.Program("norm_alongside", [g, p, lr], {"norm": norm, "u": cc.update(p, p_new)})
+    return fuse_RS_C_AG(program)
+
+
 PROGRAMS = {
+    "norm_alongside": (norm_alongside, fused_mix_inputs),
     "collectives": (collectives, collectives_inputs),
     "prod_and_ints": (prod_and_ints, prod_and_ints_inputs),
     "update_state": (update_state, update_state_inputs),

@@ -132,24 +132,35 @@ def _dims(program) -> set[str]:
 def test_a_gather_followed_by_a_collective_is_not_published_in_the_prediction_either():
     """The emitter copies a one-pass gather out when a collective follows it in the step (its
     slots would hold the group's epoch open); the cost model then counts the commit's copy too
-    (it once counted every one-pass gather as published)."""
+    (it once counted every one-pass gather as published). A scalar all_reduce over the whole
+    mesh (a norm computed in the same pass) runs over the control channel instead
+    (``Form.CONTROL``) and leaves the gather published."""
     from coconet.schedule import fuse_RS_C_AG
 
     N = cc.Dim("N")
     g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    h = cc.Tensor("h", cc.float32, [N], cc.Local)
     w = cc.Tensor("w", cc.float32, [N], cc.Replicated)
     w_new = (w - cc.all_reduce(g, name="g_sum")).named("w_new")
     followed = cc.Program(
-        "followed", [g, w], {"total": (w_new * w_new).sum(), "u": cc.update(w, w_new)}
+        "followed", [g, h, w],
+        {"h_sum": cc.all_reduce(h * w_new, name="h_sum"), "u": cc.update(w, w_new)},
+    )
+    scalar = cc.Program(
+        "scalar", [g, w], {"total": (w_new * w_new).sum(), "u": cc.update(w, w_new)}
     )
     alone = cc.Program("alone", [g, w], [cc.update(w, w_new)])
-    for program, published in ((followed, False), (alone, True)):
-        target = fuse_RS_C_AG(program)
+    for program, published in ((followed, False), (scalar, True), (alone, True)):
+        target = fuse_RS_C_AG(program, all_reduce="g_sum")
         f = forms(lower(target.program), TransportKind.SHARED_MEMORY)
         assert bool(f.published) is published, program.name
+        assert bool(f.control) is (program is scalar), (program.name, f.control)
         cand = Candidate(program, target, TransportKind.SHARED_MEMORY)
         parts = [p.what for p in predict(cand, {"N": 1 << 16}, _model(), 2).parts]
         assert ("commit w" in parts) is not published, (program.name, parts)
+    # over torch.distributed nothing is published, so nothing rides the control channel
+    f = forms(lower(fuse_RS_C_AG(scalar).program), TransportKind.TORCH_DISTRIBUTED)
+    assert not f.published and not f.control
 
 
 @pytest.mark.parametrize(("example", "schedule"), PAPER)

@@ -66,7 +66,9 @@ def test_an_earlier_fused_collective_that_reads_the_unit_runs_after_it(tmp_path)
 def test_a_one_pass_gather_is_published_only_when_no_collective_follows():
     """Over shared memory a one-pass unit whose gather only updates an input leaves it in the
     peers' slots for the commit; a collective started after it would wait for those slots
-    forever (both ranks stalled until the deadline), so then the gather is copied out."""
+    forever (both ranks stalled until the deadline), so then the gather is copied out. A scalar
+    all_reduce over the whole mesh after it (user_ops' global mean) runs over the control
+    channel instead and the gather stays published (test_one_pass has a vector one)."""
     from support import dist_programs  # the programs tests/dist runs over shared memory
 
     from coconet.codegen import emit, forms, lower
@@ -74,11 +76,13 @@ def test_a_one_pass_gather_is_published_only_when_no_collective_follows():
     from coconet.options import TransportKind
 
     shm = {None: TransportKind.SHARED_MEMORY}
-    for build, published in ((dist_programs.lion, True), (dist_programs.user_ops, False)):
+    for build, control in ((dist_programs.lion, False), (dist_programs.user_ops, True)):
         plan = lower(build().program)
         assert all(one_pass(u) is not None for u in plan.fused_collectives)
         source = emit(plan, [], forms(plan, shm))
-        assert ("published=True" in source) is published, build.__name__
-        if not published:  # the global mean's all_reduce runs after the unit
-            body = source[source.index("def step(") :]
-            assert body.index(".finish(") < body.index("all_reduce_start")
+        assert "published=True" in source, build.__name__
+        body = source[source.index("def step(") :]
+        assert ("all_reduce_control_start" in body) is control, build.__name__
+        if control:  # the global mean's all_reduce runs after the unit, off the data group
+            assert body.index(".finish(") < body.index("all_reduce_control_start")
+            assert "comm.all_reduce_start" not in body

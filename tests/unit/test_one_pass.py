@@ -148,18 +148,26 @@ def test_a_wait_stays_after_its_start_when_the_group_is_gathered():
 def test_a_gather_is_published_only_when_no_collective_follows_it():
     """Regression: a published gather holds the group's epoch open until the commit, so a
     collective after it in the same step waited for peers that waited for it (a deadlock found by
-    a program whose unit is followed by the all_reduce of a partial sum)."""
+    a program whose unit is followed by the all_reduce of a partial sum). A scalar all_reduce
+    over the whole mesh runs over the control channel instead and leaves the gather published
+    (a speculative step's norm); any other collective after the unit still unpublishes it."""
     from coconet.schedule import fuse_RS_C_AG
 
     N = cc.Dim("N")
     g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    h = cc.Tensor("h", cc.float32, [N], cc.Local)
     w = cc.Tensor("w", cc.float32, [N], cc.Replicated)
     w_new = (w - cc.all_reduce(g, name="g_sum")).named("w_new")
-    followed = cc.Program("followed", [g, w], {"total": (w_new * w_new).sum(),
-                                                "u": cc.update(w, w_new)})
+    followed = cc.Program("followed", [g, h, w], {"h_sum": cc.all_reduce(h * w_new),
+                                                   "u": cc.update(w, w_new)})
+    scalar = cc.Program("scalar", [g, w], {"total": (w_new * w_new).sum(),
+                                            "u": cc.update(w, w_new)})
     alone = cc.Program("alone", [g, w], [cc.update(w, w_new)])
-    assert "published=True" not in _source(fuse_RS_C_AG(followed))
+    assert "published=True" not in _source(fuse_RS_C_AG(followed, all_reduce="g_sum"))
+    source = _source(fuse_RS_C_AG(scalar))
+    assert "published=True" in source and "comm.all_reduce_control_start(" in source
     assert "published=True" in _source(fuse_RS_C_AG(alone))
+    assert "all_reduce_control_start" not in _source(fuse_RS_C_AG(alone))
 
 
 LAMB_SCALARS = {"grad_scale": 0.5, "beta1": 0.9, "beta3": 0.1, "beta2": 0.999,

@@ -2,9 +2,11 @@
 
 In the simulator: each clipped program (``Clip.IN_STEP``: the norm inside the step;
 ``Clip.GIVEN``: the factor given), under every named schedule, against the unclipped program
-stepped on the gradient torch's ``clip_grad_norm_`` clips, and the norm pass against torch's
-norm. In a world of one: the optimizers against ``clip_grad_norm_`` + ``torch.optim``, the
-non-finite cases as torch has them, and the refusals of bad values.
+stepped on the gradient torch's ``clip_grad_norm_`` clips, the speculative program
+(``Clip.SPECULATIVE``) against the unclipped update and torch's norm, and the norm pass against
+torch's norm. In a world of one: the optimizers against ``clip_grad_norm_`` + ``torch.optim``
+(and which of a speculative bucket's steps ran), the non-finite cases as torch has them, and
+the refusals of bad values.
 """
 
 from __future__ import annotations
@@ -65,12 +67,13 @@ def test_unclipped_programs_are_the_programs_they_were():
         assert build(DType.float32, Clip.OFF).digest() == build().digest()
         assert build().name == name
         assert build(DType.float32, Clip.IN_STEP).name == f"{name}_clip_in_step"
+        assert build(DType.float32, Clip.SPECULATIVE).name == f"{name}_clip_speculative"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(sorted(BUILDERS)),
-    clip=st.sampled_from([Clip.IN_STEP, Clip.GIVEN]),
+    clip=st.sampled_from([Clip.IN_STEP, Clip.GIVEN, Clip.SPECULATIVE]),
     schedule=st.sampled_from(sorted(SCHEDULES)),
     world=st.integers(1, 4),
     n=st.integers(1, 23),
@@ -93,15 +96,19 @@ def test_a_clipped_program_is_the_update_of_torchs_clipped_average(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
     program = SCHEDULES[schedule](BUILDERS[name](DType.float32, clip), STATE[name])
-    extra = {"max_norm": max_norm} if clip is Clip.IN_STEP else {"clip_coef": coef}
+    extra = {Clip.IN_STEP: {"max_norm": max_norm}, Clip.GIVEN: {"clip_coef": coef},
+             Clip.SPECULATIVE: {}}[clip]
     got = simulate(program, {"g": grads, "p": p, **state, "grad_scale": 1.0 / world,
                              **SCALARS[name], **extra}, world)
-    # the reference: the unclipped program, in a world of one, on torch's clipped average
-    want = simulate(BUILDERS[name](), {"g": clipped, "p": p, **state, "grad_scale": 1.0,
+    # the reference: the unclipped program, in a world of one, on torch's clipped average (the
+    # speculative program's update is the unclipped one: the optimizer commits it only where
+    # the factor is 1)
+    target_grad = avg if clip is Clip.SPECULATIVE else clipped
+    want = simulate(BUILDERS[name](), {"g": target_grad, "p": p, **state, "grad_scale": 1.0,
                                        **SCALARS[name]}, 1)
     for target in ("p", *STATE[name]):
         assert _rel(got.updated(target), want.updated(target)) <= TOL, target
-    if clip is Clip.IN_STEP:
+    if clip is not Clip.GIVEN:
         for r in range(world):
             assert _rel(got.outputs["grad_norm"][r], norm) <= TOL
             assert torch.equal(got.outputs["grad_norm"][r], got.outputs["grad_norm"][0])
@@ -188,7 +195,7 @@ def _train_both(name, two, steps, max_norm, late_group=False):
         ours = getattr(coconet.optim, name)(list(net.parameters())[:2], options=EAGER,
                                             max_grad_norm=max_norm, **kwargs)
         theirs = getattr(torch.optim, name)(list(ref.parameters())[:2], **kwargs)
-        assert [b.clip for b in ours._buckets] == [Clip.IN_STEP]
+        assert [b.clip for b in ours._buckets] == [Clip.SPECULATIVE]
         ours.add_param_group({"params": list(net.parameters())[2:], "lr": 2e-2})
         theirs.add_param_group({"params": list(ref.parameters())[2:], "lr": 2e-2})
     else:
@@ -219,8 +226,36 @@ def test_a_world_of_one_matches_clip_grad_norm_then_torch(name, two):
     ours, rel, norm_rel, clipped = _train_both(name, two, 12, 1.0)
     assert rel <= TOL and norm_rel <= TOL
     assert any(clipped) and not all(clipped)
-    assert [b.clip for b in ours._buckets] == ([Clip.GIVEN] * 2 if two else [Clip.IN_STEP])
+    assert [b.clip for b in ours._buckets] == ([Clip.GIVEN] * 2 if two else [Clip.SPECULATIVE])
     assert ours.max_grad_norm == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_speculative_bucket_commits_unclipped_steps_and_steps_again_when_it_clips(name):
+    # scales (0.02, 3.0, 0.5, 20.0) repeat: clipped, as torch says, in some steps only. A step
+    # after one that did not clip is speculative (declined and run again with the factor when
+    # it clips); a step after one that clipped computes the norm first (Clip.IN_STEP)
+    ours, rel, norm_rel, clipped = _train_both(name, False, 12, 1.0)
+    assert rel <= TOL and norm_rel <= TOL and any(clipped) and not all(clipped)
+    (b,) = ours._buckets
+    speculative = given_after = in_step = 0
+    last = False
+    for c in clipped:
+        if last:
+            in_step += 1
+        else:
+            speculative += 1
+            given_after += c
+        last = c
+    assert b.step_fn.calls == speculative
+    assert b.clip_steps[Clip.GIVEN].calls == given_after > 0
+    assert b.clip_steps[Clip.IN_STEP].calls == in_step > 0
+
+
+def test_a_speculative_bucket_that_never_clips_compiles_nothing_else():
+    ours, rel, norm_rel, clipped = _train_both("AdamW", False, 6, 1e6)
+    assert rel <= TOL and norm_rel <= TOL and not any(clipped)
+    assert ours._buckets[0].clip_steps == {} and ours._buckets[0].step_fn.calls == 6
 
 
 def test_a_group_added_later_moves_the_norm_out_of_the_first_buckets_step():

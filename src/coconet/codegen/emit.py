@@ -230,8 +230,11 @@ class _Emitter:
                 return self.emission(_axis(read)).by_parts_call(read)
             return self.kernel_call(s, geo)
         if isinstance(s, Start):
-            if self.forms.of(s) is Form.READ_IN_PLACE:
+            form = self.forms.of(s)
+            if form is Form.READ_IN_PLACE:
                 return self.emission(_axis(s)).reduce_in_place_lines(in_place[s.node.name])
+            if form is Form.CONTROL:
+                return self.control_lines(s)
             return self.start_lines(s, geo)
         name = s.node.name
         if name in in_place:
@@ -378,6 +381,16 @@ class _Emitter:
             args += _ARGUMENTS[arg](n, s, geo)
         args.append(f"label={n.name!r}")
         return [self.comment(n), *_call(self.work[n.name], f"comm.{op.transport}_start", args)]
+
+
+    def control_lines(self, s: Start) -> list[str]:
+        """A scalar all_reduce over the control channel (``Form.CONTROL``): a published gather
+        before it holds its group's epoch open until the commit."""
+        n = s.node
+        args = [self.var[n.inputs[0].name], f"ReduceOp.{n.attr('reduce_op').name}",
+                f"label={n.name!r}"]
+        return [self.comment(n) + "  (on the control channel)",
+                *_call(self.work[n.name], "comm.all_reduce_control_start", args)]
 
 
 # -- the code of each lowering form and each transport argument (coconet.ir.opspec) -------------

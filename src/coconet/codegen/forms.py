@@ -16,7 +16,11 @@ The forms (``Form``):
 - ``READ_IN_PLACE``: an all_reduce whose one elementwise consumer kernel reads the reduced value
   where each slice's owner reduced it (``ReadInPlace``);
 - ``PUBLISHED``: a one-pass unit's gather that stays in the peers' slots until the commit copies
-  it into the caller's tensor (the gather is the commit).
+  it into the caller's tensor (the gather is the commit);
+- ``CONTROL``: a scalar all_reduce over the whole mesh after a published gather, run over the
+  communicator's control channel (every rank's value gathered exactly, reduced in rank order):
+  the published gather holds its group's epoch open until the commit, so the scalar cannot take
+  that group's next epoch (a speculative step's norm, computed in the same pass as the update).
 
 Each transport registers the matchers of the forms it has (``REGISTRY``); a transport with none
 runs everything plainly. ``missing_transports()`` names a transport the registry lacks (a test
@@ -68,6 +72,7 @@ class Form(enum.Enum):
     ONE_PASS = "one pass"
     READ_IN_PLACE = "read in place"
     PUBLISHED = "published"
+    CONTROL = "control"
 
 
 @dataclass(frozen=True)
@@ -260,6 +265,7 @@ class Forms:
     loops: Mapping[str, OnePass] = field(default_factory=dict)  # chunk loop -> each chunk's
     in_place: Mapping[str, ReadInPlace] = field(default_factory=dict)  # by all_reduce name
     published: frozenset[str] = frozenset()  # all_gathers left for the commit to copy
+    control: frozenset[str] = frozenset()  # scalar all_reduces over the control channel
 
     def transport(self, axis: str | None) -> TransportKind:
         """What runs the collectives along ``axis``."""
@@ -273,6 +279,8 @@ class Forms:
             return Form.ONE_PASS if step.name in self.loops else Form.PLAIN
         if isinstance(step, Start) and step.node.name in self.in_place:
             return Form.READ_IN_PLACE
+        if isinstance(step, Start) and step.node.name in self.control:
+            return Form.CONTROL
         return Form.PLAIN
 
     def one_pass(self, step: FusedCollective | ChunkLoop) -> OnePass | None:
@@ -344,7 +352,21 @@ def forms(
         and _only_committed(plan, op.all_gather)
         and not _communicates_after(plan, unit)
     )
-    return Forms(plan, by_axis, default, units, loops, in_place, published)
+    control = frozenset(
+        s.node.name
+        for unit in plan.fused_collectives
+        if (op := units.get(unit.name)) is not None and op.all_gather is not None
+        and op.all_gather.name in published
+        for s in plan.body[plan.body.index(unit) + 1 :]
+        if isinstance(s, Start) and _rides_control(s.node)
+    )
+    return Forms(plan, by_axis, default, units, loops, in_place, published, control)
+
+
+def _rides_control(node: Node) -> bool:
+    """A scalar all_reduce over the whole mesh: the control channel runs it (``Form.CONTROL``),
+    so it does not keep a gather before it from being published."""
+    return node.op is Op.ALL_REDUCE and node.type.rank == 0 and node.attr("axis") is None
 
 
 def _only_committed(plan: Plan, all_gather: Node) -> bool:
@@ -361,7 +383,8 @@ def _communicates_after(plan: Plan, unit: FusedCollective) -> bool:
     for it."""
     later = plan.body[plan.body.index(unit) + 1 :]
     return any(
-        isinstance(s, (Start, FusedCollective))
+        (isinstance(s, Start) and not _rides_control(s.node))
+        or isinstance(s, FusedCollective)
         or (isinstance(s, ChunkLoop) and any(isinstance(t, Start) for st in s.stages for t in st))
         for s in later
     )

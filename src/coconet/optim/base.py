@@ -34,11 +34,16 @@ What it does with the parameters (the contract ``coconet.optim``'s optimizers sh
   bucket leaves the earlier ones updated.
 - **Gradient clipping** (``max_grad_norm=``, SGD / Adam / AdamW): torch's
   ``clip_grad_norm_`` of the *averaged* gradient over every parameter the optimizer holds,
-  inside the step. One bucket: its fused step computes the norm (the squares of this rank's
-  slice after the reduce_scatter, one scalar all_reduce) and clips before the update
-  (``Clip.IN_STEP``). Several buckets: the global norm needs every bucket's gradient before any
-  bucket is updated, so a norm pass over every bucket (``programs.grad_norm_pass``, which
-  commits nothing) runs first and each bucket's step takes the factor (``Clip.GIVEN``).
+  inside the step. One bucket: its fused step is **speculative** (``Clip.SPECULATIVE``): one
+  pass computes the update unclipped and, alongside it, the norm (the squares of this rank's
+  slice after the reduce_scatter, one scalar all_reduce); the update is committed when the
+  factor is 1 (clipping would not change it: the same bits as clipping by 1) and otherwise
+  declined (nothing written) and the step runs again with the factor (``Clip.GIVEN``). After a
+  step that clipped, the next computes the norm first and clips before the update in one step
+  (``Clip.IN_STEP``: two passes, no pass wasted), until a step does not clip. Several
+  buckets: the global norm needs every bucket's gradient before any bucket is updated, so a
+  norm pass over every bucket (``programs.grad_norm_pass``, which commits nothing) runs first
+  and each bucket's step takes the factor (``Clip.GIVEN``).
   ``last_grad_norm`` is the norm; ``step()`` returns the closure's loss, as torch's. A
   ``clip_grad_norm_`` between ``backward()`` and ``step()`` would clip each rank's local
   gradient: on several ranks it is warned about (``LocalGradientEditWarning``, once).
@@ -129,6 +134,9 @@ class _Bucket:
     # elements per row of a bucket of equal-sized tensors, one per row (``programs.lamb(
     # rows=True)``; its slices are whole rows); 0: a flat bucket
     row: int = 0
+    # a speculative bucket's other steps (Clip.GIVEN, Clip.IN_STEP), compiled when first needed
+    clip_steps: dict[Clip, Any] = field(default_factory=dict)
+    clipped_last: bool = False  # whether the last step clipped (a speculative bucket's guess)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # program name -> this slice
     # Per parameter: how many times it was stepped (torch's per-parameter ``step``; 0: no state
     # yet, as torch has none before a parameter's first step).
@@ -432,7 +440,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         in-step clipping into a given one when a second bucket comes)."""
         if self._max_grad_norm is None or self._ddp is not None:
             return Clip.OFF
-        return Clip.IN_STEP if not self._buckets and self.clip_in_step else Clip.GIVEN
+        return Clip.SPECULATIVE if not self._buckets and self.clip_in_step else Clip.GIVEN
 
     def _settle_clip(self) -> None:
         """With several buckets the global norm needs every bucket's gradient before any bucket
@@ -443,10 +451,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if len(self._buckets) < 2:
             return
         for b in self._buckets:
-            if b.clip is Clip.IN_STEP:
+            if b.clip is Clip.SPECULATIVE:
                 group = self.param_groups[b.group]
                 b.step_fn = self._step_fn(group, b.params[0].dtype, b.size, Clip.GIVEN, b.row)
                 b.clip = Clip.GIVEN
+                b.clip_steps.clear()
 
     def _norm_step(self) -> Any:
         """The compiled norm pass over every bucket's gradient (``programs.grad_norm_pass``),
@@ -470,8 +479,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         here as torch computes it, in float32: ``clamp(max_norm / (norm + 1e-6), max=1)``."""
         if self._max_grad_norm is None or not self._buckets:
             return {}, False
-        if self._buckets[0].clip is Clip.IN_STEP:  # the only bucket
-            return {"max_norm": self._max_grad_norm}, False
+        if self._buckets[0].clip is Clip.SPECULATIVE:  # the only bucket: clips in _run
+            return {}, False
         inputs: dict[str, Any] = {f"g{j}": b.grad for j, b in enumerate(self._buckets)}
         inputs["grad_scale"] = 1.0 / self._comm.world
         norm = self._norm_step().run(inputs, agree=agree)["grad_norm"]
@@ -994,23 +1003,59 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 b.steps[i] += 1
 
     def _run(self, b: _Bucket, scalars: dict[str, float], agree: dict[str, str] | None) -> None:
-        clip = self._clip_now
+        if b.clip is not Clip.SPECULATIVE:
+            self._keep_norm(self._run_step(b, b.step_fn, {**scalars, **self._clip_now}, agree))
+            return
+        if b.clipped_last:
+            # the last step clipped, so this one likely does: the norm first, then the clipped
+            # update, in one step (two passes; a speculative pass would likely be wasted)
+            step_fn = self._clip_step(b, Clip.IN_STEP)
+            out = self._run_step(b, step_fn, {**scalars, "max_norm": self._max_grad_norm}, agree)
+            b.clipped_last = bool(self.clip_factor(out["grad_norm"]) != 1.0)
+            self._keep_norm(out)
+            return
+        verdict: dict[str, torch.Tensor] = {}
+
+        def unclipped(outputs: dict[str, torch.Tensor]) -> bool:
+            # the same norm on every rank (all-reduced in the step), so the same answer
+            verdict["coef"] = coef = self.clip_factor(outputs["grad_norm"])
+            return bool(coef == 1.0)  # NaN: declined, and clipped by NaN as torch does
+
+        out = self._run_step(b, b.step_fn, scalars, agree, commit_if=unclipped)
+        self._keep_norm(out)
+        b.clipped_last = b.step_fn.last_declined  # (with the commit vote: if any rank declined)
+        if b.clipped_last:
+            # declined on every rank, nothing written: the step again, with the factor
+            step_fn = self._clip_step(b, Clip.GIVEN)
+            self._run_step(b, step_fn, {**scalars, "clip_coef": verdict["coef"]}, None)
+
+    def _clip_step(self, b: _Bucket, clip: Clip) -> Any:
+        """A speculative bucket's step that clips as ``clip`` says, compiled at its first use
+        (collective: the ranks decline, and guess, alike)."""
+        if clip not in b.clip_steps:
+            group = self.param_groups[b.group]
+            b.clip_steps[clip] = self._step_fn(group, b.params[0].dtype, b.size, clip, b.row)
+        return b.clip_steps[clip]
+
+    def _run_step(self, b: _Bucket, step_fn: Any, scalars: dict[str, Any],
+                  agree: dict[str, str] | None, commit_if: Any = None) -> dict[str, torch.Tensor]:
+        """One run of ``step_fn`` over ``b``: its outputs (the updates committed, or declined
+        by ``commit_if``)."""
         if b.replica is None:
             # `flat` is passed as a view: the commit writes a view's values in place rather
             # than handing it new storage, so the parameters (views of it) see the update.
-            out = b.step_fn.run({**b.inputs(b.flat[:]), **scalars, **clip}, agree=agree)
-            self._keep_norm(out)
-            return
+            return step_fn.run({**b.inputs(b.flat[:]), **scalars}, agree=agree,
+                               commit_if=commit_if)
         # A host replica: the commit re-points `flat` at the buffer the step wrote (every rank
         # wrote its slice there); the parameters follow it.
         before = b.flat.data_ptr()
-        out = b.step_fn.run({**b.inputs(b.flat), **scalars, **clip}, agree=agree)
-        self._keep_norm(out)
+        out = step_fn.run({**b.inputs(b.flat), **scalars}, agree=agree, commit_if=commit_if)
         if b.flat.data_ptr() != before:
             with torch.no_grad():
                 for i, p in enumerate(b.params):
                     start, stop = b.span(i)
                     p.data = b.flat[start:stop].view_as(p)
+        return out
 
     def _keep_norm(self, out: dict[str, torch.Tensor]) -> None:
         # the norm computed inside a bucket's step (the only bucket); a bucket stepped once per

@@ -19,6 +19,12 @@ rank's slice after the reduce_scatter plus an all_reduce of one scalar; the prog
 norm (``grad_norm``). With ``Clip.GIVEN`` (several buckets: the global norm needs every bucket's
 gradient before any bucket is updated) the factor is a scalar input ``clip_coef`` computed from
 ``grad_norm_pass``, one step over every bucket's gradient run before the updates.
+``Clip.SPECULATIVE`` is the unclipped update with the norm computed alongside it (output
+``grad_norm``): under ``fuse_RS_C_AG`` one pass over shared memory, the partial sum of squares
+in the same loop as the update and its scalar all_reduce over the control channel
+(``Form.CONTROL``), so the gather stays published. The optimizer commits it only where the
+factor is 1, which is the update clipping by 1 computes, bit for bit (``grad * 1.0`` is
+``grad``), and otherwise declines it and steps again with ``Clip.GIVEN``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ class Clip(enum.Enum):
     OFF = "off"
     IN_STEP = "in-step"  # the norm computed in the step; scalar input max_norm, output grad_norm
     GIVEN = "given"  # the factor computed before the step; scalar input clip_coef
+    # the update unclipped and the norm computed alongside it (output grad_norm), in one pass:
+    # the optimizer commits it only when the factor is 1 and otherwise steps again, GIVEN
+    SPECULATIVE = "speculative"
 
 
 def _clipped(grad: cc.Tensor, clip: Clip) -> tuple[cc.Tensor, list[cc.Tensor], dict]:
@@ -51,8 +60,10 @@ def _clipped(grad: cc.Tensor, clip: Clip) -> tuple[cc.Tensor, list[cc.Tensor], d
     if clip is Clip.GIVEN:
         coef = cc.Scalar("clip_coef")
         return (grad * coef).named("grad_clipped"), [coef], {}
-    max_norm = cc.Scalar("max_norm")
     norm = cc.sqrt(cc.sum(grad * grad).named("grad_sumsq")).named("grad_norm")
+    if clip is Clip.SPECULATIVE:
+        return grad, [], {"grad_norm": norm}
+    max_norm = cc.Scalar("max_norm")
     coef = cc.clamp(max_norm / (norm + CLIP_EPS), max=1.0).named("clip_coef")
     return (grad * coef).named("grad_clipped"), [max_norm], {"grad_norm": norm}
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from coconet.cache import keyed_cache_dir
 from coconet.errors import ConfigError
+from coconet.ir import semantics
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
 from coconet.options import Algorithm, AlgorithmPolicy, CommOptions, TransportKind
@@ -52,7 +53,7 @@ from coconet.runtime.routing import (
 from coconet.runtime.shmem import SharedMemoryTransport
 from coconet.runtime.symmem import host_identity
 from coconet.runtime.torchdist import TorchDistributedTransport
-from coconet.runtime.transport import Group, Pending, Transport
+from coconet.runtime.transport import Group, Pending, Transport, ready
 from coconet.runtime.tuning import (
     SIZE_CLASSES,
     AlgorithmTable,
@@ -65,6 +66,9 @@ from coconet.runtime.tuning import (
 )
 
 __all__ = ["CommOptions", "Communicator", "Work"]
+
+# the least int64: the word a rank leaves in its peers' places of a control-channel gather
+_LEAST_WORD = -(1 << 63)
 
 
 @dataclass
@@ -338,6 +342,32 @@ class Communicator:
             Op.ALL_REDUCE, label, axis, _nbytes(x),
             lambda t, g, a: t.all_reduce(x, g, reduce_op=reduce_op, algorithm=a, donate=donate),
         )
+
+    def all_reduce_control_start(self, x: torch.Tensor, reduce_op: ReduceOp, *, label: str
+                                 ) -> Work:
+        """A scalar all_reduce of the whole world over the control channel (generated code's
+        ``Form.CONTROL``: a published gather holds the data group's epoch until the commit).
+        Every rank's value is gathered exactly (its bits, one word per rank) and reduced here
+        in rank order, as the simulator reduces: the same bits on every rank."""
+        if x.numel() != 1 or x.element_size() > 8:
+            raise ValueError(f"all_reduce_control_start: {label} is not a scalar of <= 8 bytes")
+        return Work(Op.ALL_REDUCE.value, label, None, self.guard(
+            Op.ALL_REDUCE.value, label, None, self._control_reduce, x, reduce_op, label))
+
+    def _control_reduce(self, x: torch.Tensor, reduce_op: ReduceOp, label: str) -> Pending:
+        size = x.element_size()
+        raw = bytes(x.detach().reshape(1).contiguous().view(torch.uint8).tolist())
+        # a word per rank: this rank's bits in its own, the least word elsewhere, so the
+        # element-wise MAX of the agreement hands every rank every rank's bits unchanged
+        words = [_LEAST_WORD] * self.world
+        words[self.rank] = int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True)
+        got = self.control.agree_max(words, label, op="all_reduce")
+        parts = [
+            torch.frombuffer(bytearray(w.to_bytes(8, "little", signed=True)[:size]),
+                             dtype=x.dtype).reshape(x.shape).to(x.device)
+            for w in got
+        ]
+        return ready(semantics.reduce_values(reduce_op, parts))
 
     def reduce_scatter_start(
         self,

@@ -16,7 +16,9 @@ A call, on every rank:
    first call with fused kernels, a rehearsal first (``_rehearse``): kernels compile outside
    the collectives and the ranks agree they are ready;
 4. with ``commit_vote``, confirms that every rank got through (one tiny all_reduce);
-5. commits: writes each update into the caller's tensor, and returns the outputs.
+5. commits: writes each update into the caller's tensor, and returns the outputs. A caller's
+   ``commit_if`` (a test of the outputs, ``run``) may decline instead: nothing is written, the
+   outputs are returned, and with ``commit_vote`` the ranks decline together when any declines.
 
 A failure at 1 or 2 leaves everything usable. A failure at 3 or 4 (any ``BaseException``,
 ``KeyboardInterrupt`` included) raises and leaves the caller's tensors as they were; the
@@ -36,7 +38,7 @@ import struct
 import types
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -96,6 +98,7 @@ class CompiledStep:
         self._updated = {u.inputs[0].name for u in program.updates}
         self.transports = transports  # what runs each axis's collectives (part of the identity)
         self.calls = 0  # calls of this compiled step that every rank agreed on
+        self.last_declined = False  # whether the last call's commit_if declined its updates
         self._ordinal: int | None = None  # which step of this identity it is, on its communicator
         self._identity: tuple[Any, tuple, int] | None = None  # (options, identity, hash)
         # What the user set that each input is made from, for errors that name an input (a
@@ -223,13 +226,22 @@ class CompiledStep:
         to the caller's tensors once the step succeeded on every rank."""
         return self.run(inputs)
 
-    def run(self, inputs: dict[str, Any], *, agree: dict[str, str] | None = None
+    def run(self, inputs: dict[str, Any], *, agree: dict[str, str] | None = None,
+            commit_if: Callable[[dict[str, torch.Tensor]], bool] | None = None
             ) -> dict[str, torch.Tensor]:
         """``self(**inputs)``, and the caller's own values ``agree`` (name -> text) compared
         across the ranks in the same agreement as the Replicated scalars, at no extra cost: a
         difference fails every rank with the same ``RuntimeFault`` before anything moves
         (its details name the differing key; nothing is counted, the communicator stays
-        usable). ``coconet.optim`` passes which parameters have a gradient this way."""
+        usable). ``coconet.optim`` passes which parameters have a gradient this way.
+
+        ``commit_if(outputs)``: whether to commit the updates, asked once every rank finished
+        the step (a speculative step: ``coconet.optim`` computes the update unclipped with the
+        norm alongside and commits it only where clipping would not change it). False: no
+        update is written (the caller's tensors stay as they were, the step still counts as a
+        call) and the outputs are returned. With ``commit_vote`` the answer is part of the
+        vote, so every rank declines when one does; without it the test must give the same
+        answer on every rank by construction (a value all-reduced in the step does)."""
         comm = self._communicator()
         try:
             args, shapes, reports, ordinal, h = self._agree(comm, inputs, agree)
@@ -259,14 +271,23 @@ class CompiledStep:
             if self.calls == 1 and self._compiles_kernels(comm):
                 self._rehearse(comm, args)
             outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
+            declined = commit_if is not None and not commit_if(outputs)
             if self.options.commit_vote and comm.world > 1:  # one rank votes alone
-                comm.agree_max([0], "every rank finished the step", op="commit vote")
+                declined = bool(comm.agree_max([int(declined)], "every rank finished the step",
+                                               op="commit vote")[0])
         except BaseException as exc:
             # Collectives of this step may be half done on other ranks: this communicator
             # can no longer line up with them. KeyboardInterrupt and SystemExit too: they
             # leave the step as half done as any error.
             comm.abort(f"rank {comm.rank} failed in a step: {_first_line(exc)}")
             raise
+        self.last_declined = declined
+        if declined:
+            # nothing written: the peers' published slices are let go, not copied
+            for value in updates.values():
+                if isinstance(value, Published):
+                    value.release()
+            return outputs
         # Every rank voted to commit: the step ends wholly after on every rank, and the ranks
         # stay in step (an interrupt held back by the commit is raised after it, no abort).
         return self._commit(inputs, outputs, updates, comm)
