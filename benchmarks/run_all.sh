@@ -22,6 +22,11 @@ mkdir -p "$R"
   --json "$R/data_parallel_adam_64M.json" --plot "$R/data_parallel_adam_64M.png" \
   | tee "$R/data_parallel_adam_64M.txt"
 
+# max_grad_norm='s cost (issue 25): never clipping and clipping at every step, one and two buckets
+"$PY" benchmarks/data_parallel_adam.py --params 16777216 --steps 40 \
+  --contenders "ddp,coconet.optim.Adam,coconet.optim.Adam[clip],coconet.optim.Adam[clip-active],coconet.optim.Adam[2-groups],coconet.optim.Adam[2-groups][clip],coconet.optim.Adam[2-groups][clip-active]" \
+  --json "$R/optim_clip_16M.json" | tee "$R/optim_clip_16M.txt"
+
 "$PY" benchmarks/collectives.py --json "$R/collectives.json" | tee "$R/collectives.txt"
 
 "$PY" benchmarks/compile_cost.py --params 4194304 --steps 20 --repeats 2 \

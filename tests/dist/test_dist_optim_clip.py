@@ -84,6 +84,18 @@ def _schedules(comm):
             for s in ("AR_C", "RS_C_AG", "auto")}
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shared memory", "torch.distributed"])
+def test_a_declined_step_writes_nothing_on_any_rank_and_the_next_one_commits(transport):
+    # declined by one rank: the commit vote makes every rank decline (what a speculative clip
+    # relies on), and over shared memory the published gather's slots are let go
+    options = CommOptions(timeout=60, transport=transport)
+    for r in spawn(clip_workers.declined_steps, 2, options=options, timeout=100):
+        assert r["declined"] == [True, False, True, False], r
+        assert r["unchanged"] == [True, True], r
+        assert r["same"], r
+
+
 @pytest.mark.timeout(240)
 def test_every_named_schedule_and_the_tuner_compile_the_clipped_step():
     for out in spawn(_schedules, 2, options=OPTIONS, timeout=220):

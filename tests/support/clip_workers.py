@@ -248,3 +248,40 @@ def victim_after_the_norm_pass(comm: Communicator, victim: int, dies: bool) -> d
                         zip(state, opt._buckets, strict=True) for n in s),
             }
     return {"status": "ok"}
+
+
+def declined_steps(comm: Communicator, size: int = 1000) -> dict:
+    """``CompiledStep.run(commit_if=)``: the example Adam under fuse_RS_C_AG (over shared memory
+    its gather is published), declined by the last rank alone at calls 0 and 2 of 4. With the
+    commit vote every rank declines with it: nothing is written, the outputs come back, and the
+    published slots are let go (the next call would wait for them otherwise). The two calls
+    that commit leave what two undeclined calls of another compiled step leave, bit for bit."""
+    from coconet import compile as cc_compile
+    from coconet.testing import rank_inputs
+    from support.examples_loader import load_example
+
+    adam = load_example("adam")
+    target = adam.SCHEDULES["fuse_RS_C_AG"](adam.program())
+    inputs = adam.make_inputs(comm.world, size, step=2)
+    runs = {}
+    for label in ("declining", "plain"):
+        step = cc_compile(target, comm=comm)
+        # (copies: rank_inputs may hand out the inputs' own tensors, which the commit writes)
+        mine = {n: v.clone() if isinstance(v, torch.Tensor) else v
+                for n, v in rank_inputs(step.program, inputs, comm.mesh, comm.rank).items()}
+        declined, unchanged = [], []
+        for k in range(4 if label == "declining" else 2):
+            before = {n: v.clone() for n, v in mine.items() if isinstance(v, torch.Tensor)}
+            last = comm.rank == comm.world - 1 and label == "declining"
+            out = step.run(mine, commit_if=lambda out, k=k, last=last: not (last and k in (0, 2)))
+            declined.append(step.last_declined)
+            if step.last_declined:
+                unchanged.append(all(torch.equal(before[n], mine[n]) for n in before))
+                assert isinstance(out, dict)
+        runs[label] = ({n: mine[n] for n in ("p", "m", "v")}, declined, unchanged)
+    (got, declined, unchanged), (want, _, _) = runs["declining"], runs["plain"]
+    return {
+        "declined": declined,
+        "unchanged": unchanged,
+        "same": all(torch.equal(got[n], want[n]) for n in got),
+    }

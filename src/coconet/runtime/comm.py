@@ -69,6 +69,7 @@ __all__ = ["CommOptions", "Communicator", "Work"]
 
 # the least int64: the word a rank leaves in its peers' places of a control-channel gather
 _LEAST_WORD = -(1 << 63)
+_WORD_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -356,18 +357,16 @@ class Communicator:
 
     def _control_reduce(self, x: torch.Tensor, reduce_op: ReduceOp, label: str) -> Pending:
         size = x.element_size()
-        raw = bytes(x.detach().reshape(1).contiguous().view(torch.uint8).tolist())
-        # a word per rank: this rank's bits in its own, the least word elsewhere, so the
-        # element-wise MAX of the agreement hands every rank every rank's bits unchanged
+        bits = int(x.detach().reshape(()).view(_WORD_OF_SIZE[size]).item())
+        # a word per rank: this rank's bits in its own (unsigned below 8 bytes), the least word
+        # elsewhere, so the element-wise MAX of the agreement hands every rank every rank's
+        # bits unchanged
         words = [_LEAST_WORD] * self.world
-        words[self.rank] = int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True)
+        words[self.rank] = bits if size == 8 else bits & ((1 << 8 * size) - 1)
         got = self.control.agree_max(words, label, op="all_reduce")
-        parts = [
-            torch.frombuffer(bytearray(w.to_bytes(8, "little", signed=True)[:size]),
-                             dtype=x.dtype).reshape(x.shape).to(x.device)
-            for w in got
-        ]
-        return ready(semantics.reduce_values(reduce_op, parts))
+        raw = torch.tensor(got, dtype=torch.int64).view(torch.uint8).view(self.world, 8)
+        values = raw[:, :size].contiguous().view(x.dtype).view(self.world, *x.shape)
+        return ready(semantics.reduce_values(reduce_op, list(values.to(x.device).unbind(0))))
 
     def reduce_scatter_start(
         self,
