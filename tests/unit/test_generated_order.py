@@ -86,3 +86,64 @@ def test_a_one_pass_gather_is_published_only_when_no_collective_follows():
         if control:  # the global mean's all_reduce runs after the unit, off the data group
             assert body.index(".finish(") < body.index("all_reduce_control_start")
             assert "comm.all_reduce_start" not in body
+
+
+def test_a_kernels_reductions_come_after_the_elementwise_work_they_do_not_feed():
+    """Inductor fuses a reduction into the loop of the elementwise work traced before it and
+    gives one traced first a loop of its own (a second read of the inputs), so every kernel
+    lists its reductions as late as their readers allow: still a valid order of the same
+    nodes. The speculative clip's step: its sum of squares after the update's last node."""
+    from coconet.codegen import lower
+    from coconet.codegen.plan import Kernel
+    from coconet.ir.opspec import Lowering, spec
+    from coconet.ir.types import DType
+    from coconet.optim import programs
+    from coconet.optim.programs import Clip
+    from coconet.schedule import fuse_RS_C_AG
+
+    checked = 0
+    cases = [(programs.adam, c) for c in (Clip.SPECULATIVE, Clip.IN_STEP, Clip.OFF)]
+    cases += [(programs.lamb, c) for c in (Clip.GIVEN, Clip.OFF)]  # (LAMB's factor is given)
+    for build, clip in cases:
+        plan = lower(fuse_RS_C_AG(build(DType.float32, clip), state=("m", "v")).program)
+        found = [s for s in plan.steps if isinstance(s, Kernel)]
+        for unit in plan.fused_collectives:
+            found += [s for s in unit.steps if isinstance(s, Kernel)]
+        kernels = list({k.name: k for k in found}.values())
+        for k in kernels:
+            seen: set[str] = set()
+            members = {n.name for n in k.nodes}
+            for i, n in enumerate(k.nodes):  # a valid order: inputs first
+                assert all(x.name in seen or x.name not in members for x in n.inputs)
+                seen.add(n.name)
+                if spec(n.op).lowering is Lowering.REDUCTION:
+                    # nothing elementwise after it could have come before it: each waits,
+                    # through the kernel's nodes, for it or a reduction after it
+                    for later in k.nodes[i + 1 :]:
+                        if spec(later.op).lowering is Lowering.REDUCTION:
+                            continue
+                        assert _depends_on_reduction(later, k.nodes[i:], members), (
+                            n.name, later.name)
+            checked += 1
+        if build is programs.adam and clip is Clip.SPECULATIVE:
+            (k,) = [k for k in kernels if any(n.name == "p_new_slice" for n in k.nodes)]
+            names = [n.name for n in k.nodes]
+            assert names.index("grad_sumsq_partial") > names.index("p_new_slice")
+    assert checked
+
+
+def _depends_on_reduction(n, among, members) -> bool:
+    """Whether ``n`` reads (through the kernel's own nodes) a reduction among ``among``."""
+    from coconet.ir.opspec import Lowering, spec
+
+    reductions = {b.name for b in among if spec(b.op).lowering is Lowering.REDUCTION}
+    stack, seen = [n], set()
+    while stack:
+        x = stack.pop()
+        for i in x.inputs:
+            if i.name in reductions:
+                return True
+            if i.name in members and i.name not in seen:
+                seen.add(i.name)
+                stack.append(i)
+    return False

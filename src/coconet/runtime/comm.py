@@ -25,6 +25,7 @@ on every rank. Shared memory's own forms go through ``comm.one_pass(axis)``
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -365,7 +366,8 @@ class Communicator:
         words[self.rank] = bits if size == 8 else bits & ((1 << 8 * size) - 1)
         got = self.control.agree_max(words, label, op="all_reduce")
         raw = torch.tensor(got, dtype=torch.int64).view(torch.uint8).view(self.world, 8)
-        values = raw[:, :size].contiguous().view(x.dtype).view(self.world, *x.shape)
+        low = slice(0, size) if sys.byteorder == "little" else slice(8 - size, 8)  # its bits
+        values = raw[:, low].contiguous().view(x.dtype).view(self.world, *x.shape)
         return ready(semantics.reduce_values(reduce_op, list(values.to(x.device).unbind(0))))
 
     def reduce_scatter_start(
