@@ -382,7 +382,6 @@ class _Emitter:
         args.append(f"label={n.name!r}")
         return [self.comment(n), *_call(self.work[n.name], f"comm.{op.transport}_start", args)]
 
-
     def control_lines(self, s: Start) -> list[str]:
         """A scalar all_reduce over the control channel (``Form.CONTROL``): a published gather
         before it holds its group's epoch open until the commit."""
