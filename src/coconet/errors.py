@@ -240,4 +240,9 @@ class RuntimeFault(CoconetError):
     """A distributed step that failed: a dead or stalled rank, mismatched programs, bad inputs.
 
     Bad options and setup (no communicator, a mesh that does not fit the job) are ``ConfigError``.
+    ``refused``: the step's agreement refused the call before any data moved (the same fault on
+    every rank, or, for a step that communicates nothing, on this rank): it was not counted and
+    the communicator stays usable.
     """
+
+    refused = False

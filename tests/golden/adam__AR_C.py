@@ -29,6 +29,9 @@ _sub = _ops.POINTWISE[Op.SUB]
 
 # the program's inputs, in the order step() takes them
 INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'step')
+# the step's first communication is this all_reduce: the step's agreement may
+# ride with it, one round for both (coconet.runtime.handshake)
+AGREEMENT = 'g_sum'
 
 
 def _kernel_fused_1(beta1, m, weight_decay, p, g_sum, sub_2, beta2, v, sub_3, sqrt_2, eps, div_1):

@@ -33,6 +33,9 @@ _where = _ops.POINTWISE[Op.WHERE]
 
 # the program's inputs, in the order step() takes them
 INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'step')
+# the step's first communication is this all_reduce: the step's agreement may
+# ride with it, one round for both (coconet.runtime.handshake)
+AGREEMENT = 'g_sum'
 
 
 def _kernel_fused_1(p, beta1, m, sub_1, g_sum, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay):

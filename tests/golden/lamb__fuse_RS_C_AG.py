@@ -35,6 +35,9 @@ _where = _ops.POINTWISE[Op.WHERE]
 
 # the program's inputs, in the order step() takes them
 INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'step')
+# the step's first communication is this all_reduce: the step's agreement may
+# ride with it, one round for both (coconet.runtime.handshake)
+AGREEMENT = 'p_norm_sumsq'
 
 
 def _kernel_fused_1(beta1, m, sub_1, g_sum_rs, sub_2, beta2, v, sub_3, sub_4, eps, weight_decay, p_slice):

@@ -32,6 +32,9 @@ _where = _ops.POINTWISE[Op.WHERE]
 
 # the program's inputs, in the order step() takes them
 INPUTS = ('g', 'p', 'm', 'v', 'lr', 'beta1', 'beta2', 'eps', 'weight_decay', 'step')
+# the step's first communication is this all_reduce: the step's agreement may
+# ride with it, one round for both (coconet.runtime.handshake)
+AGREEMENT = 'g_sum'
 
 
 KERNELS = {}

@@ -27,6 +27,9 @@ _where = _ops.POINTWISE[Op.WHERE]
 
 # the program's inputs, in the order step() takes them
 INPUTS = ('g', 'p', 'buf', 'lr', 'momentum', 'dampening', 'weight_decay', 'step')
+# the step's first communication is this all_reduce: the step's agreement may
+# ride with it, one round for both (coconet.runtime.handshake)
+AGREEMENT = 'g_sum'
 
 
 KERNELS = {}

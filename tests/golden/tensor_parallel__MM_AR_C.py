@@ -20,6 +20,9 @@ _add = _ops.POINTWISE[Op.ADD]
 
 # the program's inputs, in the order step() takes them
 INPUTS = ('x', 'w', 'b', 'r', 'seed', 'step')
+# the step's first communication is this all_reduce: the step's agreement may
+# ride with it, one round for both (coconet.runtime.handshake)
+AGREEMENT = 'out_sum'
 
 
 def _kernel_fused_1(out_sum, b, seed, step_, r, dropped_shape, dropped_offset):

@@ -147,6 +147,13 @@ class _Emitter:
             # written in its spare buffer and flipped by the commit (coconet.runtime.replica)
             listed = ", ".join(repr(n) for n in flips)
             out.append(f"REPLICA_INPUTS = ({listed}{',' if len(flips) == 1 else ''})")
+        rides = self.agreement_rides()
+        if rides is not None:
+            out += [
+                "# the step's first communication is this all_reduce: the step's agreement may",
+                "# ride with it, one round for both (coconet.runtime.handshake)",
+                f"AGREEMENT = {rides.node.name!r}",
+            ]
         # a one-pass unit's kernel is written in its one-pass form only (the other is never run)
         one_pass = self.forms.one_pass_kernels
         in_place = self.forms.kernels_in_place
@@ -169,6 +176,20 @@ class _Emitter:
         out += ["", "", f"KERNELS = {{{entries}}}", "", ""]
         out += self.step_def()
         return "\n".join(out) + "\n"
+
+    def agreement_rides(self) -> Start | None:
+        """The step's first communication when it is an all_reduce run plainly (a start of
+        its own: not read in place, not on the control channel, not in a fused unit or a chunk
+        loop), which the step's agreement may ride with; None otherwise."""
+        for s in self.plan.body:
+            if isinstance(s, (Compute, Kernel)):
+                continue
+            if isinstance(s, Start) and s.node.op is Op.ALL_REDUCE and (
+                self.forms.of(s) is Form.PLAIN
+            ):
+                return s
+            return None
+        return None
 
     def kernel_def(self, k: Kernel) -> list[str]:
         params = [self.var[i.name] for i in k.inputs] + [p for _, _, p in self.geo_params(k)]

@@ -39,9 +39,11 @@ from coconet.ir import semantics
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
 from coconet.options import Algorithm, AlgorithmPolicy, CommOptions, TransportKind
+from coconet.runtime import handshake
 from coconet.runtime.channels import OnePassChannel
 from coconet.runtime.control import ControlChannel
 from coconet.runtime.faults import FaultGuard
+from coconet.runtime.handshake import Deferred, LocalSteps
 from coconet.runtime.hierarchy import HierarchicalTransport
 from coconet.runtime.replica import HostReplica
 from coconet.runtime.routing import (
@@ -171,6 +173,11 @@ class Communicator:
         self.shm = SharedMemoryTransport()
         self.hier = HierarchicalTransport(self.shm, self.torch)
         self._channels: dict[str | None, OnePassChannel] = {}  # comm.one_pass(axis), made once
+        # the agreement of the step now running, put off until its first all_reduce rides with
+        # it (``defer_agreement``), and the calls of steps that communicate nothing since the
+        # last agreement round (``handshake``: both are settled by the next round)
+        self._deferred: Deferred | None = None
+        self.local_steps = LocalSteps()
         self._groups = (
             groups if groups is not None else mesh_groups(mesh, rank, self.world, self.torch)
         )
@@ -340,6 +347,14 @@ class Communicator:
     def all_reduce_start(
         self, x: torch.Tensor, reduce_op: ReduceOp, *, axis: str | None, donate: bool, label: str
     ) -> Work:
+        deferred = self._deferred
+        if deferred is not None and deferred.label == label and self._whole_world(axis):
+            # the step's agreement rides with its first all_reduce: one round for both
+            self._deferred = None
+            done = self.guard(Op.ALL_REDUCE.value, label, axis, handshake.settle_carrying, self,
+                              deferred, x, reduce_op, donate)  # fmt: skip
+            if done is not None:
+                return Work(Op.ALL_REDUCE.value, label, axis, ready(done))
         return self._start(
             Op.ALL_REDUCE, label, axis, _nbytes(x),
             lambda t, g, a: t.all_reduce(x, g, reduce_op=reduce_op, algorithm=a, donate=donate),
@@ -353,6 +368,8 @@ class Communicator:
         in rank order, as the simulator reduces: the same bits on every rank."""
         if x.numel() != 1 or x.element_size() > 8:
             raise ValueError(f"all_reduce_control_start: {label} is not a scalar of <= 8 bytes")
+        if self._deferred is not None:
+            self.settle_deferred()
         return Work(Op.ALL_REDUCE.value, label, None, self.guard(
             Op.ALL_REDUCE.value, label, None, self._control_reduce, x, reduce_op, label))
 
@@ -427,6 +444,26 @@ class Communicator:
         return self._start(Op.SEND, label, axis, _nbytes(x),
                            lambda t, g, a: t.send(x, g, reverse))  # fmt: skip
 
+    # -- the step's agreement, when a step puts it off (coconet.runtime.handshake) -------------
+
+    def defer_agreement(self, deferred: Deferred) -> None:
+        """Put the running step's agreement off until its all_reduce ``deferred.label`` (the
+        step's first communication), which it then rides with. Any other communication first
+        settles it on its own (``settle_deferred``), so nothing moves before it."""
+        self._deferred = deferred
+
+    def settle_deferred(self) -> None:
+        """Settle a put-off agreement now, in a round of its own (nothing rode with it): a
+        ``handshake.Disagreement`` out of the step when the ranks did not agree."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            reports = handshake.settle(self, deferred.report, False, deferred.identity)
+            if reports is not None:
+                raise handshake.Disagreement(reports)
+
+    def _whole_world(self, axis: str | None) -> bool:
+        return axis is None or self.mesh.axis_size(axis) == self.world
+
     def _start(
         self,
         op: Op,
@@ -437,6 +474,8 @@ class Communicator:
     ) -> Work:
         """Run ``run(transport, group, algorithm)`` under the fault guard: the algorithm is
         chosen here when the group's transport has several for ``op`` (None otherwise)."""
+        if self._deferred is not None:
+            self.settle_deferred()
         transport, group = self.route(axis)
         if transport is self.hier and self.options.algorithms is AlgorithmPolicy.EXACT:
             # rank-ordered sums were asked for after routing: the group's flat forms have them
@@ -460,6 +499,8 @@ class Communicator:
         """The shared-memory channel of ``axis``'s group: what generated code calls to run a
         fused collective as one pass, or an all_reduce read in place (see ``OnePassChannel``).
         A ``ConfigError`` when that group does not run on shared memory."""
+        if self._deferred is not None:
+            self.settle_deferred()
         channel = self._channels.get(axis)
         if channel is None:
             transport, group = self.route(axis)

@@ -27,10 +27,12 @@ import torch.distributed as dist
 from coconet.errors import RuntimeFault
 from coconet.ir.ops import ReduceOp
 from coconet.runtime.faults import FaultGuard
-from coconet.runtime.shmem import SharedMemoryTransport
+from coconet.runtime.shmem import CONTROL_WORDS, RoundKind, SharedMemoryTransport
 from coconet.runtime.transport import Group, WholeWait
 
 __all__ = ["ControlChannel"]
+
+_LEAST = -(1 << 63)  # the least int64: the padding of a control round (MAX leaves it alone)
 
 
 class ControlChannel:
@@ -61,6 +63,10 @@ class ControlChannel:
         self._shm_group: Group | None = None  # the agreement's own group, on one host
         self._aborts: list[Group] = []  # shared-memory groups whose abort words this rank sets
         self._pids: dict[int, int] = {}  # the peers on this host: rank -> process id
+        # agreement rounds run, and how many of them carried a step's all_reduce (tests and
+        # benchmarks read them: what a step's safety costs in rounds)
+        self.rounds = 0
+        self.carried = 0
 
     def use_shared_memory(self, transport: SharedMemoryTransport, control: Group) -> None:
         """Agree over ``control``: a shared-memory group of the whole world, of its own."""
@@ -77,6 +83,47 @@ class ControlChannel:
 
     # -- agreement and exchange -------------------------------------------------------------------
 
+    def agreement(
+        self,
+        words: Sequence[int],
+        payload: torch.Tensor | None = None,
+        reduce_op: ReduceOp = ReduceOp.SUM,
+        donate: bool = False,
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """The per-step agreement's ``words`` compared over the world, in one round: (the
+        largest and the smallest value of each word over the ranks, and ``payload``'s all_reduce
+        when it rode along, else None).
+
+        Over shared memory every rank's words are gathered (``words_round``) and a small
+        ``payload`` the round can carry rides along: the step's first all_reduce costs no round
+        of its own (``coconet.runtime.handshake.settle``). The result is the caller's to use
+        only where the words say that every rank carried the same payload. On torch.distributed
+        the words are one MAX all_reduce of the words and their negations, and nothing rides."""
+        self.rounds += 1
+        if self._shm_group is not None and self.world > 1:
+            shm, group = self._shm, self._shm_group
+            if payload is not None and not shm.can_carry(payload, group, reduce_op):
+                payload = None
+            self.carried += payload is not None
+            gathered, result = self._guard(
+                "handshake", "agreement", None, shm.words_round, words, group,
+                kind=RoundKind.AGREEMENT, payload=payload, reduce_op=reduce_op, donate=donate,
+            )  # fmt: skip
+            columns = list(zip(*gathered, strict=True))
+            return [max(c) for c in columns], [min(c) for c in columns], result
+        both = self._max_words(RoundKind.AGREEMENT, [*words, *(-w for w in words)], "agreement",
+                               "handshake")  # fmt: skip
+        n = len(words)
+        return both[:n], [-w for w in both[n:]], None
+
+    def carries(self, payload: torch.Tensor, reduce_op: ReduceOp) -> bool:
+        """Whether ``agreement`` would carry ``payload`` (shared memory, a small tensor)."""
+        return (
+            self._shm_group is not None
+            and self.world > 1
+            and self._shm.can_carry(payload, self._shm_group, reduce_op)
+        )
+
     def agree_max(self, values: Sequence[int], label: str, op: str = "handshake") -> list[int]:
         """Element-wise MAX over the world of a short int vector (the same length on every rank)."""
         if self._shm_group is not None and self.world > 1:
@@ -84,13 +131,40 @@ class ControlChannel:
             words = self._shm.all_reduce_words
             return self._guard(op, label, None, words, values, self._shm_group,
                                reduce_op=ReduceOp.MAX)
-        t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         if self.world == 1:
-            return t.tolist()
+            return list(values)
+        return self._max_words(RoundKind.WORDS, values, label, op)
+
+    def _max_words(self, kind: RoundKind, values: Sequence[int], label: str, op: str
+                   ) -> list[int]:  # fmt: skip
+        """A control round on torch.distributed: one MAX all_reduce of a fixed number of words
+        (its kind and length, each with its negation, then the values and padding), so that
+        ranks in different rounds at the same point are told so (a ``RuntimeFault``) instead
+        of mismatching sizes, which gloo answers by aborting the process."""
+        n = len(values)
+        width = 4 + 2 * max(CONTROL_WORDS, self.world)
+        if n > width - 4:
+            raise ValueError(f"a control round of {n} words: at most {width - 4}")
+        t = torch.full((width,), _LEAST, dtype=torch.int64)
+        t[:4] = torch.tensor([int(kind), -int(kind), n, -n])
+        if n:
+            t[4 : 4 + n] = torch.tensor(list(values), dtype=torch.int64)
+        t = t.to(self.device)
         work = self._guard(op, label, None, dist.all_reduce, t, op=dist.ReduceOp.MAX,
                            group=self.process_group, async_op=True)  # fmt: skip
         self._guard(op, label, None, self.wait_work, work)
-        return t.tolist()
+        got = t.tolist()
+        if got[0] != -got[1] or got[2] != -got[3]:
+            raise RuntimeFault(
+                "the ranks are out of step on the control channel: they reached different "
+                "control rounds at the same point",
+                op="control channel",
+                details=[f"value: {label}",
+                         f"round kinds {-got[1]}..{got[0]}, lengths {-got[3]}..{got[2]}"],
+                hint="every rank must run the same steps in the same order; this job's ranks "
+                "have diverged: restart it",
+            )
+        return got[4 : 4 + n]
 
     def max_over_world(self, values: Sequence[float], label: str) -> list[float]:
         """Element-wise MAX over the world of a short float vector (same length everywhere)."""

@@ -2,35 +2,62 @@
 
 Ranks that run different programs, or pass inputs of mismatched sizes, would issue collectives
 that do not line up; on gloo a size mismatch aborts the process from C++ (SIGABRT from
-``gloo::EnforceNotMet``), beyond any Python error handling. So before the step's first
-collective, at every step, every rank contributes a short fixed-size vector to one MAX
-all_reduce (which cannot mismatch):
+``gloo::EnforceNotMet``), beyond any Python error handling. So before the step's first data
+moves, at every step, every rank contributes a few words to one round that cannot mismatch
+(``ControlChannel.agreement``: gathered over shared memory, a MAX of the words and their
+negations on torch.distributed):
 
-    [identity hash, -identity hash, call, -call, "I need a full exchange", "my inputs failed"]
+    [identity hash, ordinal, call, Replicated values' hash, local steps' digest,
+     "I need a full exchange", "my inputs failed", what rides along]
 
 The identity is the compiled step's (program, schedule, mesh, every option that changes the
 collectives or the numerics); ``call`` counts this rank's calls of steps with that identity, so a
 rank that skipped or repeated a step is caught at the next one instead of pairing its step t with
-a peer's step t+1. Equal values on every rank show as max(x) == -max(-x). When the hashes or
-the calls differ, a rank's input shapes changed (or it is the first step), or a rank found a bad
-input, every rank learns it from the same reduced vector and they all take part in a full
-exchange of ``RankReport``s (pickled objects of any size, ``all_gather_object``). From the same
-reports every rank reaches the same verdict: the global sizes, or one ``RuntimeFault`` naming
-the difference, raised on every rank.
+a peer's step t+1. When the first five words differ, a rank's input shapes changed (or it is the
+first step), or a rank found a bad input, every rank learns it from the same words and they all
+take part in a full exchange of ``RankReport``s (pickled objects of any size,
+``all_gather_object``). From the same reports every rank reaches the same verdict: the global
+sizes, or one ``RuntimeFault`` naming the difference, raised on every rank.
+
+Two ways the round costs less than a round of its own (``coconet.runtime.step``):
+
+- **A small all_reduce rides with it.** When a step's first communication is a small
+  all_reduce over the whole world (a row-parallel layer's), the step runs its local work first
+  and the agreement's words go in the same round as that all_reduce's data
+  (``settle_carrying``): one round of signals instead of two. The data is used only if every
+  rank agreed and carried the same all_reduce; otherwise it is dropped (no rank used it) and the
+  verdict is reached as before. A rank that cannot defer (a bad input, new shapes, its first
+  call) agrees before its step as usual: its round pairs with the others' carrying round.
+- **Steps that communicate nothing are agreed at the next round** (``LocalSteps``): a step with
+  no collective and no update (a column-parallel layer's forward) moves no data, so after its
+  first call it runs without a round; its calls (identity, call count, Replicated values) are
+  folded into the next agreement round of the communicator, before that step moves any data.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from coconet.codegen.geometry import bind_sizes
 from coconet.errors import RuntimeFault
 from coconet.ir.mesh import Mesh
+from coconet.ir.ops import ReduceOp
 from coconet.ir.program import Program
 
-__all__ = ["RankReport", "identity_hash", "settle", "verdict"]
+__all__ = [
+    "Deferred",
+    "Disagreement",
+    "LocalSteps",
+    "RankReport",
+    "identity_hash",
+    "settle",
+    "settle_carrying",
+    "verdict",
+]
 
 _MASK = (1 << 62) - 1
 
@@ -49,11 +76,91 @@ class RankReport:
     # The Replicated inputs that must be equal on every rank, as compared: the scalars' exact
     # values, and with check_replicated a checksum of each Replicated tensor.
     replicated: dict[str, str] = field(default_factory=dict)
+    # The steps that communicate nothing run since the last round (``LocalSteps.take``): (their
+    # number, the first few as (program, ordinal, call, Replicated values))
+    local: tuple = (0, ())
 
 
 def identity_hash(identity: Sequence[tuple[str, str]]) -> int:
     text = "\x00".join(f"{k}={v}" for k, v in identity)
     return int(hashlib.sha256(text.encode()).hexdigest()[:16], 16) & _MASK
+
+
+class LocalSteps:
+    """The calls of steps that communicate nothing and update nothing (a column-parallel layer's
+    forward), made on one communicator since its last agreement round.
+
+    Such a step moves no data between ranks, so nothing it does can mismatch across them while
+    it runs: after its first call it runs without a round of its own, and its calls are compared
+    by the next agreement round of the communicator (any step's), before that step moves any data.
+    A rank that ran other local steps, or the same ones with other Replicated values, fails that
+    round on every rank with the calls named."""
+
+    KEPT = 64  # calls kept for the message; the digest covers all of them
+
+    def __init__(self) -> None:
+        self.digest = 0
+        self.calls: list[tuple[str, int, int, tuple[tuple[str, str], ...]]] = []
+        self.count = 0
+
+    def add(self, name: str, identity: int, ordinal: int, call: int,
+            replicated: Mapping[str, str]) -> None:  # fmt: skip
+        # Python's hash of a tuple of ints is the same in every process (only str and bytes
+        # hashes are salted): the digest of the same calls is the same on every rank
+        self.digest = hash((self.digest, identity, ordinal, call, _replicated_hash(replicated)))
+        self.count += 1
+        if len(self.calls) < self.KEPT:
+            self.calls.append((name, ordinal, call, tuple(sorted(replicated.items()))))
+
+    def take(self) -> tuple[int, tuple]:
+        """(the digest, the calls kept) of the calls since the last round, and start anew."""
+        taken = (self.digest, (self.count, tuple(self.calls)))
+        self.digest, self.calls, self.count = 0, [], 0
+        return taken
+
+
+@dataclass
+class Deferred:
+    """A step's agreement put off until its first all_reduce, which it rides with
+    (``CompiledStep.run``; ``settle_carrying``)."""
+
+    report: RankReport
+    identity: int  # identity_hash(report.identity)
+    label: str  # the all_reduce it rides with
+
+
+class Disagreement(Exception):  # noqa: N818 - a control-flow signal inside coconet, not an error
+    """Out of a step whose deferred agreement found a difference (or a peer asked for the full
+    exchange): every rank's report, exchanged. ``CompiledStep.run`` turns it into the verdict."""
+
+    def __init__(self, reports: list[RankReport]) -> None:
+        super().__init__("the ranks' agreement found a difference")
+        self.reports = reports
+
+
+def _words(report: RankReport, identity: int, local: int, need_exchange: bool,
+           carried: int) -> list[int]:  # fmt: skip
+    """The agreement's words: four that must be equal everywhere (identity, ordinal, call, the
+    Replicated values' hash), the local steps' digest (equal everywhere too), two flags that
+    must be 0 everywhere, and what payload rides along (0: none)."""
+    return [
+        identity,
+        report.ordinal,
+        report.call,
+        _replicated_hash(report.replicated),
+        local,
+        int(need_exchange),
+        int(report.error is not None),
+        carried,
+    ]
+
+
+_EQUAL = 5  # the first five words must be equal on every rank
+_EXCHANGE, _ERROR, _CARRIED = 5, 6, 7
+
+
+def _agreed(high: list[int], low: list[int]) -> bool:
+    return high[:_EQUAL] == low[:_EQUAL] and not high[_EXCHANGE] and not high[_ERROR]
 
 
 def settle(
@@ -63,25 +170,54 @@ def settle(
     ``identity``: ``identity_hash(report.identity)`` when the caller has it (a compiled step
     keeps it: hashing the identity at every step cost more than a small step's agreement).
 
-    Every rank must call it at the same point of the step (before any other collective).
-    A world of one has nobody to agree with: its own report decides, without hashing.
+    Every rank must call it at the same point of the step (before any other collective), or
+    ``settle_carrying`` there: the two pair. A world of one has nobody to agree with: its own
+    report decides, without hashing.
     """
     if comm.world == 1:
         return [report] if need_exchange or report.error is not None else None
-    agreed = [
-        identity_hash(report.identity) if identity is None else identity,
-        report.ordinal,
-        report.call,
-        _replicated_hash(report.replicated),
-    ]
-    a, b, c, d = agreed
-    flags = comm.agree_max(
-        [a, b, c, d, -a, -b, -c, -d, int(need_exchange), int(report.error is not None)], "hash"
-    )
-    # equal everywhere: max(x) == -max(-x), for each of the four; and no flag raised
-    if flags[:4] == [-f for f in flags[4:8]] and not flags[8] and not flags[9]:
+    h = identity_hash(report.identity) if identity is None else identity
+    local, calls = comm.local_steps.take()
+    high, low, _ = comm.control.agreement(_words(report, h, local, need_exchange, 0))
+    if _agreed(high, low):
         return None
-    return comm.exchange(report, "input shapes")
+    return comm.exchange(_with_local(report, calls), "input shapes")
+
+
+def settle_carrying(
+    comm, deferred: Deferred, payload: torch.Tensor, reduce_op: ReduceOp, donate: bool
+) -> torch.Tensor | None:
+    """The agreement of ``deferred``'s step with its first all_reduce (``payload``) riding along,
+    in one round (shared memory, a small all_reduce: ``ControlChannel.agreement``): the
+    all_reduce's result when every rank agreed and carried it; None when they agreed but some
+    rank could not carry it (the caller runs the all_reduce as usual: every rank sees the same
+    words, so every rank does). Raises ``Disagreement`` with every rank's report (exchanged)
+    when they did not agree: the step's result is dropped, and ``CompiledStep.run`` gives the
+    verdict, as ``settle`` does."""
+    report = deferred.report
+    carries = comm.control.carries(payload, reduce_op)
+    # what rides: the same positive word on every rank that carries the same all_reduce
+    carried = ((payload.numel() << 8) | (_DTYPES[payload.dtype] << 4) | _OPS[reduce_op]) + 1 \
+        if carries else 0  # fmt: skip
+    local, calls = comm.local_steps.take()
+    high, low, result = comm.control.agreement(
+        _words(report, deferred.identity, local, False, carried),
+        payload if carries else None, reduce_op, donate,
+    )  # fmt: skip
+    if not _agreed(high, low):
+        raise Disagreement(comm.exchange(_with_local(report, calls), "input shapes"))
+    if high[_CARRIED] == low[_CARRIED] != 0:
+        return result
+    return None
+
+
+# the payloads that can ride (the dtypes and reductions cn_one_shot computes), as numbers
+_DTYPES = {torch.float32: 1, torch.float64: 2, torch.int32: 3, torch.int64: 4}
+_OPS = {ReduceOp.SUM: 1, ReduceOp.PROD: 2, ReduceOp.MAX: 3, ReduceOp.MIN: 4}
+
+
+def _with_local(report: RankReport, calls: tuple) -> RankReport:
+    return replace(report, local=calls) if calls[0] else report
 
 
 _REPLICATED: dict[tuple, int] = {}  # the last few replicated values' hashes (by their items)
@@ -146,6 +282,7 @@ def verdict(
             hint="every rank must call the compiled step the same number of times, in the same "
             "order as its other steps; this job's ranks have diverged: restart it",
         )
+    _check_local_steps(reports)
     errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error is not None]
     if errors:
         raise RuntimeFault(
@@ -197,3 +334,34 @@ def _input_named(name: str, sources: Mapping[str, str]) -> str:
     if name in sources:
         return f"{sources[name]} (input {name!r}, made from it)"
     return f"input {name!r}"
+
+
+def _check_local_steps(reports: Sequence[RankReport]) -> None:
+    """A ``RuntimeFault`` when the ranks ran other steps that communicate nothing since their
+    last round (``LocalSteps``), naming the first call that differs."""
+    first = reports[0]
+    for r in reports[1:]:
+        if r.local == first.local:
+            continue
+        (n0, calls0), (n1, calls1) = first.local, r.local
+        details = [f"rank 0 ran {n0} such calls, rank {r.rank} ran {n1}"]
+        for k, (a, b) in enumerate(zip(calls0, calls1, strict=False)):
+            if a != b:
+                details.append(f"call {k + 1}: rank 0 ran {_local_call(a)}, rank {r.rank} ran "
+                               f"{_local_call(b)}")  # fmt: skip
+                break
+        raise RuntimeFault(
+            "ranks ran different steps that communicate nothing (checked at the next agreement)",
+            op="handshake",
+            details=details,
+            hint="every rank must call its compiled steps in the same order and the same number "
+            "of times, with the same Replicated values; this job's ranks have diverged: restart "
+            "it",
+        )
+
+
+def _local_call(call: tuple) -> str:
+    name, ordinal, number, replicated = call
+    values = ", ".join(f"{k}={v}" for k, v in replicated)
+    return f"{name} (compiled step {ordinal + 1}) call {number}" + (f" with {values}" if values
+                                                                    else "")  # fmt: skip

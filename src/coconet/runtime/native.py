@@ -45,6 +45,8 @@ class OneShotArgs(ctypes.Structure):
         ("yield_s", ctypes.c_double),
         ("why", ctypes.c_int32),
         ("stage", ctypes.c_int32),
+        ("heads", ctypes.POINTER(ctypes.c_void_p)),
+        ("head_words", ctypes.c_int32),
     ]
 
 _SOURCE = Path(__file__).with_name("shm_sync.c")
@@ -79,8 +81,9 @@ def sync_library(cache_dir: str | None = None) -> ctypes.CDLL:
     ]
     lib.cn_wait_all.restype = ctypes.c_int
     vp = ctypes.c_void_p
-    # (cn_one_shot_args *args, src, out, dst, epoch, previous): see OneShotArgs
-    lib.cn_one_shot.argtypes = [vp, vp, vp, vp, ctypes.c_uint64, ctypes.c_int]
+    # (cn_one_shot_args *args, src, out, dst, epoch, previous, words in, words out): see
+    # OneShotArgs
+    lib.cn_one_shot.argtypes = [vp, vp, vp, vp, ctypes.c_uint64, ctypes.c_int, vp, vp]
     lib.cn_one_shot.restype = ctypes.c_int
     return lib
 

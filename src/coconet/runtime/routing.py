@@ -23,7 +23,7 @@ from coconet.errors import ConfigError
 from coconet.ir.mesh import Mesh
 from coconet.options import AlgorithmPolicy, CommOptions, TransportPolicy
 from coconet.runtime.hierarchy import HierarchicalTransport, HierGroup, HostLayout
-from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup, torch_gather
+from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup, control_area, torch_gather
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import Group, Transport
 
@@ -207,9 +207,12 @@ def route_groups(
 
 def control_group(world: Route, timeout: float) -> Group | None:
     """A shared-memory group of the whole world for the control messages, of its own (None when
-    the world does not run on shared memory)."""
+    the world does not run on shared memory). Collective: its segment is made here, with room
+    for the largest control round (``shmem.control_area``: a small all_reduce may ride with the
+    agreement), so that no round ever has to grow it."""
     if not isinstance(world.transport, SharedMemoryTransport):
         return None
     g = world.group
     state = ShmGroup(g.index, g.size, g.handle.gather, timeout, g.handle.cache_dir)
+    state.reserve(control_area(g.size))
     return Group(None, g.ranks, g.index, state)

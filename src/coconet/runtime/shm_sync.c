@@ -193,10 +193,17 @@ typedef struct {
     uint64_t **aborts;
     double timeout_s, spin_s, yield_s;
     int32_t why, stage; /* out: why and where a call gave up */
+    /* Control words (0 words: none): heads[r] points at rank r's words, ahead of its input.
+     * A call with words writes this rank's into heads[me] before posting READY and, once every
+     * peer has posted READY, copies every rank's words into `hout` (rank after rank) before
+     * posting CONSUMED: the control channel's agreement and votes, in the same round as a payload
+     * that may ride along (coconet.runtime.shmem's words_round). */
+    void **heads;
+    int32_t head_words;
 } cn_one_shot_args;
 
 int cn_one_shot(cn_one_shot_args *a, const void *src, void *out, void *dst, uint64_t epoch,
-                int previous) {
+                int previous, const int64_t *hsrc, int64_t *hout) {
     int late, n = a->n, me = a->me;
     size_t width = (a->dtype == 1 || a->dtype == 3) ? 8 : 4;
     if (previous) { /* this rank's areas may be overwritten once every peer is done with them */
@@ -206,11 +213,15 @@ int cn_one_shot(cn_one_shot_args *a, const void *src, void *out, void *dst, uint
         if (late >= 0) return late;
     }
     if (src != NULL) memcpy(a->inputs[me], src, (size_t)a->count * width);
+    size_t words = (size_t)a->head_words * sizeof(int64_t);
+    if (words) memcpy(a->heads[me], hsrc, words);
     __atomic_store_n(a->ready[me], epoch, __ATOMIC_RELEASE);
     a->stage = 1;
     late = cn_wait_all(a->ready, a->pids, n, epoch, a->timeout_s, &a->why, a->aborts, a->spin_s,
                        a->yield_s);
     if (late >= 0) return late;
+    if (words)
+        for (int r = 0; r < n; r++) memcpy((char *)hout + (size_t)r * words, a->heads[r], words);
     if (reduce_into(a->inputs, out, a->count, a->dtype, a->op, n) != 0) {
         a->why = 4;
         return me;

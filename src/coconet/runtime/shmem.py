@@ -24,11 +24,13 @@ copying is the work, and there is no idle core for it to overlap with.
 from __future__ import annotations
 
 import ctypes
+import enum
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from coconet.errors import RuntimeFault
 from coconet.ir import semantics
 from coconet.ir.ops import ReduceOp
 from coconet.ir.types import slice_bounds
@@ -44,7 +46,7 @@ from coconet.runtime.transport import (
     ready,
 )
 
-__all__ = ["ShmGroup", "SharedMemoryTransport"]
+__all__ = ["RoundKind", "ShmGroup", "SharedMemoryTransport", "control_area", "head_bytes"]
 
 _MIN_BYTES = 1 << 20  # the first segment's data area; it doubles as collectives need more
 
@@ -64,6 +66,32 @@ _NATIVE_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN:
 def one_shot_bytes(size: int) -> int:
     """The largest all_reduce (bytes per rank) a group of ``size`` runs in one round."""
     return ONE_SHOT_BYTES * 2 // max(size, 2)
+
+
+# Control words (``words_round``): at most this many per round (or one per rank, when more), plus
+# the round's kind word, at the start of each rank's input area; a payload rides after them.
+CONTROL_WORDS = 32
+
+
+class RoundKind(enum.IntEnum):
+    """What a control round is (its first word): ranks in different kinds of rounds at the same
+    epoch are out of step, which every rank sees at once instead of reading the wrong words."""
+
+    AGREEMENT = 1  # a step's per-step agreement (coconet.runtime.handshake), maybe with a payload
+    WORDS = 2  # any other MAX of words: the commit vote, readiness, a control-channel scalar
+
+
+def head_bytes(size: int) -> int:
+    """Bytes before the payload in a control round's area, for a group of ``size``: the kind word
+    and up to ``max(CONTROL_WORDS, size)`` words, whole cache lines."""
+    words = 1 + max(CONTROL_WORDS, size)
+    return -(-8 * words // 64) * 64
+
+
+def control_area(size: int) -> int:
+    """The data area a control group reserves so that no round ever grows it (``reserve``): the
+    words and the largest payload that may ride along (``one_shot_bytes``)."""
+    return head_bytes(size) + one_shot_bytes(size)
 
 
 class ShmGroup:
@@ -96,7 +124,7 @@ class ShmGroup:
         self._copies: dict[int, list[torch.Tensor]] = {}
         # cn_one_shot's fixed arguments by kind of call (``one_shot_args``)
         self._pointers: dict[tuple, tuple] = {}
-        self.words: dict[int, tuple] = {}  # all_reduce_words's arrays, by length
+        self.words: dict[int, tuple] = {}  # words_round's ctypes arrays, by number of words
 
     def _segment(self, nbytes: int) -> SymmetricMemory:
         """A new ``SymmetricMemory`` over the group with ``nbytes`` in this rank's segment
@@ -137,32 +165,50 @@ class ShmGroup:
             return None
         return copies if flat.dtype == copies[0].dtype else None
 
+    def reserve(self, nbytes: int) -> None:
+        """Make each area at least ``nbytes`` now, so that no later collective of up to that size
+        grows the segment (a control group: a round must pair with a peer's round of another
+        size without either growing it, which is collective). Collective."""
+        if self.mem is None or nbytes > self.area:
+            if self.mem is not None:
+                self.mem.wait(Phase.CONSUMED, self.epoch)
+            self._grow(nbytes)
+
     def one_shot_args(
         self,
         registered: list[torch.Tensor] | None,
         dtype: torch.dtype,
         numel: int,
         code: tuple[int, int],
+        head_words: int = 0,
     ) -> tuple[OneShotArgs, int]:
         """``cn_one_shot``'s fixed arguments for a call of this kind (every rank's copy of the
-        input: ``registered``, or the input areas; dtype, size, reduction), and their address;
-        made once per kind, until the segment grows, and renewed when the wait policy
-        (``symmem.WAIT``) is replaced."""
-        key = (0 if registered is None else registered[0].data_ptr(), dtype, numel, code)
+        input: ``registered``, or the input areas; dtype, size, reduction; with ``head_words``,
+        that many control words at the start of each input area and the input after them, at
+        ``head_bytes``), and their address; made once per kind, until the segment grows, and
+        renewed when the wait policy (``symmem.WAIT``) is replaced."""
+        key = (0 if registered is None else registered[0].data_ptr(), dtype, numel, code,
+               head_words)  # fmt: skip
         entry = self._pointers.get(key)
         if entry is not None and entry[2] is symmem.WAIT:
             return entry[0], entry[1]
         if entry is None:
             if len(self._pointers) > 64:  # many kinds in turn: keep the cache small
                 self._pointers.clear()
-            views = registered if registered is not None else self.areas(dtype, numel)
+            offset = head_bytes(self.size) if head_words else 0
+            views = registered if registered is not None else self.areas(dtype, numel, offset)
             inputs = (ctypes.c_void_p * self.size)(*[v.data_ptr() for v in views])
             ready_, consumed, pids, aborts = self.mem.signals()
             args = OneShotArgs(
                 inputs, numel, code[0], code[1], self.size, self.index,
                 int(registered is not None), ready_, consumed, pids, aborts, self.mem.timeout,
             )
-            keep = inputs  # the struct points into it
+            heads = None
+            if head_words:
+                starts = self.areas(torch.int64, head_words)
+                heads = (ctypes.c_void_p * self.size)(*[v.data_ptr() for v in starts])
+                args.heads, args.head_words = heads, head_words
+            keep = (inputs, heads)  # the struct points into them
         else:
             args, keep = entry[0], entry[3]
         args.spin_s, args.yield_s = symmem.WAIT.spin_s, symmem.WAIT.yield_s
@@ -255,6 +301,13 @@ _INTO = {
     ReduceOp.MIN: torch.minimum,
     ReduceOp.PROD: torch.mul,
 }
+
+
+def _round_name(word: int) -> str:
+    """How a control round's first word reads in an error: its kind and number of words."""
+    kind, n = word & 0xFF, word >> 8
+    name = RoundKind(kind).name.lower() if kind in RoundKind._value2member_map_ else f"kind {kind}"
+    return f"a {name} round of {n} words"
 
 
 def _one_shot_out(st: ShmGroup, flat: torch.Tensor, registered: bool, in_place: bool
@@ -373,12 +426,14 @@ class SharedMemoryTransport:
         return 1
 
     @staticmethod
-    def _one_shot_call(st: ShmGroup, previous: int, args, src, out, dst) -> None:
+    def _one_shot_call(st: ShmGroup, previous: int, args, src, out, dst, words_in=None,
+                       words_out=None) -> None:  # fmt: skip
         """One ``cn_one_shot`` call in ``st``'s current epoch (see ``_all_reduce_one_shot``);
-        ``args``: ``st.one_shot_args``. A peer that died, aborted or stalled is a
-        ``RuntimeFault`` naming the signal it missed."""
+        ``args``: ``st.one_shot_args``; ``words_in``/``words_out``: the addresses of the control
+        words of a ``words_round``. A peer that died, aborted or stalled is a ``RuntimeFault``
+        naming the signal it missed."""
         mem, e = st.mem, st.epoch
-        late = mem.lib.cn_one_shot(args[1], src, out, dst, e, previous)
+        late = mem.lib.cn_one_shot(args[1], src, out, dst, e, previous, words_in, words_out)
         if late >= 0:
             fixed = args[0]
             if fixed.why == 4:
@@ -389,24 +444,93 @@ class SharedMemoryTransport:
     def all_reduce_words(
         self, values: Sequence[int], group: Group, *, reduce_op: ReduceOp
     ) -> list[int]:
-        """All-reduce a short vector of int64 words (the per-step agreement, the commit vote):
-        ``_all_reduce_one_shot`` without tensors, from and into ctypes arrays made once per
-        length. Values outside int64 are a ``ValueError`` (a bug: the callers' words fit)."""
+        """All-reduce a short vector of int64 words (the commit vote, readiness, a scalar of the
+        control channel): a ``words_round`` of kind ``WORDS``, reduced here. Only MAX and MIN
+        (what the control channel needs: words are compared, not summed)."""
+        if reduce_op not in (ReduceOp.MAX, ReduceOp.MIN):
+            raise ValueError(f"all_reduce_words: {reduce_op} is not MAX or MIN")
+        gathered, _ = self.words_round(values, group, kind=RoundKind.WORDS)
+        pick = max if reduce_op is ReduceOp.MAX else min
+        return [pick(column) for column in zip(*gathered, strict=True)]
+
+    def words_round(
+        self,
+        values: Sequence[int],
+        group: Group,
+        *,
+        kind: RoundKind,
+        payload: torch.Tensor | None = None,
+        reduce_op: ReduceOp = ReduceOp.SUM,
+        donate: bool = False,
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """One round of signals in which every rank publishes a few int64 words and, optionally,
+        a small tensor to all_reduce (``payload``, riding along: ``can_carry``): every rank's
+        words, by rank, and the payload's reduction (rank order, bitwise the one-shot
+        all_reduce's; None without a payload).
+
+        Every rank reads every rank's words before any posts ``CONSUMED``, so each learns all of
+        them from one round. The first word of each is the round's ``kind`` and length: a rank in
+        another kind of round at this epoch is a ``RuntimeFault`` on every rank (they are out of
+        step). The payload area of a rank that sent none holds stale bytes, which the reduction
+        reads too: a caller uses the result only where every rank's words say that all carried
+        the same payload (``coconet.runtime.handshake``). Values outside int64 are a
+        ``ValueError`` (a bug: the callers' words fit)."""
         st: ShmGroup = group.handle
         n = len(values)
+        if n > max(CONTROL_WORDS, st.size):
+            raise ValueError(f"words_round: {n} words, at most {max(CONTROL_WORDS, st.size)}")
         if n and (min(values) < -(1 << 63) or max(values) >= 1 << 63):
-            raise ValueError(f"all_reduce_words: {list(values)} do not fit int64")
-        arrays = st.words.get(n)
+            raise ValueError(f"words_round: {list(values)} do not fit int64")
+        width = n + 1
+        arrays = st.words.get(width)
         if arrays is None:
-            src, out = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
-            arrays = st.words[n] = (src, out, ctypes.addressof(src), ctypes.addressof(out))
+            src, out = (ctypes.c_int64 * width)(), (ctypes.c_int64 * (width * st.size))()
+            arrays = st.words[width] = (src, out, ctypes.addressof(src), ctypes.addressof(out))
         src, out, src_at, out_at = arrays
-        src[:] = values
-        previous = self._next_epoch(st, 8 * n)
-        code = (_NATIVE[torch.int64], _NATIVE_OPS[reduce_op])
-        self._one_shot_call(st, previous, st.one_shot_args(None, torch.int64, n, code), src_at,
-                            out_at, None)
-        return out[:]
+        src[0] = int(kind) | (n << 8)
+        src[1:] = values
+        if payload is None:
+            numel, dtype, code, data, result = 0, torch.int64, (3, 2), None, None
+        else:
+            flat = payload if payload.dim() == 1 else payload.reshape(-1)
+            numel, dtype = flat.numel(), flat.dtype
+            code = (_NATIVE[dtype], _NATIVE_OPS[reduce_op])
+            data = flat.data_ptr()
+            result = flat if donate else torch.empty_like(flat)
+        nbytes = head_bytes(st.size) + numel * (8 if dtype in (torch.int64, torch.float64) else 4)
+        # grows the segment (collectively) only where it is too small: never on a control group,
+        # which reserved room for the largest round (``reserve``), so rounds of different sizes
+        # on different ranks (a payload riding on one, none on another) still pair
+        previous = self._next_epoch(st, nbytes)
+        args = st.one_shot_args(None, dtype, numel, code, head_words=width)
+        # without a payload nothing is reduced (0 elements): any valid address does for `out`
+        into = out_at if result is None else result.data_ptr()
+        self._one_shot_call(st, previous, args, data, into, None, src_at, out_at)
+        words = out[:]
+        gathered = [words[r * width : (r + 1) * width] for r in range(st.size)]
+        kinds = {g[0] for g in gathered}
+        if len(kinds) > 1:
+            raise RuntimeFault(
+                "the ranks are out of step on the control channel: they reached different "
+                "control rounds at the same point",
+                op="control channel",
+                details=[f"rank {r}: {_round_name(g[0])}" for r, g in enumerate(gathered)],
+                hint="every rank must run the same steps in the same order; this job's ranks "
+                "have diverged: restart it",
+            )
+        if result is not None and payload is not None and payload.dim() != 1:
+            result = result.view(payload.shape)
+        return [g[1:] for g in gathered], result
+
+    @staticmethod
+    def can_carry(x: torch.Tensor, group: Group, reduce_op: ReduceOp) -> bool:
+        """Whether ``words_round`` can all_reduce ``x`` along with its words over ``group`` (a
+        control group: ``reserve``d for one-shot sizes): a contiguous tensor of a dtype and
+        reduction ``cn_one_shot`` computes, of at most ``one_shot_bytes``."""
+        code = _NATIVE.get(x.dtype), _NATIVE_OPS.get(reduce_op)
+        if None in code or (x.dtype.is_floating_point and code[1] >= 2):
+            return False
+        return x.is_contiguous() and x.numel() * x.element_size() <= one_shot_bytes(group.size)
 
     def _one_shot_python(
         self,

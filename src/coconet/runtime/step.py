@@ -108,6 +108,14 @@ class CompiledStep:
         # the same (an optimizer passes ~10 per step, most of them constant): converting and
         # checking a number costs more than a small step's arithmetic.
         self._numbers: dict[str, tuple[type, int | float, torch.Tensor, str]] = {}
+        # How this step's agreement can cost less than a round of its own (handshake): the
+        # all_reduce it may ride with (the step's first communication, named by the generated
+        # module), or whether the step communicates nothing and updates nothing at all (its calls
+        # are then agreed at the communicator's next round).
+        self._rides: str | None = getattr(module, "AGREEMENT", None)
+        self._local = not program.updates and not any(
+            spec(n.op).has(Prop.COMMUNICATES) for n in program.nodes
+        )
 
     # -- what it is -----------------------------------------------------------------------------
 
@@ -245,6 +253,10 @@ class CompiledStep:
         comm = self._communicator()
         try:
             args, shapes, reports, ordinal, h = self._agree(comm, inputs, agree)
+        except RuntimeFault as fault:
+            if not getattr(fault, "refused", False):
+                comm.abort(f"rank {comm.rank} failed before its step: {_first_line(fault)}")
+            raise
         except BaseException as exc:
             # The local checks or the agreement failed here (a peer died, stalled or aborted;
             # a Ctrl-C anywhere before or inside the agreement): the control channel may be
@@ -252,29 +264,40 @@ class CompiledStep:
             comm.abort(f"rank {comm.rank} failed before its step: {_first_line(exc)}")
             raise
         if reports is not None:
-            # Raises the same RuntimeFault on every rank, or gives the sizes; a refused call is
-            # not counted (on any rank), so the ranks stay in step and the communicator usable.
-            try:
-                sizes = handshake.verdict(reports, self.program, self.mesh, self.input_sources)
-            except RuntimeFault as fault:
-                # every rank's report, for a caller that words the difference itself (which
-                # optimizer call each rank made: coconet.optim's call agreement)
-                fault.reports = reports
-                raise
-            self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
-            self._exchanged = shapes
+            self._settle(comm, reports, shapes)
         if self._ordinal is None:
             self._ordinal = ordinal
             _steps_seen(comm)[h] = ordinal + 1
         self.calls += 1
         try:
-            if self.calls == 1 and self._compiles_kernels(comm):
-                self._rehearse(comm, args)
-            outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
+            try:
+                if self.calls == 1 and self._compiles_kernels(comm):
+                    self._rehearse(comm, args)
+                outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
+                comm.settle_deferred()  # (a step that never reached its all_reduce: a bug)
+            except handshake.Disagreement as disagreement:
+                # The agreement that rode with the step's first all_reduce found a difference
+                # (or a peer's new shapes): that all_reduce's result was dropped, nothing else
+                # moved. The verdict as for an agreement before the step: the same RuntimeFault
+                # on every rank (this call not counted, the communicator usable), or the new
+                # sizes, and the step runs again with its agreement settled.
+                self.calls -= 1
+                self._settle(comm, disagreement.reports, shapes)
+                self.calls += 1
+                outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
+            finally:
+                comm.defer_agreement(None)
             declined = commit_if is not None and not commit_if(outputs)
-            if self.options.commit_vote and comm.world > 1:  # one rank votes alone
+            # one rank votes alone; a step that communicates nothing and updates nothing has
+            # nothing to vote on (it only computes this rank's outputs)
+            if self.options.commit_vote and comm.world > 1 and not self._local:
                 declined = bool(comm.agree_max([int(declined)], "every rank finished the step",
                                                op="commit vote")[0])
+        except RuntimeFault as fault:
+            if getattr(fault, "refused", False):
+                raise  # the verdict refused the call on every rank: nothing moved, still usable
+            comm.abort(f"rank {comm.rank} failed in a step: {_first_line(fault)}")
+            raise
         except BaseException as exc:
             # Collectives of this step may be half done on other ranks: this communicator
             # can no longer line up with them. KeyboardInterrupt and SystemExit too: they
@@ -291,6 +314,22 @@ class CompiledStep:
         # Every rank voted to commit: the step ends wholly after on every rank, and the ranks
         # stay in step (an interrupt held back by the commit is raised after it, no abort).
         return self._commit(inputs, outputs, updates, comm)
+
+    def _settle(self, comm: Communicator, reports: list[handshake.RankReport],
+                shapes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
+        """The verdict on every rank's report: the same ``RuntimeFault`` on every rank (marked
+        ``refused``: the call is not counted on any rank, so the ranks stay in step and the
+        communicator usable), or the sizes, which become this step's geometry."""
+        try:
+            sizes = handshake.verdict(reports, self.program, self.mesh, self.input_sources)
+        except RuntimeFault as fault:
+            # every rank's report, for a caller that words the difference itself (which
+            # optimizer call each rank made: coconet.optim's call agreement)
+            fault.reports = reports
+            fault.refused = True
+            raise
+        self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
+        self._exchanged = shapes
 
     def agree_call(self, agree: dict[str, str]) -> list[handshake.RankReport] | None:
         """Take part in this step's per-step agreement without running the step: a caller
@@ -326,9 +365,12 @@ class CompiledStep:
     def _agree(
         self, comm: Communicator, inputs: dict[str, Any], agree: dict[str, str] | None = None
     ):
-        """This rank's local checks, then the per-step agreement: (the generated step's
-        arguments, the input shapes, every rank's report or None when the agreement was
-        settled without an exchange, this step's ordinal, the identity's hash)."""
+        """This rank's local checks, then the per-step agreement, or what stands for it after
+        the first call (``coconet.runtime.handshake``): put off until the step's first
+        all_reduce, which it rides with, or, for a step that moves no data, to the
+        communicator's next round. Returns (the generated step's arguments, the input shapes,
+        every rank's report or None when there was no exchange, this step's ordinal, the
+        identity's hash)."""
         args, shapes, dtypes, replicated, error = self._bind(inputs, comm)
         if agree and comm.world > 1:
             replicated.update(agree)
@@ -354,6 +396,31 @@ class CompiledStep:
             ordinal=ordinal,
             replicated=replicated,
         )
+        if comm.world == 1 or not self.calls:
+            # nobody to agree with, or the first call: its geometry comes from the exchange
+            return args, shapes, handshake.settle(comm, report, changed, h), ordinal, h
+        if self._local:
+            # A step that moves no data, past its first call (coconet.runtime.handshake): its
+            # calls are agreed at the communicator's next round, and its bad inputs fail this
+            # rank alone, at once (the peers, which ran the call, learn at that round).
+            if error is not None:
+                fault = RuntimeFault(
+                    "bad inputs (checked on this rank; the step communicates nothing, so the "
+                    "peers are not stopped: they learn at their next agreement)",
+                    op=f"{self.program.name} step",
+                    details=[f"rank {comm.rank}: {error}"],
+                    hint="fix the inputs named above; nothing was computed or updated",
+                )
+                fault.refused = True
+                raise fault
+            if not changed:
+                comm.local_steps.add(self.program.name, h, ordinal, report.call, replicated)
+                return args, shapes, None, ordinal, h
+        elif self._rides is not None and error is None and not changed:
+            # A call like the last one agreed on rides with the step's first all_reduce (or is
+            # settled before any other communication of the step): one round instead of two.
+            comm.defer_agreement(handshake.Deferred(report, h, self._rides))
+            return args, shapes, None, ordinal, h
         return args, shapes, handshake.settle(comm, report, changed, h), ordinal, h
 
     def _compiles_kernels(self, comm: Communicator) -> bool:
@@ -458,9 +525,11 @@ class CompiledStep:
         inputs that share elements (one write would be lost), or a donated input (overwritten
         mid-step) that shares elements with any other input. An updated input may share memory
         with inputs that are only read: every read happens before the commit writes."""
+        donated = set(self.options.donate)
+        if not self._updated and not donated:
+            return []  # nothing is written: any sharing is harmless
         tensors = [(n.name, given[n.name]) for n in self.program.inputs]
         tensors = [(k, v) for k, v in tensors if isinstance(v, torch.Tensor) and v.numel()]
-        donated = set(self.options.donate)
         problems = []
         for i, (a, ta) in enumerate(tensors):
             for b, tb in tensors[i + 1 :]:

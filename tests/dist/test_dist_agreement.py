@@ -1,0 +1,87 @@
+"""The per-step agreement when it costs no round of its own (``coconet.runtime.handshake``), on 2
+local ranks over both transports: a step's agreement that rides with its first all_reduce, and
+steps that communicate nothing, agreed at the communicator's next round. Results stay bitwise
+the simulator's, and every misuse the agreement catches before its own round is still caught,
+on every rank alike, with the communicator usable after.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support import agreement_workers
+
+from coconet.runtime import CommOptions, spawn
+
+TRANSPORTS = ["shared memory", "torch.distributed"]
+TIMEOUT = 20.0  # what "at once" is measured against
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def checked(request):
+    options = CommOptions(timeout=TIMEOUT, transport=request.param)
+    return request.param, spawn(agreement_workers.checks, 2, options=options, timeout=150)
+
+
+def _same_fault(results, label, *fragments):
+    for rank, out in enumerate(results):
+        got = out[label]
+        assert got["status"] == "RuntimeFault", f"rank {rank}, {label}: {got}"
+        for fragment in fragments:
+            assert fragment in got["message"], f"rank {rank}, {label}: {got['message']}"
+        assert got["unchanged"], f"rank {rank}, {label}: a refused step changed a tensor"
+        assert got["seconds"] < TIMEOUT / 4, f"rank {rank}, {label}: waited {got['seconds']} s"
+    assert results[0][label]["message"] == results[1][label]["message"], label
+
+
+@pytest.mark.timeout(160)
+def test_calls_are_exact_and_ride_with_the_all_reduce(checked):
+    transport, results = checked
+    for rank, out in enumerate(results):
+        assert all(out["good"]["exact"]), f"rank {rank}: {out['good']}"
+        assert out["good"]["rounds"] == 6  # one agreement round per call, never two
+        # over shared memory every call after the first carries the all_reduce in that round
+        assert out["good"]["carried"] == (5 if transport == "shared memory" else 0)
+        assert out["new shapes"] and out["new shapes again"], f"rank {rank}"
+        assert out["usable"], f"rank {rank}: the communicator is not usable after the refusals"
+
+
+@pytest.mark.timeout(160)
+def test_misuse_is_refused_on_every_rank_when_the_agreement_rides(checked):
+    _, results = checked
+    _same_fault(results, "scalar differs", "Replicated inputs differ", "input 'c'")
+    _same_fault(results, "bad dtype", "bad inputs", "rank 1: input 'x' is torch.float64")
+    _same_fault(results, "one rank's shape", "do not fit the program together")
+    _same_fault(results, "swapped steps", "different compiled steps of the same program")
+    # the refused calls are not counted: 6 good, 2 with new shapes, 1 after the local calls, 1
+    # at the end (the three the local steps' divergence refused are not)
+    assert [out["calls"] for out in results] == [10, 10]
+
+
+@pytest.mark.timeout(160)
+def test_steps_that_communicate_nothing_are_agreed_at_the_next_round(checked):
+    _, results = checked
+    for rank, out in enumerate(results):
+        assert out["local calls"] == {"equal": True, "rounds": 0}, f"rank {rank}"
+        assert out["after local calls"] == "no error", f"rank {rank}"
+    _same_fault(results, "local extra call", "ranks ran different steps that communicate nothing",
+                "rank 0 ran 2 such calls, rank 1 ran 1")  # fmt: skip
+    _same_fault(results, "local scalar differs", "communicate nothing",
+                "rank 0 ran scalar (compiled step 1) call 2 with c=2.0")  # fmt: skip
+    # the bad input fails its own rank at once; the other ran the call: told at the next round
+    bad = [out["local bad input"] for out in results]
+    assert bad[0]["status"] == "no error"
+    assert bad[1]["status"] == "RuntimeFault" and "bad inputs" in bad[1]["message"]
+    _same_fault(results, "after local bad input", "communicate nothing",
+                "rank 0 ran 1 such calls, rank 1 ran 0")  # fmt: skip
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ranks_in_different_control_rounds_are_told_at_once(transport):
+    # (on gloo, rounds of different sizes used to abort the process: every round is one size)
+    options = CommOptions(timeout=TIMEOUT, transport=transport)
+    results = spawn(agreement_workers.out_of_step, 2, options=options, timeout=60)
+    for rank, out in enumerate(results):
+        assert out["status"] == "RuntimeFault", f"rank {rank}: {out}"
+        assert "out of step on the control channel" in out["message"], out["message"]
+        assert out["seconds"] < TIMEOUT / 4, f"rank {rank}: {out}"

@@ -1,0 +1,152 @@
+"""Rank functions for test_dist_agreement.py: the per-step agreement when it costs no round of
+its own (``coconet.runtime.handshake``). A step whose first communication is a small all_reduce
+over the world carries its agreement in that all_reduce's round; a step that communicates
+nothing is agreed at the communicator's next round. Each check records, per rank, what happened;
+the parent asserts that every rank saw the same thing and that nothing was lost.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import coconet as cc
+from coconet.runtime import Communicator
+from support.safety_workers import _attempt
+
+N = 64
+
+
+def reduced() -> cc.Program:
+    """A row-parallel layer's shape of step: local work, then a small all_reduce (the step's
+    first communication), then work on its result with a Replicated bias and scalar."""
+    n = cc.Dim("N")
+    x = cc.Tensor("x", cc.float32, [n], cc.Local)
+    b = cc.Tensor("b", cc.float32, [n], cc.Replicated)
+    c = cc.Scalar("c")
+    s = cc.all_reduce((x * 3.0 - 1.0).named("partial"), name="s")
+    return cc.Program("reduced", [x, b, c], {"y": ((s + b) * c).named("y")})
+
+
+def local(name: str = "local") -> cc.Program:
+    """A step that communicates nothing and updates nothing (a column-parallel forward)."""
+    n = cc.Dim("N")
+    x = cc.Tensor("x", cc.float32, [n], cc.Replicated)
+    c = cc.Scalar("c")
+    return cc.Program(name, [x, c], {"y": (x * c + 1.0).named("y")})
+
+
+def reduced_inputs(rank: int, seed: int, n: int = N) -> dict:
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    return {"x": torch.randn(n, generator=gen), "b": b, "c": 0.5}
+
+
+def _want(world: int, seed: int, n: int = N) -> torch.Tensor:
+    ins = [reduced_inputs(r, seed, n) for r in range(world)]
+    sim = cc.simulate(reduced(), {"x": [i["x"] for i in ins], "b": ins[0]["b"], "c": 0.5}, world)
+    return sim.output("y")
+
+
+def _call(step, mine: dict) -> dict:
+    """``_attempt`` with the output kept (the caller compares it)."""
+    t0 = time.perf_counter()
+    try:
+        y = step(**mine)["y"]
+        return {"status": "no error", "message": "", "y": y, "seconds": time.perf_counter() - t0}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"status": type(e).__name__, "message": str(e), "y": None,
+                "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def checks(comm: Communicator) -> dict:
+    """Every check that leaves the communicator usable, in one job."""
+    rank, world = comm.rank, comm.world
+    control = comm.control
+    step = cc.compile(reduced(), comm=comm, fused_kernels=False)
+    out: dict = {}
+
+    # 1. good calls: every result bitwise the simulator's; after the first call the agreement
+    # rides with the all_reduce (over shared memory: one round per call, carried)
+    rounds0, carried0 = control.rounds, control.carried
+    exact = []
+    for seed in range(6):
+        got = _call(step, reduced_inputs(rank, seed))
+        exact.append(got["status"] == "no error" and torch.equal(got["y"], _want(world, seed)))
+    out["good"] = {"exact": exact, "rounds": control.rounds - rounds0,
+                   "carried": control.carried - carried0}  # fmt: skip
+
+    def after(label: str, on_rank: int, **changes) -> None:
+        mine = reduced_inputs(rank, 7)
+        if rank == on_rank:
+            mine.update(changes)
+        out[label] = _attempt(step, mine)
+
+    # 2. misuse on a call whose agreement rides with the all_reduce: refused on every rank alike
+    after("scalar differs", 1, c=0.25)
+    after("bad dtype", 1, x=torch.zeros(N, dtype=torch.float64))
+    after("one rank's shape", 0, x=torch.zeros(N + 3))
+    # both ranks' shapes change: agreed in full (the new sizes), then ride again
+    bigger = _call(step, reduced_inputs(rank, 8, N + 5))
+    out["new shapes"] = bigger["status"] == "no error" and torch.equal(bigger["y"],
+                                                                       _want(world, 8, N + 5))
+    again = _call(step, reduced_inputs(rank, 9, N + 5))
+    out["new shapes again"] = again["status"] == "no error" and torch.equal(again["y"],
+                                                                            _want(world, 9, N + 5))
+    # two compiled steps of the program (two layers of one shape) called in another order
+    other = cc.compile(reduced(), comm=comm, fused_kernels=False)
+    other(**reduced_inputs(rank, 1))  # its first call: compiled step 2 of the program everywhere
+    out["swapped steps"] = _attempt(step if rank == 0 else other, reduced_inputs(rank, 3))
+    del other
+
+    # 3. steps that communicate nothing: agreed at the next round. Each case diverges the ranks
+    # for good (one ran a call the other did not), so each has a local step of its own
+    def fresh(name: str):
+        lstep = cc.compile(local(name), comm=comm, fused_kernels=False)
+        lstep(x=x, c=2.0)  # its first call agrees in full
+        return lstep
+
+    x = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    lstep = fresh("local")
+    rounds0 = control.rounds
+    fine = all(torch.equal(lstep(x=x, c=2.0)["y"], x * 2.0 + 1.0) for _ in range(3))
+    out["local calls"] = {"equal": fine, "rounds": control.rounds - rounds0}
+    out["after local calls"] = _call(step, reduced_inputs(rank, 10))["status"]
+    # one rank runs a local step once more than the other
+    lstep = fresh("extra")
+    lstep(x=x, c=2.0)
+    if rank == 0:
+        lstep(x=x, c=2.0)
+    out["local extra call"] = _attempt(step, reduced_inputs(rank, 11))
+    # a Replicated value that differs in a local step
+    lstep = fresh("scalar")
+    lstep(x=x, c=2.0 if rank == 0 else 3.0)
+    out["local scalar differs"] = _attempt(step, reduced_inputs(rank, 12))
+    # a bad input in a local step: refused on that rank alone, at once; the other ran the call
+    # and learns at the next round
+    lstep = fresh("bad")
+    out["local bad input"] = _attempt(lstep, {"x": x.double() if rank == 1 else x, "c": 2.0})
+    out["after local bad input"] = _attempt(step, reduced_inputs(rank, 13))
+    # and the communicator is still usable: a good call is exact
+    good = _call(step, reduced_inputs(rank, 14))
+    out["usable"] = good["status"] == "no error" and torch.equal(good["y"], _want(world, 14))
+    out["calls"] = step.calls
+    return out
+
+
+def out_of_step(comm: Communicator) -> dict:
+    """Rank 0 runs a step (its agreement round) while rank 1 runs a control vote: the two
+    reach different kinds of rounds at the same point; both are told at once."""
+    step = cc.compile(reduced(), comm=comm, fused_kernels=False)
+    step(**reduced_inputs(comm.rank, 0))
+    t0 = time.perf_counter()
+    try:
+        if comm.rank == 0:
+            step(**reduced_inputs(comm.rank, 1))
+        else:
+            comm.agree_max([1, 2, 3], "a vote")
+        status, message = "no error", ""
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        status, message = type(e).__name__, str(e)
+    return {"status": status, "message": message, "seconds": time.perf_counter() - t0}
