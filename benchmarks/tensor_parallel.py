@@ -435,6 +435,14 @@ def worker(comm, cfg: dict) -> dict:
     if say:
         say(f"contenders: {', '.join(blocks)}; coconet_nn = {coconet_kind or '-'}")
 
+    # a torch.distributed communicator of the same ranks (collective: made here on every
+    # rank), for the backward-overlap probes of the training case
+    gloo = None
+    if "b" in cfg["cases"] and "coconet_nn" in blocks:
+        from coconet.runtime import CommOptions
+
+        gloo = comm.variant(CommOptions(transport="torch.distributed", timeout=120))
+
     # probes: the block's four weight matmuls (this rank's shapes, and rank 0 alone the whole
     # ones), and a copy (memory bandwidth)
     copy_n = cfg["copy_floats"]
@@ -469,6 +477,8 @@ def worker(comm, cfg: dict) -> dict:
         }
         if case == "c" and "coconet_nn" in blocks:
             probes.update(call_probes(blocks["coconet_nn"], comm, b, d, world))
+        if case == "b" and "coconet_nn" in blocks:
+            probes.update(overlap_probes(ref, gloo, x, world))
         # the reference on this rank (untimed), and each contender's step
         caches: dict[str, Any] = {}
         if case == "a":
@@ -592,6 +602,48 @@ def call_probes(block: CoconetBlock, comm, b: int, d: int, world: int) -> dict:
 
     return {"probe:call[coconet.nn RowParallelLinear]": (coconet_calls, True),
             "probe:call[F.linear + shm all_reduce + bias]": (bare_calls, True)}  # fmt: skip
+
+
+def overlap_probes(ref: Block, gloo, x: torch.Tensor, world: int) -> dict:
+    """Whether a layer's backward overlaps its communication with its computation: the MLP's
+    ``c_fc`` as a ``coconet.nn.ColumnParallelLinear`` over torch.distributed (gloo, whose
+    collectives progress on threads of their own), its compiled backward step (the input
+    gradient's all_reduce started before the weight-gradient matmul and waited for after it,
+    Megatron's asynchronous all_reduce) against its two parts run alone: that all_reduce, and
+    the backward's matmuls and bias sum. The step at the parts' sum overlaps nothing; at the
+    larger part's time it hides the all_reduce wholly. (Over shared memory a collective
+    completes where it starts, on the calling rank's core: with both cores computing there is
+    nothing to overlap on.)"""
+    import coconet.nn as cnn
+    from coconet.ir.ops import ReduceOp
+
+    col = cnn.ColumnParallelLinear.from_linear(ref.c_fc, comm=gloo)
+    xr = x.clone().requires_grad_(True)
+    d_y = torch.randn(*x.shape[:-1], col.weight.shape[0],
+                      generator=torch.Generator().manual_seed(7))  # fmt: skip
+    col(xr).backward(d_y)  # compiles the forward and the backward step
+    backward = next(iter(col._programs.values())).backward_step(("x", "w", "b"))
+    inputs = {"x": x, "w": col.weight.detach(), "b": col.bias.detach(), "d_y": d_y}
+    rows, hidden = x.numel() // x.shape[-1], d_y.shape[-1]
+    flat_x, flat_dy = x.reshape(rows, -1), d_y.reshape(rows, hidden)
+    w = col.weight.detach()
+
+    def step():
+        backward(**inputs)
+
+    def all_reduce_alone():
+        part = torch.matmul(flat_dy, w)  # what the step all_reduces (timed with it: small)
+        gloo.wait(gloo.all_reduce_start(part, ReduceOp.SUM, axis=None, donate=True,
+                                        label="probe"))  # fmt: skip
+
+    def compute_alone():
+        torch.matmul(flat_dy, w)
+        torch.matmul(flat_dy.t(), flat_x)
+        flat_dy.sum(0)
+
+    return {"probe:backward[column, gloo]": (step, True),
+            "probe:backward parts: all_reduce[gloo]": (all_reduce_alone, True),
+            "probe:backward parts: matmuls": (compute_alone, True)}  # fmt: skip
 
 
 def make_step(case, name, block, ref, x, dout, x_new, cfg, caches, world):
@@ -812,6 +864,17 @@ def table(doc: dict) -> str:
             if name.startswith("probe:"):
                 lines.append(f"{name:<44} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} "
                              f"{r['max_ms']:>9.3f}")  # fmt: skip
+        back = c["rows"].get("probe:backward[column, gloo]")
+        parts = [c["rows"].get(f"probe:backward parts: {p}") for p in ("all_reduce[gloo]",
+                                                                        "matmuls")]  # fmt: skip
+        if back and all(parts):
+            ar, mm = (p["median_ms"] for p in parts)
+            hidden = (ar + mm - back["median_ms"]) / ar if ar else math.nan
+            lines.append(
+                f"backward overlap (c_fc's backward on gloo): the step {back['median_ms']:.3f} ms,"
+                f" its all_reduce alone {ar:.3f} + its matmuls alone {mm:.3f} = {ar + mm:.3f} "
+                f"ms: {100 * hidden:.0f}% of the all_reduce hidden"
+            )
         cc_call = c["rows"].get("probe:call[coconet.nn RowParallelLinear]")
         bare_call = c["rows"].get("probe:call[F.linear + shm all_reduce + bias]")
         if cc_call and bare_call:

@@ -22,6 +22,11 @@ __all__ = [
 
 
 class Op(enum.Enum):
+    # Members are singletons compared by identity, so they hash by identity: Enum's own hash
+    # (of the member's name, in Python) made every op-keyed lookup ~3x slower, and a small
+    # step makes dozens (str hashes differ between processes anyway: nothing relies on them)
+    __hash__ = object.__hash__
+
     # leaves
     INPUT = "input"
     CONST = "const"
@@ -94,6 +99,8 @@ class Op(enum.Enum):
 
 
 class ReduceOp(enum.Enum):
+    __hash__ = object.__hash__  # as Op's
+
     SUM = "sum"
     MAX = "max"
     MIN = "min"

@@ -25,8 +25,7 @@ length runs the same step).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -45,8 +44,10 @@ from coconet.schedule import Schedule, paper
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
-@dataclass(frozen=True)
-class _Key:
+class _Key(NamedTuple):
+    """What a layer's programs are built and compiled per (a tuple: made and hashed at every
+    call, where a dataclass cost a few microseconds)."""
+
     rank: int  # the input's number of dims
     dtype: torch.dtype
     residual: bool

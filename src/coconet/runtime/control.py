@@ -95,20 +95,21 @@ class ControlChannel:
         when it rode along, else None).
 
         Over shared memory every rank's words are gathered (``words_round``) and a small
-        ``payload`` the round can carry rides along: the step's first all_reduce costs no round
-        of its own (``coconet.runtime.handshake.settle``). The result is the caller's to use
-        only where the words say that every rank carried the same payload. On torch.distributed
-        the words are one MAX all_reduce of the words and their negations, and nothing rides."""
+        ``payload`` (one ``carries`` accepts) rides along: the step's first all_reduce costs no
+        round of its own (``coconet.runtime.handshake.settle_carrying``). The result is the
+        caller's to use only where the words say that every rank carried the same payload. On
+        torch.distributed the words are one MAX all_reduce of the words and their negations,
+        and nothing rides."""
         self.rounds += 1
         if self._shm_group is not None and self.world > 1:
-            shm, group = self._shm, self._shm_group
-            if payload is not None and not shm.can_carry(payload, group, reduce_op):
-                payload = None
             self.carried += payload is not None
             gathered, result = self._guard(
-                "handshake", "agreement", None, shm.words_round, words, group,
+                "handshake", "agreement", None, self._shm.words_round, words, self._shm_group,
                 kind=RoundKind.AGREEMENT, payload=payload, reduce_op=reduce_op, donate=donate,
             )  # fmt: skip
+            first = gathered[0]
+            if all(g == first for g in gathered):  # the usual case: the same words everywhere
+                return first, first, result
             columns = list(zip(*gathered, strict=True))
             return [max(c) for c in columns], [min(c) for c in columns], result
         both = self._max_words(RoundKind.AGREEMENT, [*words, *(-w for w in words)], "agreement",

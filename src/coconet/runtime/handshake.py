@@ -200,10 +200,9 @@ def settle_carrying(
     carried = ((payload.numel() << 8) | (_DTYPES[payload.dtype] << 4) | _OPS[reduce_op]) + 1 \
         if carries else 0  # fmt: skip
     local, calls = comm.local_steps.take()
-    high, low, result = comm.control.agreement(
-        _words(report, deferred.identity, local, False, carried),
-        payload if carries else None, reduce_op, donate,
-    )  # fmt: skip
+    words = _words(report, deferred.identity, local, False, carried)
+    high, low, result = comm.control.agreement(words, payload if carries else None, reduce_op,
+                                               donate)  # fmt: skip
     if not _agreed(high, low):
         raise Disagreement(comm.exchange(_with_local(report, calls), "input shapes"))
     if high[_CARRIED] == low[_CARRIED] != 0:

@@ -507,20 +507,19 @@ class SharedMemoryTransport:
         into = out_at if result is None else result.data_ptr()
         self._one_shot_call(st, previous, args, data, into, None, src_at, out_at)
         words = out[:]
-        gathered = [words[r * width : (r + 1) * width] for r in range(st.size)]
-        kinds = {g[0] for g in gathered}
-        if len(kinds) > 1:
+        kinds = words[::width]
+        if kinds.count(kinds[0]) != len(kinds):
             raise RuntimeFault(
                 "the ranks are out of step on the control channel: they reached different "
                 "control rounds at the same point",
                 op="control channel",
-                details=[f"rank {r}: {_round_name(g[0])}" for r, g in enumerate(gathered)],
+                details=[f"rank {r}: {_round_name(k)}" for r, k in enumerate(kinds)],
                 hint="every rank must run the same steps in the same order; this job's ranks "
                 "have diverged: restart it",
             )
         if result is not None and payload is not None and payload.dim() != 1:
             result = result.view(payload.shape)
-        return [g[1:] for g in gathered], result
+        return [words[r * width + 1 : (r + 1) * width] for r in range(st.size)], result
 
     @staticmethod
     def can_carry(x: torch.Tensor, group: Group, reduce_op: ReduceOp) -> bool:
