@@ -449,12 +449,13 @@ class HierarchicalTransport:
         """The leaders' all_reduce of their hosts' sums (``total``; ``flat``: the caller's
         input, which ``total`` may be, on a host of one). Two leaders: gloo's all_reduce on
         their own process group (``h.cross.handle``): a reduction of two terms is the same in
-        either order, so it is host order, and on the shaped link it ran 5% faster than the
-        exchange (602 against 634 ms at 64 MiB, 152 against 160 ms at 16 MiB, 1 Gbit/s, 2 + 1
-        ranks): its ring reduces each chunk as it arrives, where the exchange reduces between
-        its two rounds. Three or more: the exchange, each of ``H`` blocks reduced by one leader
-        over every host's copy in host order, then sent back to every leader (gloo's ring would
-        add in its own order, not host order)."""
+        either order, so it is host order, and on the shaped link it ran 5-8% faster than the
+        exchange (600 against 652 ms at 64 MiB, 154 against 162 ms at 16 MiB; 1 Gbit/s, 2 + 1
+        ranks, medians of 5; an earlier run 602/634 and 152/160): its ring reduces each chunk
+        as it arrives, where the exchange reduces between its two rounds. Three or more: the
+        exchange, each of ``H`` blocks reduced by one leader over every host's copy in host
+        order, then sent back to every leader (gloo's ring would add in its own order, not host
+        order)."""
         if h.cross.handle is not None:
             out = total.clone() if total.data_ptr() == flat.data_ptr() else total
             wait_work(dist.all_reduce(out, op=algos.TORCH_REDUCE_OP[op], group=h.cross.handle,
