@@ -137,6 +137,15 @@ def hierarchical_collectives(comm: Communicator) -> dict:
     return out
 
 
+def pretend_hosts(comm: Communicator, layout: str) -> dict:
+    """``hierarchical_collectives`` with rank ``r`` pretending to run on host ``layout[r]``
+    (``COCONET_HOST_ID``: one machine, so shared memory still works between pretend hosts,
+    but routing takes the hosts as given): 3 hosts of 1, 1 and 2 ranks go through leaders
+    with the exchange, not gloo's all_reduce (3 leaders)."""
+    os.environ["COCONET_HOST_ID"] = f"pretend-{layout[comm.rank]}"
+    return hierarchical_collectives(comm)
+
+
 def _fault_in(fn) -> dict:
     """``fn()``, expected to raise a RuntimeFault: its message and how long it took to come."""
     from coconet.errors import RuntimeFault
