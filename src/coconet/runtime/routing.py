@@ -58,9 +58,10 @@ def mesh_groups(
 class Levels(NamedTuple):
     """How one of this rank's groups runs over its hosts: its layout and plan, this rank's
     host's members (with their torch.distributed process group, the shared-memory group's
-    setup channel) and whom this rank exchanges with across hosts, point to point (no group
-    of their own): its counterparts with the same local index (``CrossHost.BY_LOCAL_INDEX``)
-    or the hosts' leaders (``CrossHost.THROUGH_LEADERS``)."""
+    setup channel) and whom this rank exchanges with across hosts, point to point: its
+    counterparts with the same local index (``CrossHost.BY_LOCAL_INDEX``; no group of their
+    own) or the hosts' leaders (``CrossHost.THROUGH_LEADERS``; two leaders have a process
+    group of their own, for their all_reduce)."""
 
     layout: HostLayout
     plan: CrossHost
