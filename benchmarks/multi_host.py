@@ -2,7 +2,8 @@
 
 Two namespace hosts on this machine (``tests/support/hosts.py``: each its own network, UTS, PID
 and mount namespaces and /dev/shm, a veth link to a bridge shaped with ``tc tbf`` to
-``--rates``), 1 and 2 ranks per host (torchrun agents with --nnodes 2), run
+``--rates``), 1 and 2 ranks per host (``--nproc``; ``2+1``: hosts of 2 and 1 ranks, which the
+hierarchical transport runs through one leader per host) (torchrun agents with --nnodes 2), run
 ``benchmarks/data_parallel.py``'s contenders in one process group, in alternation, the slowest
 rank's time of each step:
 
@@ -27,6 +28,7 @@ and the cores, and there is no added latency (``netem`` is not available here). 
 
     python benchmarks/multi_host.py --json benchmarks/results/multi_host.json
     python benchmarks/multi_host.py --rates 1gbit --nproc 2 --params 4M --steps 5
+    python benchmarks/multi_host.py --rates 1gbit --nproc 2+1    # hosts of 2 and 1: leaders
 """
 
 from __future__ import annotations
@@ -56,14 +58,27 @@ def rate_bytes_per_s(rate: str) -> float:
     raise SystemExit(f"multi_host: --rates takes e.g. 1gbit, 10gbit or 500mbit, got {rate!r}")
 
 
-def measure(rate: str, nproc: int, cfg: dict) -> dict:
+def parse_nproc(token: str) -> int | tuple[int, int]:
+    """``"2"``: 2 ranks on each host; ``"2+1"``: 2 on the first host and 1 on the second (the
+    hierarchical transport goes through one leader per host)."""
+    try:
+        counts = tuple(int(n) for n in token.split("+"))
+    except ValueError:
+        counts = ()
+    if len(counts) not in (1, 2) or min(counts, default=0) < 1:
+        raise SystemExit(f"multi_host: --nproc takes counts like 1, 2 or 2+1, got {token!r}")
+    return counts[0] if len(counts) == 1 else counts
+
+
+def measure(rate: str, nproc: int | tuple[int, int], cfg: dict) -> dict:
     with Hosts(2, rate=rate) as hosts:
         doc = hosts.run("data_parallel:worker", cfg, nproc=nproc, timeout=cfg["timeout"],
                         env={"COCONET_HOSTS_TIMEOUT": "600"}, path=(str(HERE),))[0]
     if isinstance(doc, BaseException):
         raise SystemExit(f"multi_host: {rate}, 2 x {nproc}: {type(doc).__name__}: {doc}")
     link_ms = 4 * cfg["params"] / rate_bytes_per_s(rate) * 1e3
-    return {"rate": rate, "hosts": 2, "ranks_per_host": nproc, "rows": doc["rows"],
+    per_host = nproc if isinstance(nproc, int) else "+".join(map(str, nproc))
+    return {"rate": rate, "hosts": 2, "ranks_per_host": per_host, "rows": doc["rows"],
             "link_bound_ms": round(link_ms, 3)}
 
 
@@ -124,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", default="16M")
     ap.add_argument("--rates", default="1gbit,10gbit")
-    ap.add_argument("--nproc", default="1,2", help="ranks per host, comma-separated")
+    ap.add_argument("--nproc", default="1,2",
+                    help="ranks per host, comma-separated; 2+1: 2 on one host, 1 on the other")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", metavar="PATH")
@@ -139,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for rate in args.rates.split(","):
         rate_bytes_per_s(rate)  # checked before anything starts
+    layouts = [parse_nproc(n) for n in args.nproc.split(",")]
     for rate in args.rates.split(","):
-        for nproc in (int(n) for n in args.nproc.split(",")):
-            print(f"link {rate}, 2 hosts x {nproc} ...", file=sys.stderr, flush=True)
+        for nproc, token in zip(layouts, args.nproc.split(","), strict=True):
+            print(f"link {rate}, 2 hosts x {token} ...", file=sys.stderr, flush=True)
             runs.append(measure(rate, nproc, cfg))
     doc = {"benchmark": "multi_host", "config": cfg, "runs": runs, "targets": targets(runs),
            "machine": {"cpu_model": cpu_model(), "cpus": len(os.sched_getaffinity(0)),

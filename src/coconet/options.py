@@ -171,13 +171,14 @@ class TransportPolicy(str, enum.Enum):
     """Which transport a group uses (``CommOptions.transport``)."""
 
     # shared memory when every rank of the group is on one host; hierarchical when it spans
-    # hosts with as many of its ranks on each and reductions need not be in rank order
-    # (algorithms is not "exact"); else torch.distributed
+    # hosts (in two levels where each holds as many of its ranks, through one leader per host
+    # otherwise) and reductions need not be in rank order (algorithms is not "exact"); else
+    # torch.distributed
     AUTO = "auto"
     SHARED_MEMORY = "shared memory"  # shared memory, or a ConfigError when the group spans hosts
     TORCH_DISTRIBUTED = "torch.distributed"  # always torch.distributed (flat across hosts)
-    # as auto, but a ConfigError for a group over hosts that cannot run in two levels (hosts
-    # holding different numbers of its ranks, or algorithms="exact")
+    # as auto, but a ConfigError for a group over hosts that cannot run hierarchically
+    # (algorithms="exact", or a host's ranks of the group out of increasing order)
     HIERARCHICAL = "hierarchical"
 
 

@@ -6,7 +6,7 @@
 - 1000 collectives with random per-rank delays: no torn or stale read;
 - ranks that only pretend to share a host (``COCONET_HOST_ID``) route their cross-host groups to
   torch.distributed and keep shared memory within a host; forcing shared memory across hosts
-  is a ConfigError;
+  is a ConfigError; three pretend hosts of 1, 1 and 2 ranks go through leaders, in host order;
 - nothing is ever left in /dev/shm, and no process keeps a segment mapped, after a normal exit,
   an exception, a SIGKILL of one rank and a SIGKILL of the whole job; two jobs on one host at
   once do not collide.
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import shm_workers
+from support import host_workers, shm_workers
 
 from coconet.runtime import CommOptions, RankFailure, spawn
 
@@ -109,6 +109,25 @@ def test_groups_that_cross_hosts_use_torch_distributed(clean_host):
         )
         assert all(err == 0.0 for _, _, err in out["rows"]), out["rows"]
         assert "spans 2 hosts" in out["forced"]
+
+
+@pytest.mark.timeout(120)
+def test_three_pretend_hosts_of_different_sizes_go_through_leaders_in_host_order(clean_host):
+    """Ranks pretending to be on hosts a, b, c, c: the world goes through one leader per host,
+    the three leaders exchanging point to point (gloo's all_reduce is only for two); every
+    collective case equals bitwise the sum over hosts of each host's sum
+    (``hierarchy.reduce_order``) and rank order within rounding; nothing is left behind
+    (tests/dist/test_hosts.py runs two leaders on namespace hosts)."""
+    results = spawn(host_workers.pretend_hosts, 4, "abcc", options=OPTIONS, timeout=100)
+    for out in results:
+        assert out["transport"] == "hierarchical"
+        assert out["plan"] == "through one leader per host"
+        assert out["layout"] == [[0, 1, 2, 2], [0, 0, 0, 1]]
+        assert len(out["cases"]) == 20
+        for c in out["cases"]:
+            assert c["all_reduce"] and c["reduce_scatter"] and c["all_gather"], c
+            assert c["vs_rank_order"] <= (1e-6 if "float32" in c["case"] else 1e-2), c
+        assert out["exact"] and out["exact_transport"] == "torch.distributed"
 
 
 def _run_job(script: Path, nproc: int = 2) -> subprocess.Popen:

@@ -1,8 +1,10 @@
 """Two hosts on one machine (``support.hosts``: network, UTS, PID and mount namespaces with a
 private /dev/shm each, a bridge between them, torchrun agents with --nnodes 2): coconet sees two
 hosts, runs the groups inside a host on shared memory, those across with 2 ranks on each host in
-two levels (``coconet.runtime.hierarchy``) and the others on torch.distributed, every example x schedule equals the simulator there, ``coconet.optim`` equals torch, and a host
-that dies mid-step gives the other host's ranks a fault within the timeout, tensors untouched.
+two levels (``coconet.runtime.hierarchy``), those over hosts holding 2 and 1 of their ranks
+through one leader per host, and the others on torch.distributed; every example x schedule
+equals the simulator there, ``coconet.optim`` equals torch, and a host that dies mid-step (or
+mid-collective) gives the other host's ranks a fault within the timeout, tensors untouched.
 
 2 hosts x 2 ranks oversubscribe this 2-core machine (4 ranks): correctness only. Skipped where
 namespaces cannot be made (not root, no iproute2), with the reason."""
@@ -93,11 +95,11 @@ def test_a_group_over_two_hosts_runs_in_two_levels_with_the_stated_order_and_blo
     hosts, per_host
 ):
     """2 x 2 ranks: the world runs in two levels (shared memory inside each host, point to
-    point between; 2 x 1: the exchange alone); all_reduce, reduce_scatter and all_gather over uneven sizes, both dims,
-    float32 and bfloat16, sum and max equal bitwise the sum over hosts of each host's sum
-    (``hierarchy.reduce_order``), reduce_scatter's blocks are the flat split's, and within
-    rounding of the simulator's rank order; broadcast, reduce and send run flat; "exact" is
-    rank order (flat), whether asked for at construction or after."""
+    point between; 2 x 1: the exchange alone); all_reduce, reduce_scatter and all_gather over
+    uneven sizes, both dims, float32 and bfloat16, sum and max equal bitwise the sum over hosts
+    of each host's sum (``hierarchy.reduce_order``), reduce_scatter's blocks are the flat
+    split's, and within rounding of the simulator's rank order; broadcast, reduce and send run
+    flat; "exact" is rank order (flat), whether asked for at construction or after."""
     out = hosts.run("support.host_workers:hierarchical_collectives", nproc=per_host,
                     timeout=130)
     n = len(out)
@@ -117,6 +119,53 @@ def test_a_group_over_two_hosts_runs_in_two_levels_with_the_stated_order_and_blo
         assert o["reduce"] == ([n * v + n * (n - 1) / 2 for v in x] if rank == 1 else [0.0] * 6)
         assert o["send"] == ([v + rank - 1 for v in x] if rank else [0.0] * 6)
         assert o["exact"] and o["exact_transport"] == "torch.distributed"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("per_host", "victim", "where"), [((2, 1), 2, "all_reduce"), ((1, 2), 0, "reduce_scatter")]
+)
+def test_hosts_with_different_rank_counts_go_through_leaders(hosts, per_host, victim, where):
+    """2 + 1 and 1 + 2 ranks: the world goes through one leader per host; all_reduce,
+    reduce_scatter and all_gather (uneven sizes, both dims, float32 and bfloat16, sum and max)
+    equal bitwise the sum over hosts of each host's sum (``hierarchy.reduce_order``: on 1 + 2
+    not rank order, x0 + (x1 + x2)) and within rounding of rank order, with the flat split's
+    blocks; transport="hierarchical" takes it ("exact" is refused); coconet.optim.Adam equals
+    torch's; then a host dies inside a collective (2 + 1: the single-rank host, in the leaders'
+    gloo all_reduce; 1 + 2: mid-transfer in the leaders' exchange of a reduce_scatter) and the
+    other host's leader and member both get a RuntimeFault within the timeout (60 s)."""
+    out = hosts.run("support.host_workers:through_leaders", victim, where, nproc=per_host,
+                    timeout=130, dead={victim})  # fmt: skip
+    layout = [[0, 0, 1], [0, 1, 0]] if per_host == (2, 1) else [[0, 1, 1], [0, 0, 1]]
+    survivors = [r for r in range(3) if r != victim]
+    member = 1 if per_host == (2, 1) else 2  # the surviving host's member that does not lead
+    assert out[victim] is None
+    for rank in survivors:
+        o = out[rank]
+        assert not isinstance(o, BaseException), o
+        assert o["transport"] == "hierarchical" and o["plan"] == "through one leader per host"
+        assert o["layout"] == layout, o["layout"]
+        assert len(o["cases"]) == 20
+        for c in o["cases"]:
+            assert c["all_reduce"] and c["reduce_scatter"] and c["all_gather"], c
+            bound = 1e-6 if "float32" in c["case"] else 1e-2  # a bfloat16 rounding: 2^-7
+            assert c["vs_rank_order"] <= bound, c
+        x = [float(i) for i in range(6)]
+        assert o["broadcast"] == [v + 2 for v in x]
+        assert o["reduce"] == ([3 * v + 3 for v in x] if rank == 1 else [0.0] * 6)
+        assert o["send"] == ([v + rank - 1 for v in x] if rank else [0.0] * 6)
+        assert o["exact"] and o["exact_transport"] == "torch.distributed"
+        assert o["forced"] == "hierarchical"
+        assert "cannot run over its hosts hierarchically" in o["forced_exact"], o["forced_exact"]
+        assert o["adam_transport"] == "hierarchical" and o["adam"] <= OPTIM_RTOL, o["adam"]
+        fault = o["fault"]
+        assert fault["status"] == "fault", fault
+        assert "peer" in fault["message"], fault["message"]
+        assert fault["seconds"] < 30, fault
+        if rank == member:  # it waited for its leader over shared memory: it says so
+            assert "leader" in fault["message"], fault["message"]
+    if per_host == (1, 2):  # host order is not rank order here: somewhere the bits differ
+        assert any(c["vs_rank_order"] > 0 for c in out[1]["cases"] if "float32" in c["case"])
 
 
 @pytest.mark.timeout(200)

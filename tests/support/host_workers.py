@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 
 import coconet as cc
 from coconet.ir.ops import Op
@@ -62,9 +63,9 @@ def host_dies(comm: Communicator, victim: int, where: str) -> dict:
     return dist_workers.fault_peer_dies(comm, victim, where)
 
 
-
 def hierarchical_collectives(comm: Communicator) -> dict:
-    """On 2 hosts x 1 or 2 ranks: the world runs in two levels; each collective, over uneven sizes,
+    """On 2 hosts x 1 or 2 ranks, or 2 + 1 / 1 + 2 (through leaders): the world runs
+    hierarchically; each collective, over uneven sizes,
     both dims, 16- and 32-bit floats, sum and max, equals bitwise what ``reduce_order`` (the
     sum over hosts of each host's sum) computes from every rank's input, and the simulator's
     rank-ordered result within rounding; reduce_scatter's blocks are the flat split's; the
@@ -77,6 +78,8 @@ def hierarchical_collectives(comm: Communicator) -> dict:
 
     world = Communicator(cc.Mesh.world(comm.world), CommOptions(timeout=60))
     out: dict = {"transport": world.transport_of(None).value, "cases": []}
+    handle = world.routes[None].group.handle
+    out["plan"] = handle.plan.value if hasattr(handle, "plan") else None
     layout = HostLayout.of([h for h, _ in world.exchange((host_identity(), 0), "hosts")])
     out["layout"] = [list(layout.host_of), list(layout.local_of)]
     n, me = world.world, world.rank
@@ -131,4 +134,81 @@ def hierarchical_collectives(comm: Communicator) -> dict:
     exact = Communicator(cc.Mesh.world(comm.world), CommOptions(timeout=60, algorithms="exact"))
     out["exact_transport"] = exact.transport_of(None).value
     exact.close()
+    return out
+
+
+def pretend_hosts(comm: Communicator, layout: str) -> dict:
+    """``hierarchical_collectives`` with rank ``r`` pretending to run on host ``layout[r]``
+    (``COCONET_HOST_ID``: one machine, so shared memory still works between pretend hosts,
+    but routing takes the hosts as given): 3 hosts of 1, 1 and 2 ranks go through leaders
+    with the exchange, not gloo's all_reduce (3 leaders)."""
+    os.environ["COCONET_HOST_ID"] = f"pretend-{layout[comm.rank]}"
+    return hierarchical_collectives(comm)
+
+
+def _fault_in(fn) -> dict:
+    """``fn()``, expected to raise a RuntimeFault: its message and how long it took to come."""
+    from coconet.errors import RuntimeFault
+
+    t0 = time.perf_counter()
+    try:
+        fn()
+        return {"status": "no error"}
+    except RuntimeFault as e:
+        return {"status": "fault", "message": str(e), "seconds": time.perf_counter() - t0}
+    except Exception as e:  # noqa: BLE001 - the test names what came instead
+        return {"status": f"{type(e).__name__}: {e}"}
+
+
+def through_leaders(comm: Communicator, victim: int, where: str) -> dict:
+    """On 2 hosts holding different numbers of ranks (2 + 1 or 1 + 2): the world goes through
+    one leader per host: ``hierarchical_collectives``' cases; ``transport="hierarchical"``
+    accepted (and refused with "exact"); ``coconet.optim.Adam`` against torch.optim.Adam; then
+    rank ``victim`` kills its whole host inside a collective (``where``: "all_reduce", in the
+    leaders' gloo all_reduce; "reduce_scatter", mid-transfer in the leaders' exchange, after
+    a few chunks), and the other host's ranks (its leader across hosts, its other member over
+    shared memory) must get a RuntimeFault within the timeout."""
+    import torch
+
+    from coconet.errors import ConfigError
+    from coconet.ir.ops import ReduceOp
+    from coconet.runtime import hierarchy
+    from support import dropin_workers
+
+    out = hierarchical_collectives(comm)
+    mesh = cc.Mesh.world(comm.world)
+    forced = Communicator(mesh, CommOptions(timeout=60, transport="hierarchical"))
+    out["forced"] = forced.transport_of(None).value
+    forced.close()
+    try:
+        Communicator(mesh, CommOptions(timeout=60, transport="hierarchical", algorithms="exact"))
+        out["forced_exact"] = "accepted"
+    except ConfigError as e:
+        out["forced_exact"] = e.message
+    ours, theirs, *_ = dropin_workers._run(comm, "Adam", {"lr": 1e-2, "weight_decay": 0.1}, 10)
+    out["adam"] = dropin_workers._rel(ours, theirs)
+    out["adam_transport"] = comm.transport_of(None).value
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(comm.rank))
+    comm.wait(comm.all_reduce_start(x, ReduceOp.SUM, axis=None, donate=False, label="warm"))
+    if comm.rank == victim:
+        if where == "all_reduce":  # entering the leaders' all_reduce
+            import torch.distributed as dist
+
+            dist.all_reduce = lambda *a, **k: _kill_my_host(os.kill)
+        else:  # mid-transfer: after 3 chunks of the leaders' exchange
+            real, calls = hierarchy._finish, [0]
+
+            def finish(works):
+                calls[0] += 1
+                if calls[0] > 3:
+                    _kill_my_host(os.kill)
+                real(works)
+
+            hierarchy._finish = finish
+    if where == "all_reduce":
+        out["fault"] = _fault_in(lambda: comm.wait(comm.all_reduce_start(
+            x, ReduceOp.SUM, axis=None, donate=False, label="dies")))
+    else:
+        out["fault"] = _fault_in(lambda: comm.wait(comm.reduce_scatter_start(
+            x, ReduceOp.SUM, dim=0, axis=None, donate=False, label="dies")))
     return out

@@ -71,7 +71,7 @@ class HostsFailed(RuntimeError):
 
 class Hosts:
     """``n`` namespace hosts (a context manager); ``run`` starts a job of ``nproc`` ranks on
-    each."""
+    each (or a count per host)."""
 
     def __init__(self, n: int = 2, *, rate: str | None = None) -> None:
         self.n = n
@@ -154,16 +154,21 @@ class Hosts:
             _ip("netns", "del", ns, check=False)  # its links go with it
         self._made.clear()
 
-    def run(self, fn: str, *args, nproc: int = 1, timeout: float = 240.0,
+    def run(self, fn: str, *args, nproc: int | tuple[int, ...] = 1, timeout: float = 240.0,
             env: dict[str, str] | None = None, dead: set[int] = frozenset(),
             path: tuple[str, ...] = ()) -> list:
         """``<module>.<function>(comm, *args)`` (``fn``: "support.host_workers:where"; the
         module importable from tests/ or from ``path``) on every rank of a job of ``nproc``
-        ranks per host (rank = host * nproc + local rank, as torchrun numbers them); returns
-        the ranks' results in rank order (a rank's exception comes back as itself: the caller
-        checks; the ranks in ``dead``, expected to die, give None). Raises ``HostsFailed``
-        with every host's log when another rank gives no result or the job runs past
-        ``timeout``."""
+        ranks per host, or ``nproc[i]`` on host ``i`` (hosts holding different numbers of
+        ranks: torchrun agents with their own ``--nproc-per-node``; host ``i``'s ranks follow
+        host ``i - 1``'s, as torchrun numbers them); returns the ranks' results in rank order
+        (a rank's exception comes back as itself: the caller checks; the ranks in ``dead``,
+        expected to die, give None). Raises ``HostsFailed`` with every host's log when another
+        rank gives no result or the job runs past ``timeout``."""
+        per_host = (nproc,) * self.n if isinstance(nproc, int) else tuple(nproc)
+        if len(per_host) != self.n or min(per_host) < 1:
+            raise ValueError(f"Hosts.run: nproc={nproc!r} for {self.n} hosts: one count >= 1 "
+                             "for all, or one per host")
         work = Path(tempfile.mkdtemp(prefix="coconet-hosts-"))
         try:
             (work / "args.pkl").write_bytes(pickle.dumps(args))
@@ -172,16 +177,17 @@ class Hosts:
                 log = open(work / f"host{i}.log", "w")  # noqa: SIM115 (closed below)
                 logs.append(log)
                 procs.append(subprocess.Popen(
-                    self._command(i, ns, fn, work, nproc), stdout=log, stderr=subprocess.STDOUT,
+                    self._command(i, ns, fn, work, per_host[i]), stdout=log,
+                    stderr=subprocess.STDOUT,
                     env=self._env(link, env, path), cwd=ROOT, start_new_session=True,
                 ))
-            late = self._wait(procs, work, nproc, dead, timeout)
+            late = self._wait(procs, work, sum(per_host), dead, timeout)
             if any(p.poll() is None for p in procs):
                 self._down_jobs(procs)
             for log in logs:
                 log.close()
             results = []
-            for r in range(self.n * nproc):
+            for r in range(sum(per_host)):
                 out = work / f"rank{r}.pkl"
                 results.append(pickle.loads(out.read_bytes()) if out.exists() else None)
             if late or any(r is None and i not in dead for i, r in enumerate(results)):
@@ -196,14 +202,14 @@ class Hosts:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    def _wait(self, procs: list[subprocess.Popen], work: Path, nproc: int, dead: set[int],
+    def _wait(self, procs: list[subprocess.Popen], work: Path, ranks: int, dead: set[int],
               timeout: float) -> bool:
         """Wait for the jobs to end, or for every rank not in ``dead`` to have given its result
         and ``GRACE`` seconds more (the agents of a job that lost a host wait at torchrun's
         exit barrier for its 300 s); True when ``timeout`` ran out first."""
         deadline = time.monotonic() + timeout
         given_at = None
-        expected = [work / f"rank{r}.pkl" for r in range(self.n * nproc) if r not in dead]
+        expected = [work / f"rank{r}.pkl" for r in range(ranks) if r not in dead]
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if now > deadline:

@@ -4,11 +4,13 @@ Every rank creates every group of the mesh over torch.distributed, in the same o
 requires): that group is the transport of groups that span hosts and the control channel of the
 others. A group whose ranks all share one host (the same hostname, boot id and PID namespace:
 ``coconet.runtime.symmem.host_identity``, exchanged once) runs on shared memory instead, on CPU;
-``CommOptions.transport`` can force either. A group that spans hosts with as many of its ranks
-on each runs in two levels (``coconet.runtime.hierarchy``): for it every rank
+``CommOptions.transport`` can force either. A group that spans hosts runs hierarchically
+(``coconet.runtime.hierarchy``): in two levels by local index where every host holds as many of
+its ranks, through one leader per host where they do not (``levels_plan``); for it every rank
 also creates, after the host identities are known, the torch.distributed group of each host's
 members (the shared-memory group's setup channel; ``host_levels``). Every member of a group sees
-the same hosts, so they all choose alike.
+the same hosts, so they all choose alike, and every rank creates the same groups in the same
+order.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import torch
 from coconet.errors import ConfigError
 from coconet.ir.mesh import Mesh
 from coconet.options import AlgorithmPolicy, CommOptions, TransportPolicy
-from coconet.runtime.hierarchy import HierarchicalTransport, HierGroup, HostLayout
+from coconet.runtime.hierarchy import CrossHost, HierarchicalTransport, HierGroup, HostLayout
 from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup, control_area, torch_gather
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import Group, Transport
 
-__all__ = ["Levels", "Route", "control_group", "host_levels", "mesh_groups", "route_groups"]
+__all__ = ["Levels", "Route", "control_group", "host_levels", "levels_plan", "mesh_groups",
+           "route_groups"]  # fmt: skip
 
 
 class Route(NamedTuple):
@@ -53,11 +56,15 @@ def mesh_groups(
 
 
 class Levels(NamedTuple):
-    """A group's two levels: its layout over the hosts, this rank's host's members (with their
-    torch.distributed process group, the shared-memory group's setup channel) and this rank's
-    counterparts on the other hosts (reached point to point: no group of their own)."""
+    """How one of this rank's groups runs over its hosts: its layout and plan, this rank's
+    host's members (with their torch.distributed process group, the shared-memory group's
+    setup channel) and whom this rank exchanges with across hosts, point to point: its
+    counterparts with the same local index (``CrossHost.BY_LOCAL_INDEX``; no group of their
+    own) or the hosts' leaders (``CrossHost.THROUGH_LEADERS``; two leaders have a process
+    group of their own, for their all_reduce)."""
 
     layout: HostLayout
+    plan: CrossHost
     local: Group
     cross: Group
 
@@ -67,7 +74,7 @@ def _cpu(device: torch.device) -> bool:
 
 
 def wants_levels(options: CommOptions, device: torch.device) -> bool:
-    """Whether groups that span hosts may run in two levels with these options (the same on
+    """Whether groups that span hosts may run hierarchically with these options (the same on
     every rank: every rank must create the same groups)."""
     return (
         _cpu(device)
@@ -76,18 +83,28 @@ def wants_levels(options: CommOptions, device: torch.device) -> bool:
     )
 
 
-def _two_levels(ranks: tuple[int, ...], layout: HostLayout) -> bool:
-    """Whether a group of ``ranks`` (the job's, in group order) can run in two levels: its
-    layout is worth it, and each level's members (a host's; one local index's, host by host)
-    come in global-rank order, as torch numbers a process group's members (conservative for
-    the second: the exchanges address global ranks and need no group)."""
-    if not layout.worthwhile:
-        return False
-    levels = [layout.members(h) for h in range(layout.hosts)]
-    levels += [layout.counterparts(local) for local in range(layout.per_host)]
-    return all(
-        [ranks[p] for p in level] == sorted(ranks[p] for p in level) for level in levels
-    )
+def _in_rank_order(ranks: tuple[int, ...], positions: list[int]) -> bool:
+    return [ranks[p] for p in positions] == sorted(ranks[p] for p in positions)
+
+
+def levels_plan(ranks: tuple[int, ...], layout: HostLayout) -> CrossHost | None:
+    """How a group of ``ranks`` (the job's, in group order) runs over its hosts (None: flat, or
+    one host): the layout's plan (``HostLayout.plan``), where each host's members come in
+    global-rank order (torch numbers a process group's members so, and the shared-memory
+    group's index is the member's local index). Two levels by local index also want each
+    local index's members in global-rank order (conservative: the exchanges address global
+    ranks and need no group); a homogeneous layout without it goes through leaders, which
+    exchange among the leaders alone."""
+    plan = layout.plan
+    if plan is None or not all(
+        _in_rank_order(ranks, layout.members(h)) for h in range(layout.hosts)
+    ):
+        return None
+    if plan is CrossHost.BY_LOCAL_INDEX and not all(
+        _in_rank_order(ranks, layout.counterparts(local)) for local in range(layout.per_host)
+    ):
+        return CrossHost.THROUGH_LEADERS
+    return plan
 
 
 def host_levels(
@@ -97,9 +114,14 @@ def host_levels(
     hosts: Mapping[int, object],
     torch_transport: TorchDistributedTransport,
 ) -> dict[str | None, Levels]:
-    """This rank's ``Levels`` of each of its groups that run in two levels. Collective: every
-    rank creates the process groups of every host's members of every such group of the mesh,
-    in the same order (as ``mesh_groups``), each set of ranks once."""
+    """This rank's ``Levels`` of each of its groups that run over hosts (``levels_plan``).
+    Collective: every rank creates the process groups of every host's members (2 or more) of
+    every such group of the mesh, in the same order (as ``mesh_groups``: the world, then each
+    axis's groups in mesh order; each host in host order), each set of ranks once, whichever
+    plan the group takes: every rank sees the same hosts, so every rank creates the same
+    groups. Across hosts the exchanges are point to point (no group), but for two leaders
+    (``CrossHost.THROUGH_LEADERS`` over 2 hosts) every rank also makes their process group, after
+    the hosts' (their all_reduce is gloo's: ``hierarchy.HierarchicalTransport._leaders_across``)."""
     made: dict[tuple[int, ...], Any] = {}
 
     def level(ranks: tuple[int, ...]) -> Any:
@@ -113,22 +135,27 @@ def host_levels(
     for axis, group_ranks in every:
         ranks = tuple(group_ranks)
         layout = HostLayout.of([hosts[r] for r in ranks])
-        if not _two_levels(ranks, layout):
+        plan = levels_plan(ranks, layout)
+        if plan is None:
             continue
         local_sets = [tuple(ranks[p] for p in layout.members(h)) for h in range(layout.hosts)]
-        cross_sets = [
-            tuple(ranks[p] for p in layout.counterparts(lo)) for lo in range(layout.per_host)
-        ]
-        for s in local_sets:  # (the exchanges across hosts are point to point: no group)
+        for s in local_sets:
             if len(s) > 1:  # (a host of one has no inside level)
                 level(s)
+        # two leaders all_reduce on gloo (``_leaders_across``): their group
+        leaders = tuple(ranks[q] for q in layout.leaders)
+        pair = level(leaders) if plan is CrossHost.THROUGH_LEADERS and len(leaders) == 2 else None
         if rank in ranks:
             p = ranks.index(rank)
             h, lo = layout.host_of[p], layout.local_of[p]
+            across = (
+                layout.counterparts(lo) if plan is CrossHost.BY_LOCAL_INDEX else layout.leaders
+            )
             out[axis] = Levels(
                 layout,
+                plan,
                 Group(axis, local_sets[h], lo, made.get(local_sets[h])),
-                Group(axis, cross_sets[lo], h, None),
+                Group(axis, tuple(ranks[q] for q in across), h, pair),
             )
     return out
 
@@ -144,9 +171,9 @@ def route_groups(
     levels: Mapping[str | None, Levels] | None = None,
 ) -> dict[str | None, Route]:
     """The route of each group: shared memory when its ranks share a host (``hosts``: every
-    rank's host identity, by the job's global rank) and run on CPU; two levels (``hier``) when
-    it has ``levels`` (``host_levels``); torch.distributed otherwise; unless
-    ``options.transport`` says otherwise."""
+    rank's host identity, by the job's global rank) and run on CPU; hierarchical (``hier``)
+    when it has ``levels`` (``host_levels``: two levels or through leaders); torch.distributed
+    otherwise; unless ``options.transport`` says otherwise."""
     policy = options.transport
     cpu = _cpu(device)
     cache_dir = None if options.cache_dir is None else str(options.cache_dir)
@@ -154,22 +181,24 @@ def route_groups(
     routes: dict[str | None, Route] = {}
     for axis, group in groups.items():
         one_host = len({hosts[r] for r in group.ranks}) == 1
-        if policy is TransportPolicy.HIERARCHICAL and not one_host and axis not in levels:
+        if policy is TransportPolicy.HIERARCHICAL and not one_host and (
+            axis not in levels or hier is None
+        ):
             layout = HostLayout.of([hosts[r] for r in group.ranks])
-            if not (layout.homogeneous and wants_levels(options, device)) or hier is None:
-                raise ConfigError(
-                    f"CommOptions(transport='hierarchical'), but the group along axis {axis!r} "
-                    "cannot run in two levels",
-                    op="CommOptions",
-                    details=[
-                        f"its ranks per host: "
-                        f"{[layout.host_of.count(h) for h in range(layout.hosts)]}",
-                        f"algorithms: {options.algorithms}, device: {device}",
-                    ],
-                    hint="two levels need as many of the group's ranks on every host, on CPU, "
-                    "and algorithms other than 'exact' (its sums are over hosts of each host's "
-                    "sum); transport='auto' runs such a group flat",
-                )
+            raise ConfigError(
+                f"CommOptions(transport='hierarchical'), but the group along axis {axis!r} "
+                "cannot run over its hosts hierarchically",
+                op="CommOptions",
+                details=[
+                    f"its ranks by host: "
+                    f"{[[group.ranks[p] for p in layout.members(h)] for h in range(layout.hosts)]}",
+                    f"algorithms: {options.algorithms}, device: {device}",
+                ],
+                hint="the hierarchical transport needs CPU, algorithms other than 'exact' (its "
+                "sums are over hosts of each host's sum, not in rank order) and each host's "
+                "ranks of the group in increasing order; transport='auto' runs such a group "
+                "flat",
+            )
         if policy is TransportPolicy.SHARED_MEMORY and not (one_host and cpu):
             spread = sorted({hosts[r] for r in group.ranks})
             raise ConfigError(
@@ -197,7 +226,11 @@ def route_groups(
                     options.timeout, cache_dir,
                 )
             state = HierGroup(
-                lv.layout, Group(axis, lv.local.ranks, lv.local.index, local), lv.cross, group
+                layout=lv.layout,
+                plan=lv.plan,
+                local=Group(axis, lv.local.ranks, lv.local.index, local),
+                cross=lv.cross,
+                flat=group,
             )
             routes[axis] = Route(hier, Group(axis, group.ranks, group.index, state))
         else:

@@ -29,9 +29,11 @@ layout or chunking):
   ~1e-6 absolute in its negative tail, 4e-4 to 4e-3 relative near x = -3.8), and slicing or
   chunking moves elements between the two (the ops with ``Prop.ROUNDS_PER_KERNEL``);
 - gloo's own ("native") reductions on 3+ ranks add in gloo's order;
-- the hierarchical transport's (a group over hosts in two levels): the sum over hosts, in host
-  order, of each host's sum in rank order (``coconet.runtime.hierarchy.reduce_order``), the same
-  bits on every rank; never used under ``algorithms="exact"``.
+- the hierarchical transport's (a group over hosts, in two levels or through one leader per
+  host): the sum over hosts, in host order, of each host's sum in rank order
+  (``coconet.runtime.hierarchy.reduce_order``), the same bits on every rank; rank order only
+  where each host's ranks follow the previous host's (in 32-bit types); never used under
+  ``algorithms="exact"``.
 
 Two further sources of rounding differences lie outside a schedule: fused kernels
 (``torch.compile`` contracts ``a * b + c`` into FMAs and uses its own ``exp``), and a reference
