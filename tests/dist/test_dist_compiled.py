@@ -10,8 +10,8 @@ checked to 1e-6 relative against the simulator (in practice they come out identi
 
 from __future__ import annotations
 
-from support import dist_workers
 import pytest
+from support import dist_workers
 from support.tolerances import schedule_rtol
 
 from coconet.runtime import CommOptions, spawn

@@ -6,8 +6,8 @@ memory AR_C's kernel reads the sum where it was reduced (no copy at all), so the
 as it was: only the result is checked there.
 """
 
-from support import dist_workers
 import pytest
+from support import dist_workers
 
 from coconet.runtime import CommOptions, spawn
 

@@ -5,9 +5,9 @@ compiles the first step is noticed during that compile, within the timeout."""
 from __future__ import annotations
 
 import pytest
+from support import edge_workers
 
 from coconet.runtime import CommOptions, RankFailure, spawn
-from support import edge_workers
 
 TRANSPORTS = ["shared memory", "torch.distributed"]
 

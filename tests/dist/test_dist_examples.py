@@ -19,8 +19,8 @@ algorithms on 4 ranks, reductions run in gloo's order: 1e-6 relative.
 
 from __future__ import annotations
 
-from support import dist_workers
 import pytest
+from support import dist_workers
 from support.tolerances import NATIVE_GLOO_RTOL, schedule_rtol
 
 from coconet.runtime import CommOptions, spawn

@@ -7,8 +7,8 @@ and torch.distributed/gloo).
 
 from __future__ import annotations
 
-from support import dist_workers
 import pytest
+from support import dist_workers
 
 from coconet.runtime import CommOptions, RankFailure, spawn
 

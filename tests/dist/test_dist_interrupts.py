@@ -7,9 +7,9 @@ not timed out). None is lost."""
 from __future__ import annotations
 
 import pytest
+from support import sigint_workers
 
 from coconet.runtime import CommOptions, spawn
-from support import sigint_workers
 
 TIMEOUT = 20.0
 

@@ -10,9 +10,9 @@ except in one compiled run.
 
 from __future__ import annotations
 
-from support import optim_workers
 import pytest
 import torch
+from support import optim_workers
 
 import coconet.optim
 from coconet.runtime import CommOptions, spawn

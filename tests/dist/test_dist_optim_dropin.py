@@ -6,12 +6,10 @@ one spawned group for everything; the reference is torch on the averaged gradien
 from __future__ import annotations
 
 import pytest
-
 from support import dropin_workers
 from support.tolerances import OPTIM_RTOL, REASSOCIATED_RTOL
 
 from coconet.runtime import CommOptions, spawn
-
 
 # On 2 ranks LAMB's norms are partial sums over each rank's slice plus an all_reduce, where
 # pytorch_optimizer.Lamb sums the whole tensor: the sums are re-associated (coconet.sim.exactness),

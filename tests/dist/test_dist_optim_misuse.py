@@ -11,7 +11,6 @@ which is what a dead or stalled peer would take.
 from __future__ import annotations
 
 import pytest
-
 from support import misuse_workers
 
 from coconet.runtime import CommOptions, spawn

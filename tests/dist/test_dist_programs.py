@@ -1,5 +1,5 @@
-"""Every op and layout, run on 2 ranks, equals the simulator: on torch.distributed (gloo) under every
-collective algorithm, and on shared memory.
+"""Every op and layout, run on 2 ranks, equals the simulator: on torch.distributed (gloo) under
+every collective algorithm, and on shared memory.
 
 One spawned group runs every case (spawning costs ~2.3 s); the tests below read its rows.
 
@@ -11,9 +11,8 @@ they are checked to 1e-6 relative here and exactly on 2 ranks.
 
 from __future__ import annotations
 
-from support import dist_programs
-from support import dist_workers
 import pytest
+from support import dist_programs, dist_workers
 
 from coconet.runtime import CommOptions, spawn
 

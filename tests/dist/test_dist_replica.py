@@ -16,7 +16,6 @@ tensor, written slice by slice by a one-pass gather and committed by a flip.
 from __future__ import annotations
 
 import pytest
-import torch
 from support import replica_workers
 from support.tolerances import OPTIM_RTOL
 
