@@ -228,6 +228,13 @@ def _matmul_tn(n, ct, b):
 
 
 def _transpose(n, ct, b):
+    if ct.op is Op.MATMUL_TN:
+        # (x^T y)^T = y^T x, made directly: a linear layer's weight gradient then comes out in
+        # the weight's own [out, in] layout (as torch's linear backward makes it), not as a
+        # transposed view, which autograd copies into the parameter's layout (a strided copy:
+        # 6.8 ms for a 2048 x 1024 weight here, more than its share of the matmul)
+        x, y = ct.inputs
+        return (b.op(Op.MATMUL_TN, y, x),)
     return (b.op(Op.TRANSPOSE, ct),)
 
 
