@@ -120,6 +120,19 @@ def sequence_parallel_vs_torch(comm) -> dict[str, float]:
     errors["sp dw1"] = _err(col.weight.grad, _part(lin1.weight.grad, 0, comm))
     errors["sp dw2"] = _err(row.weight.grad, _part(lin2.weight.grad, 1, comm))
     errors["sp db2"] = _err(row.bias.grad, lin2.bias.grad)
+    # the pipeline boundary's form: the whole sequence in (replicated), this rank's slice of the
+    # output out (reduce_scatter, bias, the residual's slice), the residual's gradient whole
+    whole = x.clone().requires_grad_()
+    col = ColumnParallelLinear.from_linear(lin1, comm=comm)
+    row = RowParallelLinear.from_linear(lin2, comm=comm, sequence_parallel=True)
+    out = row(F.gelu(col(whole)), residual=whole)
+    (out * _part(ct, 0, comm)).sum().backward()
+    errors["sp whole residual out"] = _err(out, _part(ref, 0, comm))
+    # the input is Replicated: its gradient is whole on every rank (the column layer's
+    # all_reduce, and the all_gather that is the adjoint of taking the residual's slice)
+    errors["sp whole residual dx"] = _err(whole.grad, ref_x.grad)
+    errors["sp whole residual dw2"] = _err(row.weight.grad, _part(lin2.weight.grad, 1, comm))
+    errors["sp whole residual db2"] = _err(row.bias.grad, lin2.bias.grad)
     return errors
 
 

@@ -24,6 +24,7 @@ length runs the same step).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -50,9 +51,17 @@ class _Key(NamedTuple):
 
     rank: int  # the input's number of dims
     dtype: torch.dtype
-    residual: bool
+    residual: Residual
     dropout: bool  # training with dropout: the program draws a mask
     needs: tuple[str, ...]  # the inputs that need a gradient
+
+
+class Residual(enum.Enum):
+    """The residual a row-parallel layer adds, if any, and in which layout it comes."""
+
+    NONE = "none"
+    LIKE_OUTPUT = "like the output"  # the output's layout (sliced in sequence parallel)
+    WHOLE = "whole"  # in sequence parallel, the whole sequence: its slice taken in the program
 
 
 # The paper's schedules of a tensor-parallel layer, by name (coconet.schedule.paper): each works
@@ -297,10 +306,11 @@ class _ParallelLinear(nn.Module):
         if residual is not None:
             tensors["r"] = residual.contiguous()
         needs = tuple(k for k, t in tensors.items() if t.requires_grad)
-        key = _Key(x.dim(), x.dtype, residual is not None, bool(scalars), needs)
+        kind = self._residual_kind(x, residual)
+        key = _Key(x.dim(), x.dtype, kind, bool(scalars), needs)
         steps = self._programs.get(key)
         if steps is None:
-            program = self._program(x.dim(), DType.from_torch(x.dtype), residual is not None)
+            program = self._program(x.dim(), DType.from_torch(x.dtype), kind)
             sizes = {d.name: n for d, n in zip(self._dims(x.dim()), x.shape, strict=False)}
             steps = self._programs[key] = _Steps(program, self.comm, self.fused_kernels,
                                                  self.schedule, sizes, dict(scalars))  # fmt: skip
@@ -319,6 +329,9 @@ class _ParallelLinear(nn.Module):
     def _x_features(self) -> int:
         return self.in_features
 
+    def _residual_kind(self, x: torch.Tensor, residual: torch.Tensor | None) -> Residual:
+        return Residual.NONE if residual is None else Residual.LIKE_OUTPUT
+
     def _dims(self, rank: int) -> list[Dim]:
         return [Dim(f"D{i}") for i in range(rank - 1)]
 
@@ -326,7 +339,7 @@ class _ParallelLinear(nn.Module):
         dim = self.sequence_dim % max(rank - 1, 1)
         return Sliced(dim, self.axis)
 
-    def _program(self, rank: int, dtype: DType, residual: bool) -> Program:
+    def _program(self, rank: int, dtype: DType, residual: Residual) -> Program:
         raise NotImplementedError  # pragma: no cover - each layer writes its own
 
     def _replicated(self) -> Layout:
@@ -363,7 +376,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._call(x, None, {})
 
-    def _program(self, rank: int, dtype: DType, residual: bool) -> Program:
+    def _program(self, rank: int, dtype: DType, residual: Residual) -> Program:
         dims = self._dims(rank)
         x_layout = self._seq_layout(rank) if self.sequence_parallel else self._replicated()
         x = cc.Tensor("x", dtype, [*dims, self.in_features], x_layout)
@@ -422,13 +435,29 @@ class RowParallelLinear(_ParallelLinear):
         return hi - lo
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual``: added after the bias and dropout, in the output's layout; with
+        ``sequence_parallel`` it may also be the whole sequence (the same on every rank), of
+        which the program takes this rank's slice, so the output is this rank's slice of
+        ``dropout(x @ w.T + b) + residual`` and the residual's gradient comes back whole: a
+        pipeline stage that ends here sends only its slice (``Pipeline(slice_over=...)``: the
+        paper's reduce_scatter + send boundary)."""
         scalars: dict[str, Any] = {}
         if self.p > 0.0 and self.training:
             scalars = {"seed": self.seed, "step": self.calls}
             self.calls += 1
         return self._call(x, residual, scalars)
 
-    def _program(self, rank: int, dtype: DType, residual: bool) -> Program:
+    def _residual_kind(self, x: torch.Tensor, residual: torch.Tensor | None) -> Residual:
+        if residual is None:
+            return Residual.NONE
+        if not self.sequence_parallel or not isinstance(residual, torch.Tensor):
+            return Residual.LIKE_OUTPUT
+        dim = self._seq_layout(x.dim()).dim
+        # the whole sequence (as the input holds it), or this rank's part of it
+        whole = residual.dim() == x.dim() and residual.shape[dim] == x.shape[dim]
+        return Residual.WHOLE if whole and self.parts > 1 else Residual.LIKE_OUTPUT
+
+    def _program(self, rank: int, dtype: DType, residual: Residual) -> Program:
         dims = self._dims(rank)
         x_layout = Sliced(rank - 1, self.axis) if self.input_is_parallel else self._replicated()
         x = cc.Tensor("x", dtype, [*dims, self.in_features], x_layout)
@@ -451,7 +480,12 @@ class RowParallelLinear(_ParallelLinear):
             seed, step = cc.Scalar("seed", DType.int64), cc.Scalar("step", DType.int64)
             inputs += [seed, step]
             y = cc.dropout(y, self.p, seed, step).named("dropped")
-        if residual:
+        if residual is Residual.WHOLE:
+            r = cc.Tensor("r", dtype, [*dims, self.out_features], self._replicated())
+            inputs.append(r)
+            mine = cc.scatter(r, dim=out_layout.dim, axis=self.axis, name="r_part")
+            y = (y + mine).named("out")
+        elif residual is Residual.LIKE_OUTPUT:
             r = cc.Tensor("r", dtype, [*dims, self.out_features], out_layout)
             inputs.append(r)
             y = (y + r).named("out")
