@@ -386,7 +386,12 @@ def _unbroadcast(c: Node, operand: Node, b: Builder) -> Node:
     for _ in range(len(shape) - len(target)):
         c = b.sum(c, 0)
     for d, (got, want) in enumerate(zip(c.type.shape, target, strict=True)):
-        if want == 1 and got != 1:
+        # broadcast along d: a size-1 dim against a larger one, or against a dim that is sliced
+        # over the ranks where the operand's is not (each rank's part of it, even when the whole
+        # is one long: the ranks' sums of their parts are then partial, and summed as such)
+        lay = c.type.layout
+        across = lay.is_sliced and lay.dim == d and not operand.type.layout.is_sliced
+        if want == 1 and (got != 1 or across):
             c = b.sum(c, d, keepdim=True)
     if c.type.dtype is not operand.type.dtype:  # pragma: no cover - rules keep dtypes
         c = b.op(Op.CAST, c, dtype=operand.type.dtype)

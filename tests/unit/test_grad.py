@@ -173,6 +173,19 @@ def test_binary_with_broadcasting(op, layouts, world):
     check_grad(prog, ["a", "b"], {"N": 5, "C": 3}, world, positive=positive)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_row_broadcast_over_a_sliced_dim_of_size_one(world):
+    """A Replicated [1, C] added to a [1, C] Sliced along its one row (rank 0 holds the row, the
+    others none): the rules broadcast the Replicated row over each rank's part, so its gradient
+    is the ranks' partial sums of their parts, all_reduced, even though the shapes are equal
+    (found by test_random_programs: the equal shapes hid the broadcast from the gradient)."""
+    x = T("x", [1, C], cc.Replicated)
+    s = cc.scatter(x * 2.0, dim=0)
+    y = (x + s).named("y")
+    prog = cc.Program("p", [x], {"y": y})
+    check_grad(prog, ["x"], {"C": 3}, world)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_linear_programs_are_bitwise(world):
     """Gradients of sums, products with inputs, and collectives are the same float operations
