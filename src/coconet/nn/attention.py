@@ -152,6 +152,8 @@ class ParallelSelfAttention(nn.Module):
             k, v = cache.append(k, v)
         if past == 0 or not self.causal:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and T > 1)
+        elif T == 1:  # one new token attends to everything cached: no mask to build or read
+            y = F.scaled_dot_product_attention(q, k, v)
         else:  # new tokens attend to everything cached and causally among themselves
             keep = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
