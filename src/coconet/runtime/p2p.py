@@ -112,6 +112,7 @@ class _Wait(NamedTuple):
     pids: ctypes.Array
     aborts: ctypes.Array
     peer: int
+    address: int  # of the counter
 
 
 class _Slot(NamedTuple):
@@ -189,11 +190,13 @@ class PeerChannels:
 
     def _wait_args(self, peer: int, offset: int) -> _Wait:
         aborts = self.mem.signals()[3]  # every rank's abort word, by rank
+        address = self._address(peer, offset)
         return _Wait(
-            (_U64P * 1)(ctypes.cast(self._address(peer, offset), _U64P)),
+            (_U64P * 1)(ctypes.cast(address, _U64P)),
             (ctypes.c_int32 * 1)(self.mem.pids[peer]),
             (_U64P * 1)(aborts[peer]),
             peer,
+            address,
         )
 
     def _slots(self, owner: int, ch: ChannelSpec, place: Place) -> list[_Slot]:
@@ -260,6 +263,8 @@ class PeerChannels:
         return v
 
     def _wait(self, w: _Wait, target: int, what: str, counter: str) -> None:
+        if self.lib.cn_load_acquire(w.address) >= target:  # there already: one cheap look
+            return
         late = self.lib.cn_wait_all(w.counters, w.pids, 1, target, self.timeout, self._why,
                                     w.aborts, symmem.WAIT.spin_s, symmem.WAIT.yield_s)  # fmt: skip
         if late < 0:
@@ -271,7 +276,7 @@ class PeerChannels:
             cause = "the peer rank died"
         else:
             cause = f"no answer within {self.timeout:g} s: the peer rank stalled or died"
-        have = int(self.lib.cn_load_acquire(ctypes.cast(w.counters[0], ctypes.c_void_p)))
+        have = int(self.lib.cn_load_acquire(w.address))
         raise RuntimeFault(
             f"{what} did not complete: {cause}",
             op=self.op,
