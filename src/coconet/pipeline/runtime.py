@@ -58,7 +58,13 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 class Pipeline:
-    """This rank's stage of a pipeline over mesh ``axis`` (the whole world for None)."""
+    """This rank's stage of a pipeline over mesh ``axis`` (the whole world for None).
+
+    Its messages go over shared memory to a stage whose rank shares this rank's host, over
+    torch.distributed (gloo) to any other, or to every stage when ``CommOptions(transport=
+    "torch.distributed")`` forces it: ``links`` maps each (source, destination) stage pair this
+    rank sends or receives on to a ``Link`` (its ``TransportKind`` and why), ``transport_to(peer)``
+    gives one (see the module docstring). ``close()`` hands the shared memory back."""
 
     def __init__(
         self,
