@@ -17,8 +17,13 @@ and a barrier before each timed step, the slowest rank's time of each step:
 - ``one_process``: the whole model on the whole batch on rank 0, one thread (rank 1 idles):
   the reference every other contender is checked against, and the scaling baseline;
 - ``coconet_1f1b`` / ``coconet_gpipe``: ``coconet.pipeline.Pipeline`` with ``schedule="1f1b"``
-  / ``"gpipe"`` (the schedule proven by ``coconet.pipeline.check`` when it is built;
-  activations and their gradients over torch.distributed ``isend``/``irecv``);
+  / ``"gpipe"`` (the schedule proven by ``coconet.pipeline.check`` when it is built), on a
+  communicator with the default transport: the two stages share this host, so activations and
+  their gradients go over shared memory (``coconet.runtime.p2p``: a ring per direction; checked
+  through ``Pipeline.links`` before anything is timed);
+- ``coconet_1f1b_gloo`` / ``coconet_gpipe_gloo``: the same on a communicator forced to gloo
+  (``CommOptions(transport="torch.distributed")``): the messages over torch.distributed
+  ``isend``/``irecv``, as every coconet row was before, side by side in the same run;
 - ``torch_1f1b`` / ``torch_gpipe``: ``torch.distributed.pipelining``'s ``PipelineStage`` (the
   same stage modules, the micro-batch's input and output shapes declared, so torch runs in its
   STATIC mode with no shape inference at each step) with ``Schedule1F1B`` / ``ScheduleGPipe``
@@ -41,6 +46,16 @@ excluded): the activation memory the schedule keeps alive, not the process's RSS
 parameters, their gradients, the received/sent boundary buffers and allocator slack are not in
 it). For coconet the schedule's own count (``peak_activations``: micro-batches whose forward ran
 and whose backward has not) is printed next to it.
+
+Messages (a probe after the timed steps): one message of the boundary's activation size (one
+micro-batch's ``(batch / micro, seq, d_model)`` float32) each way between the two ranks, rank 0
+to rank 1 and back (the activation forward, its gradient back), ``MESSAGE_ROUNDS`` round trips
+over each transport, in blocks of ``MESSAGE_BLOCK`` back to back (a barrier before each block,
+not each round trip: a barrier's exit skew between the ranks would be timed too), the
+transports' blocks in alternation after a warm-up block: over the shared-memory channel the
+pipeline uses (``PeerChannels.send`` / ``recv``, its ring of ``--micro`` slots each way), and
+over gloo as the gloo rows send (``dist.isend`` / ``dist.irecv`` and their ``wait``); the
+median over rank 0's blocks of a block's time per round trip.
 
 Lower bound (the bubble-aware bound): a probe in the same alternation runs each rank's stage
 alone on the ``--micro`` micro-batches (forward + backward, no communication, a random output
@@ -83,7 +98,12 @@ import train_gpt_pp  # noqa: E402 - the stage split, the loss
 from data_parallel_adam import agree_failed, emit, loadavg, machine, pyplot  # noqa: E402
 
 ONE = "one_process"
-CONTENDERS = (ONE, "coconet_1f1b", "coconet_gpipe", "torch_1f1b", "torch_gpipe")
+CONTENDERS = (ONE, "coconet_1f1b", "coconet_gpipe", "coconet_1f1b_gloo", "coconet_gpipe_gloo",
+              "torch_1f1b", "torch_gpipe")  # fmt: skip
+GLOO = "torch.distributed"
+SHM = "shared memory"
+MESSAGE_ROUNDS = 300  # round trips of the message probe, per transport
+MESSAGE_BLOCK = 25  # ... timed in blocks of this many back to back (a barrier before each block)
 PROBE = "probe:stage_alone"  # both ranks at once, each its stage: the bound's t_mb
 SOLO = "probe:stage_solo"  # one rank's stage, the other rank idle: what the two cores cost
 RTOL = 1e-5  # max |diff| / max |reference|, float32
@@ -155,6 +175,7 @@ class Contender:
                  here: bool = True, schedule_peak: int | None = None) -> None:  # fmt: skip
         self.name, self.net, self.params, self._step, self.here = name, net, params, step, here
         self.schedule_peak = schedule_peak
+        self.transport: str | None = None  # what carries a coconet row's stage messages
         ids = {id(p) for p in params.parameters()}
         self.names = [n for n, p in net.named_parameters() if id(p) in ids]
 
@@ -183,7 +204,9 @@ def _whole(net, x, y) -> torch.Tensor:
     return loss.detach()
 
 
-def coconet_pipeline(cfg, comm, schedule: str, micro: int, x, y) -> Contender:
+def coconet_pipeline(cfg, comm, schedule: str, micro: int, x, y, name: str) -> Contender:
+    """``Pipeline`` over ``comm``; its messages must go over the transport ``comm`` was made to
+    give them (shared memory by default, gloo for a ``_gloo`` row), else it is not this row."""
     from coconet.pipeline import Pipeline, peak_activations
 
     net = train_gpt.model(cfg)
@@ -191,9 +214,70 @@ def coconet_pipeline(cfg, comm, schedule: str, micro: int, x, y) -> Contender:
     pipe = Pipeline(stage, comm, micro_batches=micro, schedule=schedule, axis=None,
                     activation_shape=(cfg.batch // micro, cfg.seq, cfg.d_model),
                     loss_fn=train_gpt_pp.loss_fn)  # fmt: skip
+    want = GLOO if name.endswith("_gloo") else SHM
+    got = {link.transport.value for link in pipe.links.values()}
+    if got != {want}:
+        raise RuntimeError(f"{name}: the stage messages go over {sorted(got)}, not {want}: "
+                           f"{pipe.links}")  # fmt: skip
     xs, ys = (x if pipe.is_first else None), (y if pipe.is_last else None)
-    return Contender(f"coconet_{schedule}", net, stage, lambda: pipe.step(xs, ys),
-                     schedule_peak=peak_activations(pipe.steps))  # fmt: skip
+    c = Contender(name, net, stage, lambda: pipe.step(xs, ys),
+                  schedule_peak=peak_activations(pipe.steps))  # fmt: skip
+    c.transport = want
+    return c
+
+
+def message_probe(comms: dict, cfg, micro: int) -> dict[str, list[float]]:
+    """Round trips of one activation-sized message each way (see the module docstring), per
+    transport, in alternation; this rank's times in seconds."""
+    from coconet.pipeline.links import host_group
+    from coconet.runtime.p2p import ChannelSpec, PeerChannels
+
+    comm = comms[SHM]
+    rank, peer = comm.rank, 1 - comm.rank
+    shape = (cfg.batch // micro, cfg.seq, cfg.d_model)
+    out_t, in_t = torch.randn(shape), torch.empty(shape)
+    nbytes = out_t.numel() * out_t.element_size()
+    host, why = host_group(comm, None)
+    if host is None:
+        raise RuntimeError(f"no shared-memory group for the message probe: {why}")
+    # what a pipeline of ``micro`` micro-batches sets up: a ring of ``micro`` slots each way
+    chan = PeerChannels([ChannelSpec(0, 1, micro, nbytes), ChannelSpec(1, 0, micro, nbytes)],
+                        rank, 2, host.shm.gather, timeout=comm.options.timeout,
+                        identity="message probe")  # fmt: skip
+    timeout = comms[GLOO].options.timeout
+
+    def shm_round() -> None:
+        if rank == 0:
+            chan.send(peer, out_t, (1, 0), "probe")
+            chan.recv(peer, in_t, (2, 0), "probe")
+        else:
+            chan.recv(peer, in_t, (1, 0), "probe")
+            chan.send(peer, out_t, (2, 0), "probe")
+
+    def gloo_round() -> None:
+        import datetime
+
+        wait = datetime.timedelta(seconds=timeout)
+        if rank == 0:
+            dist.isend(out_t, peer).wait(wait)
+            dist.irecv(in_t, peer).wait(wait)
+        else:
+            dist.irecv(in_t, peer).wait(wait)
+            dist.isend(out_t, peer).wait(wait)
+
+    rounds = {SHM: shm_round, GLOO: gloo_round}
+    times: dict[str, list[float]] = {k: [] for k in rounds}
+    for b in range(1 + MESSAGE_ROUNDS // MESSAGE_BLOCK):  # the first block warms up
+        for name, fn in rounds.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(MESSAGE_BLOCK):
+                fn()
+            dt = (time.perf_counter() - t0) / MESSAGE_BLOCK
+            if b:
+                times[name].append(dt)
+    chan.close()
+    return times
 
 
 def torch_pipeline(cfg, rank: int, schedule: str, micro: int, x, y) -> Contender:
@@ -251,6 +335,9 @@ def stage_probe(cfg, rank: int, micro: int, x, y) -> Callable[[], None]:
 def worker(comm, cfg: train_gpt.Config, opts: dict) -> dict:
     torch.set_num_threads(1)
     rank = comm.rank
+    # the default transport (shared memory: both ranks on this host), and the same ranks forced
+    # to gloo for the _gloo rows; torch's contenders use the default process group directly
+    comms = {SHM: comm, GLOO: comm.variant(replace(comm.options, transport=GLOO))}
     say = (lambda *a: print("  [rank 0]", *a, file=sys.stderr, flush=True)) if rank == 0 else None
     micro = opts["micro"]
     x, y = train_gpt.batch(train_gpt.corpus(), cfg, 0)
@@ -266,8 +353,9 @@ def worker(comm, cfg: train_gpt.Config, opts: dict) -> dict:
 
     makers = {
         ONE: lambda: one_process(cfg, rank, x, y),
-        "coconet_1f1b": lambda: coconet_pipeline(cfg, comm, "1f1b", micro, x, y),
-        "coconet_gpipe": lambda: coconet_pipeline(cfg, comm, "gpipe", micro, x, y),
+        **{f"coconet_{sched}{tail}": (lambda sched=sched, tail=tail: coconet_pipeline(
+            cfg, comms[GLOO if tail else SHM], sched, micro, x, y, f"coconet_{sched}{tail}"))
+           for sched in ("1f1b", "gpipe") for tail in ("", "_gloo")},
         "torch_1f1b": lambda: torch_pipeline(cfg, rank, "1f1b", micro, x, y),
         "torch_gpipe": lambda: torch_pipeline(cfg, rank, "gpipe", micro, x, y),
     }
@@ -355,6 +443,14 @@ def worker(comm, cfg: train_gpt.Config, opts: dict) -> dict:
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank, step by step
 
     check_all("after the timed steps")
+    if say:
+        say(f"message probe: {MESSAGE_ROUNDS} round trips per transport")
+    try:
+        message_s = message_probe(comms, cfg, micro)
+    except Exception:  # noqa: BLE001 - reported; the pipeline rows stand without it
+        message_s = {}
+        if say:
+            say(f"message probe: {traceback.format_exc()}")
     mem = torch.zeros(comm.world, len(CONTENDERS), dtype=torch.float64)
     for name, v in memory.items():
         mem[rank, CONTENDERS.index(name)] = v
@@ -371,6 +467,8 @@ def worker(comm, cfg: train_gpt.Config, opts: dict) -> dict:
                         for n in memory if n not in failed},
         "schedule_peak": {n: c.schedule_peak for n, c in found.items()
                           if c.schedule_peak is not None},
+        "transport": {n: c.transport for n, c in found.items() if c.transport is not None},
+        "message_s": message_s,
         "threads": torch.get_num_threads(),
     }  # fmt: skip
 
@@ -395,7 +493,8 @@ def summarize(res: list[dict], opts: dict) -> dict:
                       "max_rel_err": r0["max_rel_err"].get(name),
                       "saved_bytes_per_rank": r0["saved_bytes"].get(name),
                       "schedule_peak_micro_batches": [o["schedule_peak"].get(name) for o in res]
-                      if name in r0["schedule_peak"] else None}  # fmt: skip
+                      if name in r0["schedule_peak"] else None,
+                      "stage_messages": r0["transport"].get(name)}  # fmt: skip
     stage_ms = [statistics.median(ts) * 1e3 for ts in r0["probe_s"]]
     solo_ms = [statistics.median(ts) * 1e3 for ts in r0["solo_s"]]
     t_mb = max(stage_ms) / m
@@ -410,8 +509,13 @@ def summarize(res: list[dict], opts: dict) -> dict:
         row["x_bound"] = row["median_ms"] / bound if name != ONE else None  # a pipeline's bound
         if t1:
             row["speedup_vs_one_process"] = t1 / row["median_ms"]
+    messages = {name: {"round_trip_median_us": statistics.median(ts) * 1e6,
+                       "round_trip_min_us": min(ts) * 1e6, "blocks": len(ts),
+                       "rounds": len(ts) * MESSAGE_BLOCK}
+                for name, ts in r0["message_s"].items()}  # fmt: skip
     return {
         "rows": rows,
+        "messages": messages,
         "bound": {"ms": bound, "per_micro_batch_ms": t_mb, "stage_alone_median_ms": stage_ms,
                   "stage_solo_median_ms": solo_ms,
                   "solo_bound_ms": (m + p - 1) * max(solo_ms) / m,
@@ -466,18 +570,27 @@ def table(doc: dict) -> str:
     ]
     for name, why in doc["failed"].items():
         lines.append(f"FAILED {name}, not timed: {why}")
-    lines += ["", f"{'contender':<15} {'median ms':>10} {'min':>8} {'max':>8} {'1proc/this':>10} "
-              f"{'x bound':>8} {'saved MiB r0':>12} {'r1':>6} {'sched peak':>10} "
-              f"{'max rel err':>11}"]  # fmt: skip
+    lines += ["", f"{'contender':<19} {'messages':<8} {'median ms':>10} {'min':>8} {'max':>8} "
+              f"{'1proc/this':>10} {'x bound':>8} {'saved MiB r0':>12} {'r1':>6} "
+              f"{'sched peak':>10} {'max rel err':>11}"]  # fmt: skip
     for name, r in s["rows"].items():
         sp = f"{r['speedup_vs_one_process']:.2f}x" if "speedup_vs_one_process" in r else ""
         mem = r["saved_bytes_per_rank"] or [0, 0]
         xb = f"{r['x_bound']:.2f}x" if r["x_bound"] is not None else ""
         pk = "/".join(str(v) for v in r["schedule_peak_micro_batches"]) \
             if r["schedule_peak_micro_batches"] else ""  # fmt: skip
-        lines.append(f"{name:<15} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} {r['max_ms']:>8.2f} "
-                     f"{sp:>10} {xb:>8} {mem[0] / 2**20:>12.2f} "
+        via = {SHM: "shm", GLOO: "gloo", None: "gloo" if name.startswith("torch") else ""}[
+            r.get("stage_messages")]
+        lines.append(f"{name:<19} {via:<8} {r['median_ms']:>10.2f} {r['min_ms']:>8.2f} "
+                     f"{r['max_ms']:>8.2f} {sp:>10} {xb:>8} {mem[0] / 2**20:>12.2f} "
                      f"{mem[1] / 2**20:>6.2f} {pk:>10} {r['max_rel_err']:>11.1e}")  # fmt: skip
+    rows = s["rows"]
+    for sched in ("1f1b", "gpipe"):
+        a, b = rows.get(f"coconet_{sched}"), rows.get(f"coconet_{sched}_gloo")
+        if a and b:
+            lines.append(f"coconet {sched}: stage messages over shared memory "
+                         f"{a['median_ms']:.2f} ms vs gloo {b['median_ms']:.2f} ms "
+                         f"({b['median_ms'] / a['median_ms']:.3f}x)")  # fmt: skip
     b = s["bound"]
     contention = [a / c for a, c in zip(b["stage_alone_median_ms"], b["stage_solo_median_ms"],
                                         strict=True)]  # fmt: skip
@@ -490,6 +603,7 @@ def table(doc: dict) -> str:
         f"two cores); the bound from the solo times would be {b['solo_bound_ms']:.2f} ms; in "
         f"{b['rounds_concurrent_over_1.25x_solo']} of {b['rounds']} rounds both at once took "
         "> 1.25x the slower solo stage of the same round",
+        *message_lines(s.get("messages", {}), o["micro"], cfg),
         "saved MiB = peak bytes autograd holds saved for backward during one step, per rank "
         "(distinct storages, parameters excluded; one_process: all on rank 0); sched peak = "
         "coconet's schedule count of micro-batches held (rank 0/rank 1)",
@@ -508,6 +622,24 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def message_lines(messages: dict, micro: int, cfg: dict) -> list[str]:
+    """The message probe's line: one activation-sized message each way, per transport."""
+    if not messages:
+        return ["message probe: not run (see the log)"]
+    kib = cfg["batch"] // micro * cfg["seq"] * cfg["d_model"] * 4 / 1024
+    parts = [f"{name} {m['round_trip_median_us']:.1f} us (best block "
+             f"{m['round_trip_min_us']:.1f})" for name, m in messages.items()]  # fmt: skip
+    shm, gloo = messages.get(SHM), messages.get(GLOO)
+    ratio = ""
+    if shm and gloo:
+        times = gloo["round_trip_median_us"] / shm["round_trip_median_us"]
+        ratio = f"; gloo / shared memory {times:.1f}x"
+    first = next(iter(messages.values()))
+    return [f"message probe, one {kib:g} KiB float32 message each way (rank 0 -> 1 -> 0), "
+            f"{first['rounds']} round trips per transport in blocks of {MESSAGE_BLOCK}, median "
+            f"block's time per round trip: {', '.join(parts)}{ratio}"]  # fmt: skip
+
+
 def ms_list(vs: list[float], unit: str = "") -> str:
     return ", ".join(f"{v:.2f}{unit}" for v in vs)
 
@@ -520,6 +652,7 @@ def plot(doc: dict, path: str) -> None:
     rows = s["rows"]
     names = list(rows)
     colors = {ONE: "tab:gray", "coconet_1f1b": "tab:blue", "coconet_gpipe": "tab:cyan",
+              "coconet_1f1b_gloo": "tab:purple", "coconet_gpipe_gloo": "tab:pink",
               "torch_1f1b": "tab:orange", "torch_gpipe": "tab:red"}  # fmt: skip
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
     med = [rows[n]["median_ms"] for n in names]
@@ -586,8 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"  # the ranks inherit it
     print(f"spawning {STAGES} ranks ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    res = spawn(worker, STAGES, cfg, opts,
-                options=CommOptions(timeout=120, transport="torch.distributed"),
+    res = spawn(worker, STAGES, cfg, opts, options=CommOptions(timeout=120),
                 timeout=args.timeout)  # fmt: skip
     wall = time.perf_counter() - t0
     summary = summarize(res, opts)

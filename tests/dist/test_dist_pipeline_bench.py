@@ -1,6 +1,8 @@
 """benchmarks/pipeline_parallel.py as a user runs it, tiny: every contender (coconet.pipeline's
-1F1B and GPipe, torch.distributed.pipelining's, one process) passes its check against one process
-and is timed, and the JSON carries issue 21's targets computed from the run."""
+1F1B and GPipe with the stage messages over shared memory and forced to gloo,
+torch.distributed.pipelining's, one process) passes its check against one process and is timed,
+the message probe times one message each way on both transports, and the JSON carries issue 21's
+targets computed from the run."""
 
 from __future__ import annotations
 
@@ -25,8 +27,14 @@ def test_the_pipeline_benchmark_runs_and_checks_every_contender(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["failed"] == {}
     rows = doc["summary"]["rows"]
-    assert set(rows) == {"one_process", "coconet_1f1b", "coconet_gpipe", "torch_1f1b",
-                         "torch_gpipe"}  # fmt: skip
+    assert set(rows) == {"one_process", "coconet_1f1b", "coconet_gpipe", "coconet_1f1b_gloo",
+                         "coconet_gpipe_gloo", "torch_1f1b", "torch_gpipe"}  # fmt: skip
+    for name in ("coconet_1f1b", "coconet_gpipe"):
+        assert rows[name]["stage_messages"] == "shared memory", name
+        assert rows[f"{name}_gloo"]["stage_messages"] == "torch.distributed", name
+    messages = doc["summary"]["messages"]
+    assert set(messages) == {"shared memory", "torch.distributed"}
+    assert all(m["rounds"] == 300 and m["round_trip_median_us"] > 0 for m in messages.values())
     for name, row in rows.items():
         assert row["max_rel_err"] <= 1e-5, name
         assert len(doc["raw_times_s"][name]) == 2

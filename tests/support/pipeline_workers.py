@@ -1,7 +1,11 @@
 """Rank bodies for tests/dist/test_dist_pipeline.py: coconet.pipeline.Pipeline against one
-process training the whole model on the whole batch."""
+process training the whole model on the whole batch, with its stage messages over shared memory
+(the ranks share a host) and over gloo (``CommOptions(transport="torch.distributed")``), each
+in the same spawned group where a check runs on both."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,40 @@ def _model() -> nn.Sequential:
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
     return torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+
+
+SHM, GLOO = "shared memory", "torch.distributed"
+
+
+def _both(comm) -> dict:
+    """``comm`` (spawned with transport auto: shared memory on this host) and a communicator of
+    the same ranks forced to gloo, by the transport their pipelines' messages take."""
+    gloo = comm.variant(dataclasses.replace(comm.options, transport=GLOO))
+    return {SHM: comm, GLOO: gloo}
+
+
+def _kinds(pipe) -> list[str]:
+    return sorted({link.transport.value for link in pipe.links.values()})
+
+
+def train_cases(comm, cases: list, pretend_hosts: bool = False) -> dict:
+    """``train_vs_one_process`` for each (schedule, micro-batches) of ``cases``, over shared
+    memory and over gloo. ``pretend_hosts``: then once more on 4 ranks that pretend to be 2 hosts
+    of 2 (``COCONET_HOST_ID``: ranks 0-1 and 2-3), the world's group hierarchical: the stages of
+    one host talk over shared memory, the boundary between the hosts over gloo."""
+    import os
+
+    from coconet.runtime import Communicator
+
+    out = {}
+    for name, c in _both(comm).items():
+        for schedule, micro in cases:
+            out[f"{name} {schedule} m={micro}"] = train_vs_one_process(c, schedule, micro)
+    if pretend_hosts:
+        os.environ["COCONET_HOST_ID"] = f"host{comm.rank // 2}"
+        hosts = Communicator(None, comm.options)
+        out["pretend hosts 1f1b m=4"] = train_vs_one_process(hosts, "1f1b", 4)
+    return out
 
 
 def train_vs_one_process(comm, schedule: str, micro: int, steps: int = 3) -> dict:
@@ -53,12 +91,16 @@ def train_vs_one_process(comm, schedule: str, micro: int, steps: int = 3) -> dic
             losses.append(loss.item())
         opt.step()
         ref_opt.step()
-    return {"errors": errors, "losses": losses, "table_rows": len(pipe.steps)}
+    links = {f"{src}->{dst}": link.transport.value for (src, dst), link in pipe.links.items()}
+    pipe.close()
+    return {"errors": errors, "losses": losses, "table_rows": len(pipe.steps), "links": links}
 
 
-def killed_mid_schedule(comm, victim: int) -> dict:
-    """``victim`` dies in the middle of its schedule; the others must fail within the timeout,
-    their parameters untouched (no optimizer step ran)."""
+def killed_mid_schedule(comm, victim: int, how: str = "kill") -> dict:
+    """``victim`` dies (``how="kill"``: SIGKILL) or fails (``"raise"``: its stage raises, and
+    the process lives on for a while) in the middle of its schedule; the others must fail within
+    the timeout (after a failure: at once over shared memory, its abort word), their parameters
+    untouched (no optimizer step ran), and refuse a later step."""
     import os
     import signal
     import time
@@ -79,15 +121,27 @@ def killed_mid_schedule(comm, victim: int) -> dict:
         def dying(inp):
             calls.append(1)
             if len(calls) == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise ValueError("the stage failed")
             return real(inp)
 
         stage.forward = dying
     t0 = time.perf_counter()
     try:
         pipe.step(x if pipe.is_first else None, t if pipe.is_last else None)
+    except ValueError:
+        time.sleep(2.0)  # alive: the peer must learn from the abort, not from a dead process
+        return {"status": "raised"}
     except RuntimeFault as e:
-        return {"status": "fault", "message": str(e), "seconds": time.perf_counter() - t0,
+        seconds = time.perf_counter() - t0
+        try:
+            pipe.step(x if pipe.is_first else None, t if pipe.is_last else None)
+            again = "ran"
+        except RuntimeFault as e2:
+            again = str(e2)
+        return {"status": "fault", "message": str(e), "seconds": seconds,
+                "links": _kinds(pipe), "again": again,
                 "unchanged": all(torch.equal(a, b) for a, b in zip(before, stage.parameters(),
                                                                   strict=True))}  # fmt: skip
     return {"status": "no error"}
@@ -108,8 +162,11 @@ def random_schedules(comm, count: int, seed: int) -> dict:
     rng = random.Random(seed)
     n = comm.world
     counts = {"ran": 0, "refused": 0}
+    ran_on = {SHM: 0, GLOO: 0}
+    comms = _both(comm)
     worst = 0.0
-    for _ in range(count):
+    for k in range(count):
+        on = SHM if k % 2 == 0 else GLOO  # every other pipeline over shared memory
         micro, per = rng.randint(1, 5), rng.randint(1, 2)
         widths = [rng.randint(1, 5) for _ in range(n + 1)]
         dtype = rng.choice([torch.float32, torch.float64])
@@ -129,13 +186,17 @@ def random_schedules(comm, count: int, seed: int) -> dict:
         t = torch.randn(micro * per, widths[-1], generator=gen, dtype=dtype)
         stage = layers[comm.rank]
         try:
-            pipe = Pipeline(stage, comm, micro_batches=micro, activation_shape=shapes,
+            pipe = Pipeline(stage, comms[on], micro_batches=micro, activation_shape=shapes,
                             loss_fn=F.mse_loss, schedule=schedule, axis=None,
                             dtype=dtype)  # fmt: skip
         except ScheduleError:
             counts["refused"] += 1
             continue
         loss = pipe.step(x if pipe.is_first else None, t if pipe.is_last else None)
+        if set(_kinds(pipe)) - {on}:
+            raise AssertionError(f"a pipeline on {on} sent over {_kinds(pipe)}")
+        ran_on[on] += 1
+        pipe.close()
         reference = nn.Sequential(*[nn.Sequential(nn.Linear(widths[k], widths[k + 1]), nn.Tanh())
                                     .to(dtype) for k in range(n)])  # fmt: skip
         reference.load_state_dict(nn.Sequential(*layers).state_dict())
@@ -149,7 +210,14 @@ def random_schedules(comm, count: int, seed: int) -> dict:
         if loss is not None:
             worst = max(worst, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         counts["ran"] += 1
-    return {"counts": counts, "worst": worst}
+    return {"counts": counts, "worst": worst, "ran_on": ran_on}
+
+
+def sliced_boundaries(comm, schedules: list[str]) -> dict:
+    """``sliced_boundary_vs_one_process`` for each schedule, over shared memory and over gloo
+    (the tp all_gathers too)."""
+    return {f"{name} {schedule}": sliced_boundary_vs_one_process(c, schedule)
+            for name, c in _both(comm).items() for schedule in schedules}  # fmt: skip
 
 
 def sliced_boundary_vs_one_process(comm, schedule: str) -> dict:
@@ -175,7 +243,8 @@ def sliced_boundary_vs_one_process(comm, schedule: str) -> dict:
     want = nn.Sequential(*list(reference)[2 * index : 2 * index + 2]).parameters()
     worst = max((a.grad - b.grad).abs().max().item() / b.grad.abs().max().item()
                 for a, b in zip(stage.parameters(), want, strict=True))  # fmt: skip
-    out = {"grads": worst, "sent": [s for s in pipe.shapes]}
+    out = {"grads": worst, "sent": [s for s in pipe.shapes], "links": _kinds(pipe)}
+    pipe.close()
     if loss is not None:
         out["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
     return out

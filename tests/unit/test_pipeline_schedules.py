@@ -176,13 +176,21 @@ def test_random_schedules_are_refused_or_run(stages, micro, gp, swaps, seed):
 
 
 def _fake_comm(world: int, rank: int = 0):
-    """What Pipeline reads of a communicator before anything runs (no processes here)."""
+    """What Pipeline reads of a communicator before anything runs (no processes here): its
+    group along ``pp`` routed to torch.distributed (so no shared memory is set up)."""
     from types import SimpleNamespace
 
     from coconet import Mesh
+    from coconet.options import TransportKind, TransportPolicy
+    from coconet.runtime.transport import Group
 
-    return SimpleNamespace(mesh=Mesh(pp=world), rank=rank,
-                           options=SimpleNamespace(timeout=5.0))  # fmt: skip
+    group = Group("pp", tuple(range(world)), rank)
+    return SimpleNamespace(
+        mesh=Mesh(pp=world), rank=rank,
+        options=SimpleNamespace(timeout=5.0, transport=TransportPolicy.TORCH_DISTRIBUTED),
+        route=lambda axis: (SimpleNamespace(kind=TransportKind.TORCH_DISTRIBUTED), group),
+        group=lambda axis: group,
+    )  # fmt: skip
 
 
 def test_pipeline_takes_a_built_schedule_and_proves_it():

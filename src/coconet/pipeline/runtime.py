@@ -5,9 +5,22 @@ the batch into micro-batches and runs this rank's steps of the schedule (``gpipe
 ``one_f_one_b``, proven by ``coconet.pipeline.check`` when the Pipeline is built, so a schedule
 that could cross tensors or hang is refused before anything runs): forward and backward with
 torch's autograd, activations and their gradients sent point to point between neighbouring
-stages (torch.distributed ``isend``/``irecv``, untagged, each step's messages posted together
-and waited for with the communicator's timeout). Parameter gradients accumulate over the
-micro-batches as with gradient accumulation; the caller steps its optimizer afterwards.
+stages (untagged, each step's messages posted together and waited for with the communicator's
+timeout). Parameter gradients accumulate over the micro-batches as with gradient accumulation;
+the caller steps its optimizer afterwards.
+
+**Which transport carries the messages** (``Pipeline.links``, one ``Link`` per (source,
+destination) stage pair of the schedule: its ``TransportKind`` and why): between stages whose
+ranks share a host, shared memory (``coconet.runtime.p2p.PeerChannels``: a ring of slots per
+direction in memory both ranks map, FIFO and untagged as gloo's pair messages, so ``check``'s
+proof holds unchanged); otherwise torch.distributed ``isend``/``irecv`` (gloo on CPU). "Share a
+host" is routing's verdict for the pipeline's axis (``coconet.pipeline.links``):
+``CommOptions(transport="torch.distributed")`` forces gloo, ``"shared memory"`` insists on one
+host. Building a Pipeline whose links include shared memory is collective over the host's ranks
+of the axis (they map each other's rings: every one of them builds its Pipeline at the same
+point, with the same schedule, which they compare). A rank whose ``step`` raises (a dead or
+stalled peer, a wrong output, a Ctrl-C) tells its shared-memory peers at once (their waits end
+with a ``RuntimeFault`` instead of at the timeout) and refuses further steps.
 
 ``slice_over="tp"`` is the paper's sliced boundary (``RS_P2P_C_AG``'s point-to-point half): the
 ranks of each stage's tp group hold the same activation, so each sends only its contiguous 1/T
@@ -17,13 +30,14 @@ tp rank's pipeline runs the same steps, each proven by ``check`` with its slice'
 all_gathers join a stage's tp ranks at the same step of each, so the proof carries over.
 
 The activations' shape and dtype are declared (``activation_shape``: one micro-batch's, or one
-per boundary), as Megatron's ``tensor_shape``: the schedule is proven with them, and an output
-that differs is refused before it is sent.
+per boundary), as Megatron's ``tensor_shape``: the schedule is proven with them, the
+shared-memory rings are sized by them, and an output that differs is refused before it is sent.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +47,10 @@ import torch.distributed as dist
 from torch import nn
 
 from coconet.errors import ConfigError, RuntimeFault
+from coconet.options import TransportKind
+from coconet.pipeline.links import Link, host_group, plan_links
 from coconet.pipeline.schedules import Action, Kind, Step, check, gpipe, one_f_one_b
+from coconet.runtime.p2p import PeerChannels
 
 __all__ = ["Pipeline"]
 
@@ -41,7 +58,13 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 class Pipeline:
-    """This rank's stage of a pipeline over mesh ``axis`` (the whole world for None)."""
+    """This rank's stage of a pipeline over mesh ``axis`` (the whole world for None).
+
+    Its messages go over shared memory to a stage whose rank shares this rank's host, over
+    torch.distributed (gloo) to any other, or to every stage when ``CommOptions(transport=
+    "torch.distributed")`` forces it: ``links`` maps each (source, destination) stage pair this
+    rank sends or receives on to a ``Link`` (its ``TransportKind`` and why), ``transport_to(peer)``
+    gives one (see the module docstring). ``close()`` hands the shared memory back."""
 
     def __init__(
         self,
@@ -70,6 +93,7 @@ class Pipeline:
             raise ConfigError(f"Pipeline: the mesh {comm.mesh} has no axis {axis!r}",
                               op="Pipeline", hint="axis=None pipelines over the whole world")
         self.stage, self.comm, self.loss_fn = stage, comm, loss_fn
+        self.axis = axis
         self.ranks = comm.mesh.group_of(comm.rank, axis)
         self.index = comm.mesh.index_in(comm.rank, axis)
         self.stages = len(self.ranks)
@@ -93,6 +117,50 @@ class Pipeline:
         check(self.schedule)  # refused here, naming both ranks' actions, never a hang later
         self.steps: list[Step] = self.schedule[self.index]
         self.timeout = datetime.timedelta(seconds=comm.options.timeout)
+        self.broken: str | None = None  # why step() refuses to run (an earlier failure)
+        self.links: dict[tuple[int, int], Link] = {}
+        self._channels: PeerChannels | None = None
+        self._local: dict[int, int] = {}  # stage -> its index in the host's shared-memory group
+        self._connect()
+
+    def _connect(self) -> None:
+        """Decide each channel's transport (``coconet.pipeline.links``) and set the
+        shared-memory ones up: collective over this host's ranks of the axis when any channel
+        among them runs on shared memory (the same on each of them: the schedule decides)."""
+        comm = self.comm
+        host, why_not = host_group(comm, self.axis)
+        # the job's global rank of each stage (what torch.distributed and routing name)
+        self.global_ranks = tuple(comm.group(self.axis).ranks)
+        size = torch.empty((), dtype=self.dtype).element_size()
+        links, specs = plan_links(self.schedule, self.global_ranks, host, why_not, size)
+        self.links = {pair: link for pair, link in links.items() if self.index in pair}
+        if not specs:
+            return
+        members = {r: i for i, r in enumerate(host.ranks)}
+        self._local = {s: members[r] for s, r in enumerate(self.global_ranks) if r in members}
+        # what the host's ranks must agree on before they map each other's rings
+        identity = hashlib.sha256(repr((self.schedule, str(self.dtype))).encode()).hexdigest()
+        shm = host.shm
+        self._channels = comm.guard(
+            "Pipeline", "shared-memory channels", self.axis, PeerChannels, specs,
+            members[self.global_ranks[self.index]], len(host.ranks), shm.gather,
+            timeout=comm.options.timeout, identity=identity[:16], op="Pipeline.step",
+            cache_dir=shm.cache_dir,
+        )  # fmt: skip
+
+    def transport_to(self, peer: int) -> TransportKind | None:
+        """What carries this rank's messages to stage ``peer`` (None: the schedule sends it
+        nothing)."""
+        link = self.links.get((self.index, peer))
+        return None if link is None else link.transport
+
+    def close(self) -> None:
+        """Hand back the shared-memory channels (the pipeline refuses further steps)."""
+        if self.broken is None:
+            self.broken = "closed"
+        if self._channels is not None:
+            self._channels.close()
+            self._channels = None
 
     def _slicer(self, slice_over: str | None, axis: str | None):
         """The communicator of this rank's group along ``slice_over`` (None: whole tensors)."""
@@ -125,7 +193,29 @@ class Pipeline:
         takes ``inputs``, the last ``targets`` (split along dim 0 into the micro-batches; each
         micro-batch's loss is divided by their number, so the gradients are the whole batch's
         mean's when the loss is a mean). Returns the batch's loss on the last stage, None on the
-        others."""
+        others.
+
+        Anything raised here (a peer that died, a wrong output, a Ctrl-C) leaves the pipeline
+        out of step with its peers: it is marked broken, its shared-memory peers are told at
+        once (their waits fail now, not at the timeout) and later calls are refused."""
+        if self.broken is not None:
+            raise RuntimeFault(
+                f"pipeline stage {self.index} is unusable after an earlier failure "
+                f"({self.broken})",
+                op="Pipeline.step",
+                hint="end this job and start it again (the stages are out of step)",
+            )
+        try:
+            return self._run(inputs, targets)
+        except BaseException as exc:
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            self.broken = f"{type(exc).__name__}: {first}"
+            if self._channels is not None:
+                self._channels.abort()
+            raise
+
+    def _run(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
+             ) -> torch.Tensor | None:  # fmt: skip
         m = self.micro_batches
         micro_in = self._split(inputs, "inputs") if self.is_first else None
         micro_tg = self._split(targets, "targets") if self.is_last else None
@@ -165,25 +255,41 @@ class Pipeline:
         return list(t.chunk(self.micro_batches))
 
     def _communicate(self, step: Step, received, outputs, grads) -> None:
-        works, landed = [], []
+        """Post the step's sends and receives together, then wait for all of them: gloo's
+        first (they progress on their own), then the shared-memory sends (each returns once its
+        message is in the ring: a ring holds every message a step() puts on its channel, so
+        none waits here for a message of this step), then the shared-memory receives."""
+        works, landed, shm_sends, shm_recvs = [], [], [], []
         for a in step:
-            peer = self.ranks[a.peer]
-            if a.kind is Kind.SEND_ACTIVATION:
-                works.append((a, dist.isend(self._outgoing(outputs[a.micro_batch], a), peer)))
-            elif a.kind is Kind.SEND_GRADIENT:
-                g = received.pop(a.micro_batch).grad
-                works.append((a, dist.isend(self._outgoing(g, a), peer)))
+            shm = self.links[self._channel_of(a)].transport is TransportKind.SHARED_MEMORY
+            if a.kind.is_send:
+                if a.kind is Kind.SEND_ACTIVATION:
+                    t = self._outgoing(outputs[a.micro_batch], a)
+                else:
+                    t = self._outgoing(received.pop(a.micro_batch).grad, a)
+                if shm:
+                    shm_sends.append((a, t))
+                else:
+                    works.append((a, dist.isend(t, self.global_ranks[a.peer])))
             else:
                 buf = torch.empty(a.shape, dtype=self.dtype)
-                works.append((a, dist.irecv(buf, peer)))
+                if shm:
+                    shm_recvs.append((a, buf))
+                else:
+                    works.append((a, dist.irecv(buf, self.global_ranks[a.peer])))
                 landed.append((a, buf))
+        channels = self._channels
+        for a, t in shm_sends:
+            channels.send(self._local[a.peer], t, _words(a), self._what(a))
+        for a, buf in shm_recvs:
+            channels.recv(self._local[a.peer], buf, _words(a), self._what(a))
         for a, work in works:
             try:
                 work.wait(self.timeout)
             except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a lost peer
                 raise RuntimeFault(
-                    f"pipeline stage {self.index}: {a.describe()} did not complete: a peer "
-                    f"rank stalled or died ({str(e).splitlines()[0][:200]})",
+                    f"{self._what(a)} did not complete: a peer rank stalled or died "
+                    f"({str(e).splitlines()[0][:200]})",
                     op="Pipeline.step",
                     hint="every stage must run the same schedule; see the other ranks' errors",
                 ) from None
@@ -192,6 +298,13 @@ class Pipeline:
                 received[a.micro_batch] = self._whole(buf, a).requires_grad_()
             else:
                 grads[a.micro_batch] = self._whole(buf, a)
+
+    def _channel_of(self, a: Action) -> tuple[int, int]:
+        """The (source, destination) stages of a send's or receive's channel."""
+        return (self.index, a.peer) if a.kind.is_send else (a.peer, self.index)
+
+    def _what(self, a: Action) -> str:
+        return f"pipeline stage {self.index}: {a.describe()}"
 
     def _boundary_of(self, a: Action) -> int:
         """The boundary an action's message crosses (boundary b: between stages b and b + 1)."""
@@ -232,6 +345,16 @@ class Pipeline:
                 "boundary (the schedule was proven with it)",
             )
         return t.detach().contiguous()
+
+
+# A message's kind in its shared-memory header (the receiver checks it against its receive's)
+_KIND_WORD = {Kind.SEND_ACTIVATION: 1, Kind.RECV_ACTIVATION: 1, Kind.SEND_GRADIENT: 2,
+              Kind.RECV_GRADIENT: 2}  # fmt: skip
+
+
+def _words(a: Action) -> tuple[int, int]:
+    """The two header words of ``a``'s message: its kind and micro-batch."""
+    return _KIND_WORD[a.kind], a.micro_batch
 
 
 def _parts(numel: int, n: int) -> list[int]:
