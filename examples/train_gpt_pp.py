@@ -16,11 +16,14 @@ batch::
     python examples/train_gpt_pp.py --pp 2 --tp 2        # 4 ranks (oversubscribes 2 cores)
 
 The exit status is non-zero when any step's loss differs from one process's by more than
-``--tolerance`` (relative). With ``--tp`` each tp rank sends only its 1/tp slice of the activation
-(and of its gradient) and the next stage all_gathers them (``Pipeline(slice_over="tp")``: the
-paper's sliced boundary); ``--whole-boundary`` sends whole activations instead. Not yet here: the
-fused form, where the sending stage's last row-parallel layer reduce_scatters instead of
-all_reducing.
+``--tolerance`` (relative). With ``--tp`` the boundary is the paper's fused one by default
+(``--boundary fused``, ``ol_RS_fuse_P2P_C_AG`` in training): the last block of a stage that
+sends ends with a reduce_scatter along the tokens instead of an all_reduce, its bias and residual
+added to this rank's part alone (``coconet.nn.RowParallelLinear(sequence_parallel=True)`` given
+the whole residual), each tp rank sends that part, and the next stage all_gathers the parts
+(``Pipeline(slice_over="tp", slice_dim=1)``); gradients go back the same way.
+``--boundary sliced`` computes the whole activation and sends a flat 1/tp slice of it (the
+unfused ``RS_P2P_C_AG``), ``--boundary whole`` sends whole activations.
 """
 
 from __future__ import annotations
@@ -79,6 +82,14 @@ def stage_of(net: train_gpt.GPT, index: int, stages: int) -> nn.Sequential:
     return nn.Sequential(*parts)
 
 
+BOUNDARIES = {
+    "fused": "each tp rank's 1/{tp} of the tokens from a reduce_scatter (bias and residual on "
+    "its part), all_gathered",
+    "sliced": "1/{tp} slices of the whole activation, all_gathered",
+    "whole": "whole activations",
+}
+
+
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target.reshape(-1))
 
@@ -90,7 +101,7 @@ class Run:
     tp: int
     micro: int
     schedule: str
-    sliced: bool = True
+    boundary: str = "fused"  # with tp > 1: fused, sliced or whole (the module's docstring)
 
 
 def ranks(comm, run: Run) -> dict:
@@ -101,14 +112,21 @@ def ranks(comm, run: Run) -> dict:
     data = train_gpt.corpus()
     net = train_gpt.model(cfg)
     index = comm.mesh.index_in(comm.rank, "pp")
+    fused = run.tp > 1 and run.boundary == "fused"
     if run.tp > 1:
         import train_gpt_tp
 
-        net = train_gpt_tp.tensor_parallel(net, comm, axis="tp")
+        from coconet.ir.types import slice_bounds
+
+        # the last block of every stage but the last ends with its part of the tokens
+        ends = tuple(slice_bounds(len(net.blocks), run.pp, s)[1] - 1 for s in range(run.pp - 1))
+        net = train_gpt_tp.tensor_parallel(net, comm, axis="tp",
+                                           scatter_after=ends if fused else ())  # fmt: skip
     stage = stage_of(net, index, run.pp)
     pipe = Pipeline(stage, comm, micro_batches=run.micro, schedule=run.schedule, axis="pp",
                     activation_shape=(cfg.batch // run.micro, cfg.seq, cfg.d_model),
-                    loss_fn=loss_fn, slice_over="tp" if run.sliced else None)  # fmt: skip
+                    loss_fn=loss_fn, slice_over="tp" if run.boundary != "whole" else None,
+                    slice_dim=1 if fused else None)  # fmt: skip
     opt = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     losses, ms = [], []
     for k in range(cfg.steps):
@@ -135,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step")
     ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
-    ap.add_argument("--whole-boundary", action="store_true",
-                    help="with --tp: every tp rank sends the whole activation (default: its "
-                    "1/tp slice, all_gathered by the next stage)")
+    ap.add_argument("--boundary", choices=["fused", "sliced", "whole"], default="fused",
+                    help="with --tp: each tp rank sends its part of the tokens made by a "
+                    "reduce_scatter (fused, the default), a flat 1/tp slice of the whole "
+                    "activation (sliced), or the whole activation (whole)")
     ap.add_argument("--d-model", type=int, default=train_gpt.Config.d_model)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=train_gpt.Config.heads)
@@ -153,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"--d-model {args.d_model}")  # fmt: skip
     cfg = replace(train_gpt.Config(), steps=args.steps, d_model=args.d_model, layers=args.layers,
                   heads=args.heads, batch=args.batch, world=args.pp * args.tp)  # fmt: skip
-    run = Run(cfg, args.pp, args.tp, args.micro, args.schedule, not args.whole_boundary)
+    run = Run(cfg, args.pp, args.tp, args.micro, args.schedule, args.boundary)
     from coconet import Mesh
     from coconet.runtime import CommOptions, spawn
 
@@ -161,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, {params:,} "
           f"parameters; {args.pp} stages x tp {args.tp}, {args.schedule}, {args.micro} "
           f"micro-batches of {cfg.batch // args.micro}; {cfg.steps} steps"
-          + ("" if args.tp == 1 else "; boundary: " + ("whole activations" if
-             args.whole_boundary else f"1/{args.tp} slices, all_gathered")))  # fmt: skip
+          + ("" if args.tp == 1 else "; boundary: " + BOUNDARIES[args.boundary].format(
+              tp=args.tp)))  # fmt: skip
     t0 = time.perf_counter()
     mesh = Mesh(pp=args.pp, tp=args.tp)
     out = spawn(ranks, mesh, run, options=CommOptions(timeout=300), timeout=1800)

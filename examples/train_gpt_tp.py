@@ -37,26 +37,38 @@ import train_gpt  # noqa: E402 - the model, data and reference run of the data-p
 
 
 class TPBlock(nn.Module):
-    """``train_gpt.Block`` with its attention and MLP split over the ranks of ``comm``."""
+    """``train_gpt.Block`` with its attention and MLP split over the ranks of ``comm``.
 
-    def __init__(self, block: train_gpt.Block, comm, axis: str | None = None) -> None:
+    ``scatter_output``: the block ends with this rank's part of the sequence (its MLP's output
+    projection reduce_scatters along the tokens, with the bias and the residual added to the
+    part alone), for a pipeline stage that sends only its part (``Pipeline(slice_dim=1)``)."""
+
+    def __init__(self, block: train_gpt.Block, comm, axis: str | None = None,
+                 scatter_output: bool = False) -> None:  # fmt: skip
         super().__init__()
-        from coconet.nn import ParallelMLP, ParallelSelfAttention
+        from coconet.nn import ParallelMLP, ParallelSelfAttention, RowParallelLinear
 
         self.ln1, self.ln2 = block.ln1, block.ln2
         self.attn = ParallelSelfAttention.from_modules(block.qkv, block.proj, block.heads,
                                                        comm=comm, axis=axis)  # fmt: skip
         self.mlp = ParallelMLP.from_modules(block.up, block.down, comm=comm, axis=axis)
+        if scatter_output:
+            self.mlp.proj = RowParallelLinear.from_linear(block.down, comm=comm, axis=axis,
+                                                          sequence_parallel=True,
+                                                          sequence_dim=1)  # fmt: skip
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         x = self.attn(self.ln1(x), cache=cache, residual=x)
         return self.mlp(self.ln2(x), residual=x)
 
 
-def tensor_parallel(net: train_gpt.GPT, comm, axis: str | None = None) -> train_gpt.GPT:
+def tensor_parallel(net: train_gpt.GPT, comm, axis: str | None = None,
+                    scatter_after: tuple[int, ...] = ()) -> train_gpt.GPT:  # fmt: skip
     """``net`` with every block replaced by its TPBlock over mesh ``axis`` (the whole world for
-    None), in place."""
-    net.blocks = nn.ModuleList(TPBlock(b, comm, axis) for b in net.blocks)
+    None), in place; the blocks numbered in ``scatter_after`` end with this rank's part of the
+    sequence."""
+    net.blocks = nn.ModuleList(TPBlock(b, comm, axis, scatter_output=i in scatter_after)
+                               for i, b in enumerate(net.blocks))  # fmt: skip
     return net
 
 

@@ -37,17 +37,21 @@ def test_data_x_tensor_parallel_training_follows_one_process():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule, tp, whole", [("1f1b", 1, False), ("gpipe", 1, False),
-                                                 ("1f1b", 2, False), ("gpipe", 2, True)])
-def test_pipeline_training_follows_one_process(schedule, tp, whole):
+@pytest.mark.parametrize("schedule, tp, boundary", [
+    ("1f1b", 1, "fused"), ("gpipe", 1, "fused"), ("1f1b", 2, "fused"), ("gpipe", 2, "sliced"),
+    ("1f1b", 2, "whole")])  # fmt: skip
+def test_pipeline_training_follows_one_process(schedule, tp, boundary):
     # pp 2 (x tp 2: 4 ranks, each stage's blocks coconet.nn layers over its own tp group; the
-    # boundary sliced over tp, or whole activations)
+    # boundary fused (stage 0 ends with a reduce_scatter of the tokens), sliced over tp, or
+    # whole activations)
     proc = _run("train_gpt_pp.py", "--steps", "4", "--d-model", "32", "--layers", "2",
                 "--micro", "4", "--batch", "8", "--schedule", schedule, "--tp", str(tp),
-                "--tolerance", "1e-5", *(["--whole-boundary"] if whole else []))  # fmt: skip
+                "--tolerance", "1e-5", "--boundary", boundary)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     if tp > 1:
-        assert ("whole activations" if whole else "1/2 slices, all_gathered") in proc.stdout
+        said = {"fused": "1/2 of the tokens from a reduce_scatter",
+                "sliced": "1/2 slices of the whole activation", "whole": "whole activations"}
+        assert said[boundary] in proc.stdout, proc.stdout[-2000:]
     assert re.search(r"max relative\): \S+ \(tolerance 1e-05\)", proc.stdout)
     held = [int(n) for n in re.findall(r"at most (\d+) micro-batches", proc.stdout)]
     assert held == ([4, 4] if schedule == "gpipe" else [2, 1]), proc.stdout

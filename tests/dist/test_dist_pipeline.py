@@ -92,10 +92,15 @@ def test_a_boundary_sliced_over_tp_trains_like_one_process():
     results = spawn(pipeline_workers.sliced_boundaries, Mesh(pp=2, tp=2), ["1f1b", "gpipe"],
                     options=CommOptions(timeout=30), timeout=100)  # fmt: skip
     for global_rank, by_case in enumerate(results):
-        assert len(by_case) == 4
+        assert len(by_case) == 6
         for case, out in by_case.items():
             assert out["grads"] <= 1e-5, (global_rank, case, out)
-            assert out["sent"] == ([(8,)] if global_rank % 2 == 0 else [(7,)]), out  # 15 = 8 + 7
-            assert out["links"] == [case.split(" ")[0] if case.startswith(GLOO) else SHM], out
+            transport = case.removeprefix("fused ")
+            assert out["links"] == [GLOO if transport.startswith(GLOO) else SHM], (case, out)
+            if case.startswith("fused"):
+                # the fused boundary sends each tp rank's part of the 3 rows as it is: 2 and 1
+                assert out["sent"] == ([(2, 6)] if global_rank % 2 == 0 else [(1, 6)]), out
+            else:
+                assert out["sent"] == ([(8,)] if global_rank % 2 == 0 else [(7,)]), out  # 8+7
     for case in results[2]:
         assert all(results[r][case]["loss"] <= 1e-5 for r in (2, 3)), results

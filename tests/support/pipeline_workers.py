@@ -215,9 +215,70 @@ def random_schedules(comm, count: int, seed: int) -> dict:
 
 def sliced_boundaries(comm, schedules: list[str]) -> dict:
     """``sliced_boundary_vs_one_process`` for each schedule, over shared memory and over gloo
-    (the tp all_gathers too)."""
-    return {f"{name} {schedule}": sliced_boundary_vs_one_process(c, schedule)
-            for name, c in _both(comm).items() for schedule in schedules}  # fmt: skip
+    (the tp all_gathers too), and ``fused_boundary_vs_one_process`` over each."""
+    out = {f"{name} {schedule}": sliced_boundary_vs_one_process(c, schedule)
+           for name, c in _both(comm).items() for schedule in schedules}  # fmt: skip
+    out.update({f"fused {name}": fused_boundary_vs_one_process(c, schedules[0])
+                for name, c in _both(comm).items()})  # fmt: skip
+    return out
+
+
+class _MLPToParts(nn.Module):
+    """``x + lin2(gelu(lin1(x)))`` over the tp ranks, ending with this rank's part of the rows:
+    the row-parallel layer reduce_scatters along dim 0 and adds its part of the residual (the
+    fused boundary's sending stage)."""
+
+    def __init__(self, lin1: nn.Linear, lin2: nn.Linear, comm) -> None:
+        super().__init__()
+        from coconet.nn import ColumnParallelLinear, RowParallelLinear
+
+        self.col = ColumnParallelLinear.from_linear(lin1, comm=comm, axis="tp")
+        self.row = RowParallelLinear.from_linear(lin2, comm=comm, axis="tp",
+                                                 sequence_parallel=True, sequence_dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.row(F.gelu(self.col(x)), residual=x)
+
+
+def fused_boundary_vs_one_process(comm, schedule: str) -> dict:
+    """Mesh(pp=2, tp=2), the paper's fused boundary: stage 0 (coconet.nn layers over tp) ends with
+    each tp rank's uneven part of the rows (3 rows: 2 and 1), sent as it is
+    (``slice_dim=0``); stage 1 all_gathers the parts and returns each rank its part of the input
+    gradient. Every gradient (stage 0's shards, stage 1's) and the loss equal one process."""
+    width, hidden, rows, micro = 6, 8, 3, 4
+    torch.manual_seed(4)
+    lin1, lin2, head = nn.Linear(width, hidden), nn.Linear(hidden, width), nn.Linear(width, width)
+    index = comm.mesh.index_in(comm.rank, "pp")
+    tp = comm.mesh.index_in(comm.rank, "tp")
+    mine = nn.Linear(width, width)
+    mine.load_state_dict(head.state_dict())  # stage 1's own copy (the reference uses head)
+    stage = _MLPToParts(lin1, lin2, comm) if index == 0 else nn.Sequential(mine, nn.Tanh())
+    pipe = Pipeline(stage, comm, micro_batches=micro, activation_shape=(rows, width),
+                    loss_fn=F.mse_loss, schedule=schedule, slice_over="tp", slice_dim=0)
+    gen = torch.Generator().manual_seed(6)
+    x, t = torch.randn(micro * rows, width, generator=gen), torch.randn(micro * rows, width,
+                                                                      generator=gen)  # fmt: skip
+    loss = pipe.step(x if pipe.is_first else None, t if pipe.is_last else None)
+    h = x + lin2(F.gelu(lin1(x)))
+    ref_loss = F.mse_loss(torch.tanh(head(h)), t)
+    ref_loss.backward()
+
+    def err(got: torch.Tensor, want: torch.Tensor) -> float:
+        return (got - want).abs().max().item() / want.abs().max().item()
+
+    if index == 0:
+        lo, hi = slice_bounds(hidden, 2, tp)
+        worst = max(err(stage.col.weight.grad, lin1.weight.grad[lo:hi]),
+                    err(stage.col.bias.grad, lin1.bias.grad[lo:hi]),
+                    err(stage.row.weight.grad, lin2.weight.grad[:, lo:hi]),
+                    err(stage.row.bias.grad, lin2.bias.grad))  # fmt: skip
+    else:
+        worst = max(err(mine.weight.grad, head.weight.grad), err(mine.bias.grad, head.bias.grad))
+    out = {"grads": worst, "sent": list(pipe.shapes), "links": _kinds(pipe)}
+    pipe.close()
+    if loss is not None:
+        out["loss"] = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    return out
 
 
 def sliced_boundary_vs_one_process(comm, schedule: str) -> dict:

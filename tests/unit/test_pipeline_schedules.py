@@ -219,6 +219,18 @@ def test_pipeline_takes_a_built_schedule_and_proves_it():
         Pipeline(stage, _fake_comm(2, rank=1), micro_batches=3, schedule=blocking, **kw)
 
 
+def test_slice_dim_is_refused_without_slice_over_or_outside_the_activation():
+    import torch.nn.functional as F
+    from torch import nn
+
+    from coconet.errors import ConfigError
+    from coconet.pipeline import Pipeline
+
+    kw = dict(activation_shape=(2, 4), loss_fn=F.mse_loss, micro_batches=2)
+    with pytest.raises(ConfigError, match="slice_dim needs slice_over"):
+        Pipeline(nn.Linear(4, 4), _fake_comm(2), slice_dim=0, **kw)
+
+
 def test_a_send_before_the_compute_that_makes_it_is_refused():
     # found by tests/dist's random schedules: the messages still pair, the tensor is not there
     schedule = gpipe(2, 2, (4,))

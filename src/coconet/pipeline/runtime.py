@@ -28,6 +28,13 @@ of it (flattened) to its peer of the next stage, which all_gathers the slices ov
 group (``comm.along("tp")``, shared memory on one host); gradients go back the same way. Every
 tp rank's pipeline runs the same steps, each proven by ``check`` with its slice's shape, and the
 all_gathers join a stage's tp ranks at the same step of each, so the proof carries over.
+With ``slice_dim`` the boundary is the paper's fused one (``ol_RS_fuse_P2P_C_AG`` in training):
+the stage's output is already this rank's part along that dim, made by its last layer's
+reduce_scatter with the bias, dropout and residual applied to the part alone
+(``coconet.nn.RowParallelLinear(sequence_parallel=True)`` given the whole residual), so no rank
+computes a whole activation only to send a slice of it; the part is sent as it is, the next
+stage all_gathers the parts along that dim, and the gradient goes back as this rank's part of
+the whole input gradient there.
 
 The activations' shape and dtype are declared (``activation_shape``: one micro-batch's, or one
 per boundary), as Megatron's ``tensor_shape``: the schedule is proven with them, the
@@ -78,6 +85,7 @@ class Pipeline:
         axis: str | None = "pp",
         dtype: torch.dtype = torch.float32,
         slice_over: str | None = None,
+        slice_dim: int | None = None,
     ) -> None:
         if not isinstance(stage, nn.Module):
             raise ConfigError(
@@ -102,10 +110,26 @@ class Pipeline:
         self.shapes = _boundary_shapes(activation_shape, self.stages)
         self.full_shapes = list(self.shapes)  # what crosses each boundary, logically
         self.slicer = self._slicer(slice_over, axis)
-        if self.slicer is not None:
+        self.slice_dim = _slice_dim(slice_dim, slice_over, self.full_shapes)
+        if self.slicer is None:
+            self.slice_dim = None  # one rank along slice_over: its part is the whole
+        if self.slicer is not None and self.slice_dim is None:
             # each rank of the slicing group sends its contiguous 1/T of the flattened tensor
             self.parts = [_parts(math.prod(sh), self.slicer.world) for sh in self.full_shapes]
             self.shapes = [(p[self.slicer.rank],) for p in self.parts]
+        elif self.slicer is not None:
+            # the stage's output is already this rank's part along slice_dim: sent as it is
+            d, rank = self.slice_dim, self.slicer.rank
+            self.parts = [_parts(sh[d], self.slicer.world) for sh in self.full_shapes]
+            self.shapes = [sh[:d] + (p[rank],) + sh[d + 1 :]
+                           for sh, p in zip(self.full_shapes, self.parts, strict=True)]  # fmt: skip
+            if any(0 in p for p in self.parts):
+                raise ConfigError(
+                    f"Pipeline: slice_dim={d} of {self.full_shapes} over "
+                    f"{self.slicer.world} ranks leaves a rank nothing to send",
+                    op="Pipeline",
+                    hint="slice a dim at least as long as the slicing group (the sequence)",
+                )
         if self.index == self.stages - 1 and loss_fn is None:
             raise ConfigError("Pipeline: the last stage needs loss_fn(output, target)",
                               op="Pipeline", hint="loss_fn=torch.nn.functional.cross_entropy")
@@ -316,14 +340,24 @@ class Pipeline:
         of the group's ranks all_gathered (the same on each of them)."""
         if self.slicer is None:
             return part
+        if self.slice_dim is not None and a.kind is Kind.RECV_GRADIENT:
+            return part  # the gradient of this rank's part: what its sliced output needs
         boundary = self._boundary_of(a)
         sub = self.slicer
-        work = sub.all_gather_start(part, dim=0, parts=self.parts[boundary],
+        dim = 0 if self.slice_dim is None else self.slice_dim
+        work = sub.all_gather_start(part, dim=dim, parts=self.parts[boundary],
                                     axis=sub.mesh.names[0], label=a.describe())  # fmt: skip
         return sub.wait(work).view(self.full_shapes[boundary])
 
     def _outgoing(self, t: torch.Tensor | None, a: Action) -> torch.Tensor:
-        if self.slicer is not None and t is not None:
+        if self.slice_dim is not None and t is not None and a.kind is Kind.SEND_GRADIENT:
+            # the gradient of the whole activation this stage received: this rank's part of it,
+            # the gradient of the previous stage's sliced output
+            full = self.full_shapes[self._boundary_of(a)]
+            if tuple(t.shape) == full:
+                d, parts = self.slice_dim, self.parts[self._boundary_of(a)]
+                t = t.detach().narrow(d, sum(parts[: self.slicer.rank]), parts[self.slicer.rank])
+        elif self.slicer is not None and self.slice_dim is None and t is not None:
             full = self.full_shapes[self._boundary_of(a)]
             if tuple(t.shape) != full or t.dtype != self.dtype:
                 got = f"{list(t.shape)} {t.dtype}"
@@ -355,6 +389,27 @@ _KIND_WORD = {Kind.SEND_ACTIVATION: 1, Kind.RECV_ACTIVATION: 1, Kind.SEND_GRADIE
 def _words(a: Action) -> tuple[int, int]:
     """The two header words of ``a``'s message: its kind and micro-batch."""
     return _KIND_WORD[a.kind], a.micro_batch
+
+
+def _slice_dim(dim: Any, slice_over: str | None, shapes: list[tuple[int, ...]]) -> int | None:
+    """``slice_dim`` checked against every boundary's shape (made non-negative)."""
+    if dim is None:
+        return None
+    if slice_over is None:
+        raise ConfigError(
+            "Pipeline: slice_dim needs slice_over (the axis whose ranks hold the parts)",
+            op="Pipeline",
+            hint="Pipeline(..., slice_over='tp', slice_dim=1): each tp rank's stage outputs its "
+            "part of the sequence",
+        )
+    rank = min(len(sh) for sh in shapes)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+        raise ConfigError(
+            f"Pipeline: slice_dim={dim!r} is not a dim of every boundary's activation {shapes}",
+            op="Pipeline",
+            hint="the dim along which the stage's last layer reduce_scatters (the sequence)",
+        )
+    return dim % rank
 
 
 def _parts(numel: int, n: int) -> list[int]:
