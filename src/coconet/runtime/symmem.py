@@ -98,7 +98,7 @@ class WaitPolicy:
     fill this machine's 2, and other jobs run beside them) a spinning waiter keeps the core its
     peer needs: ``benchmarks/small_steps.py`` (``--wait``), an 8 KiB all_reduce, in a run at load
     2-4: yield 35 us, spin 20 us then yield 46 us, spin only 514 us, sleep at once 129 us; in
-    results/small_steps.txt (load 1-2.5): 14.4, 12.8, 12.2 and 107 us. The
+    results/small_steps.txt (another CPU, load 1.4-2.1): 10.7, 12.2, 8.5 and 91.2 us. The
     sleeps after 2 ms stop a rank that waits long (a peer computing or compiling) from keeping
     its core busy."""
 
