@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from support import agreement_workers
+from support.safety_workers import assert_same_fault
 
 from coconet.runtime import CommOptions, spawn
 
@@ -23,14 +24,7 @@ def checked(request):
 
 
 def _same_fault(results, label, *fragments):
-    for rank, out in enumerate(results):
-        got = out[label]
-        assert got["status"] == "RuntimeFault", f"rank {rank}, {label}: {got}"
-        for fragment in fragments:
-            assert fragment in got["message"], f"rank {rank}, {label}: {got['message']}"
-        assert got["unchanged"], f"rank {rank}, {label}: a refused step changed a tensor"
-        assert got["seconds"] < TIMEOUT / 4, f"rank {rank}, {label}: waited {got['seconds']} s"
-    assert results[0][label]["message"] == results[1][label]["message"], label
+    assert_same_fault(results, label, *fragments, within=TIMEOUT / 4)
 
 
 @pytest.mark.timeout(160)

@@ -20,14 +20,7 @@ def _options(transport: str) -> CommOptions:
 
 
 def _same_fault_everywhere(results, label, *fragments):
-    for rank, out in enumerate(results):
-        got = out[label]
-        assert got["status"] == "RuntimeFault", f"rank {rank}, {label}: {got}"
-        for fragment in fragments:
-            assert fragment in got["message"], f"rank {rank}, {label}: {got['message']}"
-        assert got["unchanged"], f"rank {rank}, {label}: a refused step changed a tensor"
-        assert got["seconds"] < TIMEOUT / 4, f"rank {rank}, {label}: waited {got['seconds']} s"
-    assert results[0][label]["message"] == results[1][label]["message"]
+    safety_workers.assert_same_fault(results, label, *fragments, within=TIMEOUT / 4)
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

@@ -46,6 +46,20 @@ def expected(world: int, seed: int = 0) -> dict:
     return {k: result.updated(k) for k in ("p", "m")}
 
 
+def assert_same_fault(results: list[dict], label: str, *fragments: str, within: float) -> None:
+    """Every rank's ``results[rank][label]`` (an ``_attempt``) is the same ``RuntimeFault``, with
+    each of ``fragments`` in its message, raised within ``within`` seconds, with the caller's
+    tensors unchanged (the parent's check of a refusal on every rank)."""
+    for rank, out in enumerate(results):
+        got = out[label]
+        assert got["status"] == "RuntimeFault", f"rank {rank}, {label}: {got}"
+        for fragment in fragments:
+            assert fragment in got["message"], f"rank {rank}, {label}: {got['message']}"
+        assert got["unchanged"], f"rank {rank}, {label}: a refused step changed a tensor"
+        assert got["seconds"] < within, f"rank {rank}, {label}: waited {got['seconds']} s"
+    assert all(out[label]["message"] == results[0][label]["message"] for out in results), label
+
+
 def _attempt(step, mine: dict) -> dict:
     """Run one step: what it raised (type, message), how long it took, whether every tensor of
     ``mine`` kept its values."""

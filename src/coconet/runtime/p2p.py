@@ -269,13 +269,7 @@ class PeerChannels:
                                     w.aborts, symmem.WAIT.spin_s, symmem.WAIT.yield_s)  # fmt: skip
         if late < 0:
             return
-        why = self._why.value
-        if why == 3:
-            cause = "the peer rank aborted its step (it failed or was interrupted)"
-        elif why == 2:
-            cause = "the peer rank died"
-        else:
-            cause = f"no answer within {self.timeout:g} s: the peer rank stalled or died"
+        cause = symmem.wait_cause(self._why.value, self.timeout, "the peer rank")
         have = int(self.lib.cn_load_acquire(w.address))
         raise RuntimeFault(
             f"{what} did not complete: {cause}",

@@ -34,7 +34,7 @@ import torch
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.runtime.native import sync_library
 
-__all__ = ["Phase", "SymmetricMemory", "WaitPolicy", "host_identity"]
+__all__ = ["Phase", "SymmetricMemory", "WaitPolicy", "host_identity", "wait_cause"]
 
 _LINE = 64  # bytes per signal: one cache line each, so writers never share a line
 _MAGIC = 0x636F636F6E657431  # "coconet1": the header word a mapper checks
@@ -82,6 +82,16 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def wait_cause(why: int, timeout: float, peer: str = "a peer rank") -> str:
+    """Why ``cn_wait_all`` gave up, in words (``why``: 3 the peer aborted, 2 it died, else the
+    deadline passed)."""
+    if why == 3:
+        return f"{peer} aborted its step (it failed or was interrupted)"
+    if why == 2:
+        return f"{peer} died"
+    return f"no answer within {timeout:g} s: {peer} stalled or died"
 
 
 @dataclass(frozen=True)
@@ -287,14 +297,8 @@ class SymmetricMemory:
 
     def _fail(self, peer: int, phase: Phase, epoch: int, why: int) -> None:
         """The ``RuntimeFault`` of a wait that gave up on ``peer`` (``why``: cn_wait_all's)."""
-        if why == 3:
-            cause = "a peer rank aborted its step (it failed or was interrupted)"
-        elif why == 2:
-            cause = "a peer rank died"
-        else:
-            cause = f"no answer within {self.timeout:g} s: a peer rank stalled or died"
         raise RuntimeFault(
-            cause,
+            wait_cause(why, self.timeout),
             op="shared memory",
             details=[
                 f"waiting for group rank {peer} (pid {self.pids[peer]}) to reach "
