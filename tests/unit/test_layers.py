@@ -33,8 +33,9 @@ ALLOWED: dict[str, set[str]] = {
     "dsl": {"ir"},
     "ops": {"dsl"},
     "sim": {"ir"},
-    # pipeline schedules and their proof: plain data, errors only
-    "pipeline": {"runtime"},
+    # pipeline schedules and their proof (plain data), and the stages run over the runtime's
+    # communicator and channels (which transport each link takes: options' TransportKind)
+    "pipeline": {"runtime", "options"},
     # reverse mode: an IR -> IR transform reading the op specs' vector-Jacobian rules
     "autodiff": {"ir"},
     "accounting": {"ir"},
