@@ -446,10 +446,11 @@ class Communicator:
 
     # -- the step's agreement, when a step puts it off (coconet.runtime.handshake) -------------
 
-    def defer_agreement(self, deferred: Deferred) -> None:
+    def defer_agreement(self, deferred: Deferred | None) -> None:
         """Put the running step's agreement off until its all_reduce ``deferred.label`` (the
         step's first communication), which it then rides with. Any other communication first
-        settles it on its own (``settle_deferred``), so nothing moves before it."""
+        settles it on its own (``settle_deferred``), so nothing moves before it. None: drop
+        what is put off (the step ended)."""
         self._deferred = deferred
 
     def settle_deferred(self) -> None:
