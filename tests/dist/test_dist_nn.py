@@ -59,6 +59,18 @@ def test_paper_schedules_of_the_layers_equal_torch():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("tokens,transport", [(7, "shared memory"), (9, "torch.distributed"),
+                                              (3, "shared memory")])
+def test_sequence_parallel_schedules_equal_torch(tokens, transport):
+    """ol_AG_MM, ol_MM_RS_C, ol_sequence_parallel and auto on a sequence-parallel MLP (dropout,
+    residual), uneven tokens (3: fewer rows per rank than chunks), both transports."""
+    options = CommOptions(timeout=60, transport=transport)
+    results = spawn(nn_workers.sequence_parallel_schedules_vs_torch, 2, tokens, options=options,
+                    timeout=280)  # fmt: skip
+    _assert_within(results)
+
+
+@pytest.mark.timeout(300)
 def test_torch_compile_of_a_model_holding_layers():
     results = spawn(nn_workers.compiled_model_vs_torch, 2, options=OPTIONS, timeout=280)
     _assert_within(results)

@@ -190,6 +190,17 @@ def test_a_gradient_in_symmetric_memory_is_read_in_place(clean_host):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_symmetric_tensors_of_uneven_shapes(nproc, clean_host):
+    """Every rank its own shape: no rank fails alone (the others were left in the next
+    collective until the timeout), the gather equals its meaning, and only even ones are read
+    in place."""
+    for out in spawn(shm_workers.uneven_symmetric, nproc, options=OPTIONS, timeout=80):
+        assert out == {"gathered": True, "reduced": True, "uneven_read_in_place": False,
+                       "even_read_in_place": True}, out
+
+
+@pytest.mark.timeout(90)
 def test_a_swapping_commit_equals_a_copying_one(clean_host):
     for out in spawn(shm_workers.swap_commit, 2, 1001, options=OPTIONS, timeout=80):
         assert out["equal"]

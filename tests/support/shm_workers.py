@@ -415,3 +415,27 @@ def one_shot_fault(comm: Communicator, how: str, words: bool) -> str:
     except Exception as e:  # noqa: BLE001 - reported to the test
         return f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}"
     return "no error"
+
+
+def uneven_symmetric(comm) -> dict:
+    """``comm.symmetric_tensor`` with a different shape on each rank (a sequence's uneven
+    slices): every rank gets its tensor (none fails alone and leaves the others in a collective),
+    the collectives that read it equal their meaning (it is copied in, not read in place with
+    this rank's size taken for the peers'), and a later even one is read in place as before."""
+    rows = [3 + r for r in range(comm.world)]  # 3, 4, ...: uneven
+    t = comm.symmetric_tensor((rows[comm.rank], 5), torch.float32)
+    t.copy_(torch.arange(rows[comm.rank] * 5, dtype=torch.float32).view(-1, 5) + 100 * comm.rank)
+    whole = comm.wait(comm.all_gather_start(t, dim=0, parts=rows, axis=None, label="uneven"))
+    want = torch.cat([torch.arange(n * 5, dtype=torch.float32).view(-1, 5) + 100 * r
+                      for r, n in enumerate(rows)])  # fmt: skip
+    even = comm.symmetric_tensor((4, 5), torch.float32)
+    even.fill_(comm.rank + 1.0)
+    total = comm.wait(comm.all_reduce_start(even, ReduceOp.SUM, axis=None, donate=True,
+                                            label="even"))  # fmt: skip
+    st = comm.route(None)[1].handle  # the world's shared-memory group
+    return {
+        "gathered": bool(torch.equal(whole, want)),
+        "reduced": bool(torch.equal(total, torch.full((4, 5), comm.world * (comm.world + 1) / 2))),
+        "uneven_read_in_place": t.data_ptr() in st.registered,
+        "even_read_in_place": even.data_ptr() in st.registered,
+    }

@@ -57,11 +57,16 @@ def read_in_chunks(consumer: Node, k: int, value: Node, members: set[str], rows)
 def assemble_rows(pieces: list[torch.Tensor], order: torch.Tensor | None) -> torch.Tensor:
     """A value from its chunks: ``order`` lists the local row of each row of the concatenated
     chunks (None: the chunks are consecutive rows already)."""
-    whole = torch.cat(pieces)
     if order is None:
-        return whole
-    out = torch.empty_like(whole)
-    out.index_copy_(0, order, whole)
+        return torch.cat(pieces)
+    # each chunk copied once, straight to its rows (a concatenation first would copy twice)
+    first = pieces[0]
+    out = first.new_empty((sum(p.shape[0] for p in pieces), *first.shape[1:]))
+    start = 0
+    for piece in pieces:
+        stop = start + piece.shape[0]
+        out.index_copy_(0, order[start:stop], piece)
+        start = stop
     return out
 
 

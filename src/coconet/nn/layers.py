@@ -14,7 +14,11 @@ length runs the same step).
   the input gradient's partial sums are all_reduced (reduce_scattered along the sequence).
 - ``schedule=``: one of the paper's layer schedules (``"MM_AR_C"``, ``"MM_RS_C_AG"``,
   ``"ol_MM_fuse_RS_C_AG"``) or a function Program -> Schedule, applied to the program that has
-  the layer's all_reduce (a row-parallel forward; a column-parallel backward).
+  the layer's all_reduce (a row-parallel forward; a column-parallel backward). With
+  ``sequence_parallel``: ``"ol_AG_MM"`` (the all_gather overlapped with the matmul it feeds: a
+  column-parallel forward, a row-parallel backward), ``"ol_MM_RS_C"`` (the matmul overlapped
+  with its reduce_scatter: a row-parallel forward, a column-parallel backward) or
+  ``"ol_sequence_parallel"`` (both). ``"auto"`` tunes each program with ``coconet.tune``.
 - ``RowParallelLinear``: ``x`` Sliced on its last dim (``input_is_parallel``; else its slice is
   taken), the weight sliced by input features: the partial products are all_reduced
   (reduce_scattered along the sequence), then bias, ``dropout`` (coconet's counter-based mask:
@@ -64,30 +68,13 @@ class Residual(enum.Enum):
     WHOLE = "whole"  # in sequence parallel, the whole sequence: its slice taken in the program
 
 
-# The paper's schedules of a tensor-parallel layer, by name (coconet.schedule.paper): each works
-# on the layer's all_reduce, in the program that has it (a row-parallel layer's forward, a
-# column-parallel layer's backward: the input gradient's partial sums).
-SCHEDULES: dict[str, Callable[[Program], Schedule]] = {
-    "MM_AR_C": paper.MM_AR_C,
-    "MM_RS_C_AG": paper.MM_RS_C_AG,
-    "ol_MM_fuse_RS_C_AG": paper.ol_MM_fuse_RS_C_AG,
-}
+class _Named(NamedTuple):
+    """A layer schedule by name: the form of layer it is for, and which of the layer's programs
+    (forward, backward) it schedules."""
 
-LayerSchedule = str | Callable[[Program], Schedule] | None
-AUTO = "auto"  # the tuner's choice per program and input shape (coconet.tune)
-
-
-def _schedule_of(schedule: Any, who: str) -> Callable[[Program], Schedule] | str | None:
-    if schedule is None or callable(schedule) or schedule == AUTO:
-        return schedule
-    if isinstance(schedule, str) and schedule in SCHEDULES:
-        return SCHEDULES[schedule]
-    raise ConfigError(
-        f"{who}: schedule={schedule!r} is not a layer schedule",
-        op=who,
-        hint="one of " + ", ".join(repr(k) for k in SCHEDULES) + ", 'auto' (the tuner's choice "
-        "per input shape), a function Program -> Schedule, or None (the program as written)",
-    )
+    make: Callable[[Program], Schedule]
+    applies: Callable[[Program], bool]
+    sequence_parallel: bool  # for layers with sequence_parallel=True (else without)
 
 
 def _schedulable(program: Program) -> bool:
@@ -96,6 +83,64 @@ def _schedulable(program: Program) -> bool:
     nothing to fuse or move: its all_reduce runs as it is)."""
     reduced = [n.name for n in program.nodes if n.op is Op.ALL_REDUCE and n.type.rank]
     return len(reduced) == 1 and bool(Schedule(program).computations(reduced[0]))
+
+
+def _has_chain(kind: str | None) -> Callable[[Program], bool]:
+    def applies(program: Program) -> bool:
+        chains = paper.sequence_parallel_chains(program)
+        return any(chains.values()) if kind is None else bool(chains[kind])
+
+    return applies
+
+
+# Chunks of the sequence-parallel overlaps: each chunk is one collective and one matmul call
+# (tens of microseconds each), so a few are enough to overlap the two.
+SP_CHUNKS = 4
+
+# The layer schedules, by name (coconet.schedule.paper). Without sequence parallelism each works
+# on the layer's all_reduce, in the program that has it (a row-parallel forward, a
+# column-parallel backward: the input gradient's partial sums). With it, on the all_gather that
+# feeds a matmul (a column-parallel forward, a row-parallel backward) and on the matmul that
+# feeds a reduce_scatter (a row-parallel forward, a column-parallel backward).
+SCHEDULES: dict[str, _Named] = {
+    "MM_AR_C": _Named(paper.MM_AR_C, _schedulable, False),
+    "MM_RS_C_AG": _Named(paper.MM_RS_C_AG, _schedulable, False),
+    "ol_MM_fuse_RS_C_AG": _Named(paper.ol_MM_fuse_RS_C_AG, _schedulable, False),
+    "ol_AG_MM": _Named(lambda p: paper.overlap_every_chain(p, "ol_AG_MM", SP_CHUNKS),
+                       _has_chain("ol_AG_MM"), True),
+    "ol_MM_RS_C": _Named(lambda p: paper.overlap_every_chain(p, "ol_MM_RS_C", SP_CHUNKS),
+                         _has_chain("ol_MM_RS_C"), True),
+    "ol_sequence_parallel": _Named(lambda p: paper.ol_sequence_parallel(p, SP_CHUNKS),
+                                   _has_chain(None), True),
+}
+
+LayerSchedule = str | Callable[[Program], Schedule] | None
+AUTO = "auto"  # the tuner's choice per program and input shape (coconet.tune)
+
+
+def _schedule_of(schedule: Any, who: str, sequence_parallel: bool) -> _Named | str | None:
+    if schedule is None or schedule == AUTO:
+        return schedule
+    if callable(schedule):  # the user's own: applied where a named one without SP would be
+        return _Named(schedule, _schedulable, sequence_parallel)
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        named = SCHEDULES[schedule]
+        if named.sequence_parallel != sequence_parallel:
+            fitting = [k for k, v in SCHEDULES.items() if v.sequence_parallel == sequence_parallel]
+            raise ConfigError(
+                f"{who}: schedule={schedule!r} is for a layer "
+                f"{'with' if named.sequence_parallel else 'without'} sequence parallelism; this "
+                f"one has sequence_parallel={sequence_parallel}",
+                op=who,
+                hint="one of " + ", ".join(repr(k) for k in fitting) + ", or 'auto'",
+            )
+        return named
+    raise ConfigError(
+        f"{who}: schedule={schedule!r} is not a layer schedule",
+        op=who,
+        hint="one of " + ", ".join(repr(k) for k in SCHEDULES) + ", 'auto' (the tuner's choice "
+        "per input shape), a function Program -> Schedule, or None (the program as written)",
+    )
 
 
 def _compiled(target: Any, comm: Communicator, fused: bool):
@@ -127,10 +172,12 @@ class _Steps:
         return self.backward[needs]
 
     def _scheduled(self, program: Program) -> Program | Schedule:
-        if self.schedule is None or not _schedulable(program):
+        if self.schedule is None:
             return program
         if self.schedule != AUTO:
-            return self.schedule(program)
+            return self.schedule.make(program) if self.schedule.applies(program) else program
+        if not (_schedulable(program) or _has_chain(None)(program)):
+            return program  # nothing the tuner could schedule
         from coconet.tune import tune  # imported when first asked for: it is heavy
 
         result = tune(
@@ -144,8 +191,9 @@ class _Steps:
 
 
 def program_axis(program: Program) -> str | None:
-    """The mesh axis of the program's all_reduce (what runs it decides the transport)."""
-    return next(n.attr("axis") for n in program.nodes if n.op is Op.ALL_REDUCE)
+    """The mesh axis of the program's first collective (what runs it decides the transport)."""
+    return next(n.attr("axis") for n in program.nodes
+                if n.op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER))  # fmt: skip
 
 
 class _Apply(torch.autograd.Function):
@@ -194,7 +242,7 @@ class _ParallelLinear(nn.Module):
         device: Any,
     ) -> None:
         super().__init__()
-        self.schedule = _schedule_of(schedule, type(self).__name__)
+        self.schedule = _schedule_of(schedule, type(self).__name__, bool(sequence_parallel))
         if not isinstance(comm, Communicator):
             raise ConfigError(
                 f"{type(self).__name__} needs the communicator of its ranks, got {comm!r}",
@@ -312,6 +360,13 @@ class _ParallelLinear(nn.Module):
         if steps is None:
             program = self._program(x.dim(), DType.from_torch(x.dtype), kind)
             sizes = {d.name: n for d, n in zip(self._dims(x.dim()), x.shape, strict=False)}
+            if self.schedule == AUTO and self.sequence_parallel and self.parts > 1:
+                # the tuner measures at sizes every rank names alike: the whole sequence's
+                # length, not this rank's part of it (collective, as the tuning that follows)
+                dim = self._seq_layout(x.dim()).dim
+                mine = int(x.shape[dim])
+                sizes[self._dims(x.dim())[dim].name] = sum(
+                    self.comm.exchange(mine, f"{type(self).__name__}: the sequence's length"))
             steps = self._programs[key] = _Steps(program, self.comm, self.fused_kernels,
                                                  self.schedule, sizes, dict(scalars))  # fmt: skip
         if not (torch.is_grad_enabled() and needs):

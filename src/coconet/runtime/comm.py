@@ -522,7 +522,10 @@ class Communicator:
         """A tensor for a collective's input along ``axis`` that every peer maps, so the
         collective reads it in place instead of copying it in (as DDP's gradient buckets are
         views into what its all_reduce reads). Collective over the group: every rank calls it
-        at the same point, with the same shape. Off shared memory it is an ordinary tensor.
+        at the same point, with its own shape: where the shapes differ (a sequence's uneven
+        slices) each rank still gets its tensor, and collectives copy it in as any other (a peer
+        read in place would be taken at this rank's size). Off shared memory it is an ordinary
+        tensor.
 
         Its content is the caller's: a collective that reads it may return before a peer has
         finished reading it only when the step's own structure guarantees the peer is done

@@ -113,6 +113,7 @@ class ShmGroup:
         # tensors that live in symmetric memory of their own (a gradient bucket): data pointer ->
         # (their memory, numel, dtype); a collective reads the peers' copies in place
         self.registered: dict[int, tuple[SymmetricMemory, int, torch.dtype]] = {}
+        self._uneven: list[SymmetricMemory] = []  # registered with sizes that differ by rank
         self.open_registered = False  # the open one-pass unit reads a registered input in place
         # host replicas (``HostReplica``), by the data pointer of each of their two buffers
         self.replicas: dict[int, HostReplica] = {}
@@ -140,6 +141,12 @@ class ShmGroup:
         numel = _numel(shape)
         mem = self._segment(max(1, numel) * torch.empty((), dtype=dtype).element_size())
         t = mem.buffer(self.index, dtype, numel).view(tuple(shape))
+        if len(set(mem.peer_bytes)) > 1:
+            # The ranks asked for different sizes (an uneven slice of a sequence): a collective
+            # that read the peers' copies in place would take this rank's size for theirs, so
+            # it copies this tensor in as any other. Every rank sees every size: all decide alike.
+            self._uneven.append(mem)  # kept mapped as long as the group
+            return t
         self.registered[t.data_ptr()] = (mem, numel, dtype)
         self._copies[t.data_ptr()] = [mem.buffer(j, dtype, numel) for j in range(self.size)]
         return t
@@ -279,7 +286,7 @@ class ShmGroup:
 
     def abort(self) -> None:
         """Tell the peers that this rank's step failed: their waits on it fail at once."""
-        for mem in (self.mem, *(m for m, _, _ in self.registered.values())):
+        for mem in (self.mem, *(m for m, _, _ in self.registered.values()), *self._uneven):
             if mem is not None:
                 mem.abort()
 
@@ -287,9 +294,10 @@ class ShmGroup:
         if self.mem is not None:
             self.mem.close()
             self.mem = None
-        for mem, _, _ in self.registered.values():
+        for mem in (*(m for m, _, _ in self.registered.values()), *self._uneven):
             mem.close()
         self.registered, self._copies, self._areas, self._pointers = {}, {}, {}, {}
+        self._uneven = []
         for r in set(self.replicas.values()):
             r.close()
         self.replicas, self.open_replica = {}, None

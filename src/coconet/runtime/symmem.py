@@ -220,6 +220,11 @@ class SymmetricMemory:
 
     # -- memory ----------------------------------------------------------------------------------
 
+    @property
+    def peer_bytes(self) -> tuple[int, ...]:
+        """The size of every rank's data area, by rank (the same list on every rank)."""
+        return tuple(self._peer_bytes)
+
     def buffer(self, peer: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at byte ``offset`` of ``peer``'s data area."""
         start = SIGNAL_BYTES + offset

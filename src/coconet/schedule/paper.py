@@ -6,6 +6,13 @@ Data-parallel optimizers (SGD, Adam, AdamW, LAMB):
   ``fuse_RS_C_AG``  the same as one fused collective (the update runs inside the collective).
 Tensor-parallel layer (matmul, all_reduce, + bias, dropout, + residual):
   ``MM_AR_C``, ``MM_RS_C_AG``, ``ol_MM_fuse_RS_C_AG`` (the matmul overlapped with the rest).
+Its sequence-parallel form (the all_reduce already split: all_gather in, reduce_scatter out):
+  ``ol_AG_MM``  the all_gather of the sequence overlapped, chunk by chunk, with the matmul it
+                feeds (a column-parallel forward; a row-parallel backward's input gradient);
+  ``ol_MM_RS_C`` the matmul overlapped with its reduce_scatter along the sequence, then
+                bias/dropout/residual on each chunk (a row-parallel forward; a column-parallel
+                backward's input gradient);
+  ``ol_sequence_parallel`` both, wherever they apply (a layer's forward and backward).
 Pipeline-parallel boundary (all_reduce in a stage, send to the next, + residual there):
   ``AR_P2P_C``, ``RS_P2P_C_AG`` (each stage sends 1/T of the data), ``ol_RS_fuse_P2P_C_AG``.
 
@@ -36,8 +43,13 @@ __all__ = [
     "RS_P2P_C_AG",
     "fuse_RS_C_AG",
     "fuse_after",
+    "ol_AG_MM",
+    "ol_MM_RS_C",
     "ol_MM_fuse_RS_C_AG",
     "ol_RS_fuse_P2P_C_AG",
+    "ol_sequence_parallel",
+    "overlap_every_chain",
+    "sequence_parallel_chains",
 ]
 
 
@@ -221,6 +233,160 @@ def ol_MM_fuse_RS_C_AG(  # noqa: N802
     fuse_after(s, rs)
     s.overlap([matmul, rs, *s.downstream(rs)], chunks)
     return s
+
+
+# -- sequence-parallel layer ---------------------------------------------------------------------
+
+
+def sequence_parallel_chains(program: Program) -> dict[str, list[tuple[str, str]]]:
+    """The chains the sequence-parallel schedules overlap, by schedule name.
+
+    ``ol_AG_MM``: (all_gather, matmul) pairs where the matmul takes the gathered value as its
+    left operand, so its rows are the gathered rows (a ``matmul_tn``, which contracts over the
+    rows, is not one). ``ol_MM_RS_C``: (matmul, reduce_scatter) pairs where the reduce_scatter
+    sums that matmul's partial products. Only collectives over dim 0 (the rows: Megatron's
+    ``[sequence, batch, hidden]`` layout) qualify: chunks are cut along the rows.
+    """
+    gathers: list[tuple[str, str]] = []
+    scatters: list[tuple[str, str]] = []
+    for n in program.nodes:
+        if n.op is Op.MATMUL and n.inputs[0].op is Op.ALL_GATHER:
+            ag = n.inputs[0]
+            if ag.inputs[0].type.layout.is_sliced and ag.inputs[0].type.layout.dim == 0:
+                gathers.append((ag.name, n.name))
+        if n.op is Op.REDUCE_SCATTER and n.inputs[0].op is Op.MATMUL and n.type.layout.dim == 0:
+            scatters.append((n.inputs[0].name, n.name))
+    return {"ol_AG_MM": gathers, "ol_MM_RS_C": scatters}
+
+
+def _the_chain(program: Program, schedule: str, value: Any, what: str) -> tuple[str, str]:
+    """The (producer, consumer) pair of ``schedule``'s chain: the program's only one, or the one
+    whose collective is ``value`` (a name, or the DSL Tensor that built it)."""
+    chains = sequence_parallel_chains(program)[schedule]
+    listed = ", ".join(f"{a} -> {b}" for a, b in chains) or "none"
+    if value is None:
+        if len(chains) == 1:
+            return chains[0]
+        if not chains:
+            raise ScheduleError(
+                f"program {program.name} has no {what} to overlap (along dim 0)",
+                op=schedule,
+                hint=f"{schedule} works on a sequence-parallel layer's program (sequence "
+                "dim 0); a layer without sequence parallelism has an all_reduce: "
+                "ol_MM_fuse_RS_C_AG",
+            )
+        raise ScheduleError(
+            f"program {program.name} has {len(chains)} chains of an {what} ({listed}): which one "
+            f"should {schedule} overlap?",
+            op=schedule,
+            hint=f"name its collective, e.g. {schedule}(program, collective="
+            f"{(chains[0][0] if schedule == 'ol_AG_MM' else chains[0][1])!r})",
+        )
+    name = getattr(value, "name", value)
+    for pair in chains:
+        if name in pair:
+            return pair
+    raise ScheduleError(
+        f"collective={value!r} is not in a chain of an {what} of program {program.name}",
+        op=schedule,
+        hint=f"its chains: {listed}",
+    )
+
+
+def ol_AG_MM(  # noqa: N802
+    program: Program, chunks: int = 4, collective: Any = None
+) -> Schedule:
+    """The all_gather of the sequence overlapped, chunk by chunk, with the matmul it feeds.
+
+    Before (a sequence-parallel column-parallel layer)::
+
+        x_full = all_gather(x)          # f32[T, D] Replicated, from Sliced(dim=0)
+        y = matmul(x_full, w_t)         # f32[T, H] Sliced(dim=1)
+
+    After: ``overlap([x_full, y], chunks)``: chunk c's all_gather is in flight while chunk c - 1's
+    rows are multiplied (the all_gather-then-GEMM overlap of Megatron's and torch's asynchronous
+    tensor parallelism). Values are those of the program; a chunked matmul may round its last
+    bit differently (its blocking follows its shape).
+    """
+    chain = _the_chain(program, "ol_AG_MM", collective, _WHAT["ol_AG_MM"])
+    s = Schedule(program, "ol_AG_MM")
+    _OVERLAP_CHAIN["ol_AG_MM"](s, chain, chunks)
+    return s
+
+
+def ol_MM_RS_C(  # noqa: N802
+    program: Program, chunks: int = 4, collective: Any = None
+) -> Schedule:
+    """The matmul overlapped with its reduce_scatter along the sequence, then the computations
+    on the slices (bias, dropout, residual) as one kernel per chunk.
+
+    Before (a sequence-parallel row-parallel layer)::
+
+        partial = matmul(x, w_t)        # f32[T, H] Local (partial sums)
+        y_rs = reduce_scatter(partial)  # f32[T, H] Sliced(dim=0)
+        out = y_rs + b ...              # bias, dropout, residual
+
+    After: ``fuse(computations(y_rs))``, ``overlap([partial, y_rs, ...], chunks)``: chunk c's
+    reduce_scatter is in flight while chunk c + 1's rows are multiplied.
+    """
+    chain = _the_chain(program, "ol_MM_RS_C", collective, _WHAT["ol_MM_RS_C"])
+    s = Schedule(program, "ol_MM_RS_C")
+    _OVERLAP_CHAIN["ol_MM_RS_C"](s, chain, chunks)
+    return s
+
+
+def _overlap_ag_mm(s: Schedule, chain: tuple[str, str], chunks: int) -> None:
+    s.overlap(list(chain), chunks)
+
+
+def _overlap_mm_rs_c(s: Schedule, chain: tuple[str, str], chunks: int) -> None:
+    mm, rs = chain
+    after = s.computations(rs)
+    if after:
+        s.fuse(after)
+    s.overlap([mm, rs, *s.downstream(rs)], chunks)
+
+
+_OVERLAP_CHAIN = {"ol_AG_MM": _overlap_ag_mm, "ol_MM_RS_C": _overlap_mm_rs_c}
+
+
+def overlap_every_chain(program: Program, schedule: str, chunks: int) -> Schedule:
+    """``schedule`` (``"ol_AG_MM"`` or ``"ol_MM_RS_C"``) applied to every chain of its kind in
+    ``program`` (what the tuner uses: a program with two sequence-parallel layers overlaps
+    both). A ScheduleError when there is none."""
+    chains = sequence_parallel_chains(program)[schedule]
+    if not chains:
+        _the_chain(program, schedule, None, _WHAT[schedule])  # raises: there is none
+    s = Schedule(program, schedule)
+    for chain in chains:
+        _OVERLAP_CHAIN[schedule](s, chain, chunks)
+    return s
+
+
+def ol_sequence_parallel(program: Program, chunks: int = 4) -> Schedule:
+    """Every sequence-parallel chain of ``program`` overlapped: each all_gather with the matmul
+    it feeds (``ol_AG_MM``), each matmul with its reduce_scatter and the computations after it
+    (``ol_MM_RS_C``). What a sequence-parallel layer's ``schedule="ol_sequence_parallel"``
+    applies to its forward and its backward (a column-parallel layer gathers in forward and
+    reduce-scatters its input gradient in backward; a row-parallel layer the other way round).
+    A ScheduleError when the program has no chain."""
+    s = Schedule(program, "ol_sequence_parallel")
+    found = sequence_parallel_chains(program)
+    if not any(found.values()):
+        raise ScheduleError(
+            f"program {program.name} has no sequence-parallel chain to overlap (an all_gather "
+            "feeding a matmul, or a matmul feeding a reduce_scatter, along dim 0)",
+            op="ol_sequence_parallel",
+            hint="a layer without sequence parallelism has an all_reduce: ol_MM_fuse_RS_C_AG",
+        )
+    for schedule, chains in found.items():
+        for chain in chains:
+            _OVERLAP_CHAIN[schedule](s, chain, chunks)
+    return s
+
+
+_WHAT = {"ol_AG_MM": "all_gather feeding a matmul",
+         "ol_MM_RS_C": "matmul feeding a reduce_scatter"}
 
 
 # -- pipeline-parallel boundary -----------------------------------------------------------------

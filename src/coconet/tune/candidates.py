@@ -378,6 +378,7 @@ def enumerate_schedules(
         )
     found = Enumeration(program, [None], recipes=["none"])
     seen: dict[str, str] = {program.structural_key(): "unscheduled"}
+    _sequence_parallel(program, chunks, found, seen)
     ars = _tensor_all_reduces(program)
     if not ars:
         return found
@@ -406,6 +407,32 @@ def enumerate_schedules(
         found.schedules.append(s)
         found.recipes.append(recipe)
     return found
+
+
+def _sequence_parallel(program: Program, chunks: Sequence[int], found: Enumeration,
+                       seen: dict[str, str]) -> None:  # fmt: skip
+    """The sequence-parallel layer's overlaps (``paper.ol_AG_MM``, ``paper.ol_MM_RS_C``), each
+    chunk count a candidate: every chain of the kind overlapped (as the recipes above treat
+    every all_reduce alike). A program with no such chain gets none, and no rejection: the
+    recipes are not about it."""
+    for name, chains in paper.sequence_parallel_chains(program).items():
+        if not chains:
+            continue
+        for k in chunks:
+            recipe = f"{name}({k})"
+            try:
+                s = paper.overlap_every_chain(program, name, k)
+            except ScheduleError as e:
+                found.rejected.append(Rejection(recipe, e))
+                continue
+            key = s.program.structural_key()
+            if key in seen:
+                found.duplicates[recipe] = seen[key]
+                continue
+            s.name = recipe
+            seen[key] = recipe
+            found.schedules.append(s)
+            found.recipes.append(recipe)
 
 
 def enumerate_candidates(
