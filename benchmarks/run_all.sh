@@ -77,6 +77,10 @@ done
 "$PY" benchmarks/tensor_parallel.py --json "$R/tensor_parallel.json" \
   --plot "$R/tensor_parallel.png" | tee "$R/tensor_parallel.txt"
 
+# Sequence parallelism (issue 20): the overlapped layer schedules against the programs as written.
+"$PY" benchmarks/sequence_parallel.py --json "$R/sequence_parallel.json" \
+  | tee "$R/sequence_parallel.txt"
+
 # Pipeline parallelism (issue 21): train_gpt's GPT at PP=2, 8 micro-batches, coconet.pipeline's
 # 1F1B and GPipe against torch.distributed.pipelining's and one process, with issue 21's targets.
 "$PY" benchmarks/pipeline_parallel.py --json "$R/pipeline_parallel.json" \

@@ -286,6 +286,18 @@ def sequence_parallel_schedules_vs_torch(comm, tokens: int = 7) -> dict[str, flo
                 overlapped != expected)
         lin1.zero_grad()
         lin2.zero_grad()
+    # a schedule for the other form of layer, or no schedule at all: refused at construction,
+    # the fitting names in the hint
+    from coconet.errors import ConfigError
+
+    for bad, sp, words in (("MM_AR_C", True, "'ol_AG_MM'"), ("ol_AG_MM", False, "'MM_AR_C'"),
+                           ("nope", True, "'ol_sequence_parallel'")):  # fmt: skip
+        try:
+            ColumnParallelLinear(6, 10, comm=comm, schedule=bad, sequence_parallel=sp)
+            errors[f"schedule={bad!r}, sequence_parallel={sp}: not refused"] = 1.0
+        except ConfigError as e:
+            errors[f"schedule={bad!r}, sequence_parallel={sp}: hint {e.hint!r}"] = float(
+                words not in e.hint or e.op != "ColumnParallelLinear")
     return errors
 
 
