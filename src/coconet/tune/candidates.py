@@ -397,16 +397,22 @@ def enumerate_schedules(
         except ScheduleError as e:
             found.rejected.append(Rejection(recipe, e))
             continue
-        key = s.program.structural_key()
-        if key in seen:
-            found.duplicates[recipe] = seen[key]
-            continue
-        name = paper_names.get(key, recipe)
-        s.name = name
-        seen[key] = name
-        found.schedules.append(s)
-        found.recipes.append(recipe)
+        _record(found, seen, s, recipe, paper_names.get(s.program.structural_key(), recipe))
     return found
+
+
+def _record(found: Enumeration, seen: dict[str, str], s: Schedule, recipe: str,
+            name: str) -> None:  # fmt: skip
+    """``s`` made by ``recipe`` becomes a candidate named ``name``, unless an earlier recipe
+    made the same program (then it is recorded as that one's duplicate)."""
+    key = s.program.structural_key()
+    if key in seen:
+        found.duplicates[recipe] = seen[key]
+        return
+    s.name = name
+    seen[key] = name
+    found.schedules.append(s)
+    found.recipes.append(recipe)
 
 
 def _sequence_parallel(program: Program, chunks: Sequence[int], found: Enumeration,
@@ -425,14 +431,7 @@ def _sequence_parallel(program: Program, chunks: Sequence[int], found: Enumerati
             except ScheduleError as e:
                 found.rejected.append(Rejection(recipe, e))
                 continue
-            key = s.program.structural_key()
-            if key in seen:
-                found.duplicates[recipe] = seen[key]
-                continue
-            s.name = recipe
-            seen[key] = recipe
-            found.schedules.append(s)
-            found.recipes.append(recipe)
+            _record(found, seen, s, recipe, recipe)
 
 
 def enumerate_candidates(
