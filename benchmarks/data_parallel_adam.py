@@ -294,14 +294,22 @@ class CoconetOptim(Contender):
     name = "coconet.optim.Adam"
 
     def __init__(self, comm, p0: torch.Tensor, hp: dict, storage: str = "per-rank",
-                 groups: int = 1, clip: float | None = None) -> None:
+                 groups: int | str = 1, clip: float | None = None) -> None:
         import coconet.optim
 
         self.world = comm.world
         if storage != "per-rank":
             self.name = f"{CoconetOptim.name}[{storage}]"
-        if groups > 1:
+        if groups == SMALL_SECOND:
+            # nanoGPT's decay / no-decay groups: the second (biases, LayerNorm weights) small
+            n = p0.numel()
+            self.sizes = [n - n // 64, n // 64]
+            self.name += f"[{SMALL_SECOND}]"
+        elif groups > 1:
+            self.sizes = [len(part) for part in p0.tensor_split(groups)]
             self.name += f"[{groups}-groups]"
+        else:
+            self.sizes = [p0.numel()]
         # max_grad_norm=CLIP_NEVER: so large that the factor is always 1: the clip's whole cost
         # when it does not clip (the norm, its all_reduce, or the norm pass over several
         # buckets), the same result. CLIP_ALWAYS: it clips at every step (the reference too)
@@ -310,8 +318,8 @@ class CoconetOptim(Contender):
         elif clip is not None:
             self.name += "[clip-active]"
             self.clip_norm = clip
-        # `groups` param groups over equal parts of the parameter: a bucket each
-        self.ps = [torch.nn.Parameter(part.clone()) for part in p0.tensor_split(groups)]
+        # param groups over parts of the parameter (equal, or SMALL_SECOND): a bucket each
+        self.ps = [torch.nn.Parameter(part.clone()) for part in p0.split(self.sizes)]
         self.opt = coconet.optim.Adam(
             [{"params": [p]} for p in self.ps], **hp, comm=comm, param_storage=storage,
             max_grad_norm=clip,
@@ -321,12 +329,12 @@ class CoconetOptim(Contender):
             else f", max_grad_norm={clip:g} (clipping at every step)")
         self.schedule = (
             f"coconet.optim default (fuse_RS_C_AG, state sliced, commit swap), {storage} "
-            f"parameters, {groups} param group(s){clipping}"
+            f"parameters, {len(self.sizes)} param group(s) of {self.sizes} elements{clipping}"
         )
         self.fn = self.opt._buckets[0].step_fn
 
     def prepare(self, g):
-        for p, part in zip(self.ps, g.tensor_split(len(self.ps)), strict=True):
+        for p, part in zip(self.ps, g.split(self.sizes), strict=True):
             torch.mul(part, self.world, out=p.grad)
 
     def step(self, k, g):
@@ -724,7 +732,8 @@ def targets(rows: list[dict]) -> list[dict]:
             out.append({"target": what, "contender": best["name"], "measured": round(ratio, 3),
                         "threshold": threshold, "met": ratio >= threshold})
     for name, (groups, clip) in CLIP_OPTIMS.items():
-        unclipped = CoconetOptim.name + (f"[{groups}-groups]" if groups > 1 else "")
+        unclipped = CoconetOptim.name + (f"[{SMALL_SECOND}]" if groups == SMALL_SECOND else
+                                         f"[{groups}-groups]" if groups > 1 else "")
         if clip is None or name not in by or unclipped not in by:
             continue
         ratio = by[name]["median_ms"] / by[unclipped]["median_ms"]
@@ -971,6 +980,8 @@ DEEPSPEED = DeepSpeedShm.name
 # coconet.optim with param_storage="host-shared": one copy of the parameters per host
 HOST_SHARED_OPTIM = f"{CoconetOptim.name}[host-shared]"
 # coconet.optim with max_grad_norm= (issue 25), and the two-group step it is compared with
+# two param groups as nanoGPT's decay / no-decay: the second 1/64 of the parameters
+SMALL_SECOND = "2-groups-63:1"
 CLIP_NEVER = 1e30
 CLIP_ALWAYS = 1.0  # the summed gradients' norm is ~sqrt(world * n): clipped at every step
 CLIP_OPTIMS = {
@@ -979,6 +990,8 @@ CLIP_OPTIMS = {
     f"{CoconetOptim.name}[2-groups]": (2, None),
     f"{CoconetOptim.name}[2-groups][clip]": (2, CLIP_NEVER),
     f"{CoconetOptim.name}[2-groups][clip-active]": (2, CLIP_ALWAYS),
+    f"{CoconetOptim.name}[{SMALL_SECOND}]": (SMALL_SECOND, None),
+    f"{CoconetOptim.name}[{SMALL_SECOND}][clip]": (SMALL_SECOND, CLIP_NEVER),
 }
 ALL = [
     "ddp",

@@ -24,7 +24,7 @@ mkdir -p "$R"
 
 # max_grad_norm='s cost (issue 25): never clipping and clipping at every step, one and two buckets
 "$PY" benchmarks/data_parallel_adam.py --params 16777216 --steps 40 \
-  --contenders "ddp,coconet.optim.Adam,coconet.optim.Adam[clip],coconet.optim.Adam[clip-active],coconet.optim.Adam[2-groups],coconet.optim.Adam[2-groups][clip],coconet.optim.Adam[2-groups][clip-active]" \
+  --contenders "ddp,coconet.optim.Adam,coconet.optim.Adam[clip],coconet.optim.Adam[clip-active],coconet.optim.Adam[2-groups],coconet.optim.Adam[2-groups][clip],coconet.optim.Adam[2-groups][clip-active],coconet.optim.Adam[2-groups-63:1],coconet.optim.Adam[2-groups-63:1][clip]" \
   --json "$R/optim_clip_16M.json" | tee "$R/optim_clip_16M.txt"
 
 "$PY" benchmarks/collectives.py --json "$R/collectives.json" | tee "$R/collectives.txt"

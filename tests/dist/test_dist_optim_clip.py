@@ -7,7 +7,8 @@ with the clip active in some steps and not in others; the norm it keeps
 One param group is one bucket: its fused step is speculative (the update unclipped, the norm
 computed alongside, committed where the factor is 1; declined and run again with the factor
 where it is not; after a step that clipped the norm comes first). Two param groups are two
-buckets: the norm pass runs over both gradients before either is updated. LAMB's
+buckets: the larger speculates, the norm pass running over the other's gradient first (over
+both after a step that clipped). LAMB's
 ``pre_norm=True`` (``pytorch_optimizer.Lamb``'s global scaling, its ``max_grad_norm`` and
 ``eps``) is compared with Lamb on the averaged gradient.
 """
@@ -40,15 +41,17 @@ def _all_cases(comm, steps):
             for label, (name, kwargs, second) in CASES.items()}
 
 
-def _speculative_runs(clipped: list[bool]) -> dict[str, int]:
+def _speculative_runs(clipped: list[bool], lead: bool = False) -> dict[str, int]:
     """The calls of a speculative bucket's steps when its steps clip as ``clipped`` says: a
     step after one that did not clip is speculative (and runs again with the factor, "given",
-    when it clips), a step after one that clipped computes the norm first ("in-step")."""
+    when it clips), a step after one that clipped computes the norm first ("in-step"; the
+    ``lead`` of several buckets takes the factor of the norm pass over every bucket instead,
+    "given")."""
     runs = {"speculative": 0, "given": 0, "in-step": 0}
     last = False
     for c in clipped:
         if last:
-            runs["in-step"] += 1
+            runs["given" if lead else "in-step"] += 1
         else:
             runs["speculative"] += 1
             runs["given"] += c
@@ -72,8 +75,18 @@ def test_max_grad_norm_matches_ddp_average_then_clip_grad_norm_then_torch(nproc,
     for out in spawn(_all_cases, nproc, 12, options=options, timeout=220):
         for label, r in out.items():
             _check(label, r)
-        assert out["AdamW-2-groups"]["buckets"] == 2
-        assert out["AdamW-2-groups"]["clip"] == ["given", "given"]  # the norm pass, then both
+        two = out["AdamW-2-groups"]
+        assert two["buckets"] == 2
+        # the larger bucket speculates; the norm pass runs over the other alone after a step
+        # that did not clip (and over both after one that clipped)
+        lead = two["sizes"].index(max(two["sizes"]))
+        assert two["clip"][lead] == "speculative" and two["clip"][1 - lead] == "given", two
+        if nproc > 1:
+            runs = {k: v for k, v in two["lead_runs"].items() if v or k == "speculative"}
+            assert runs == _speculative_runs(two["clipped"], lead=True), two
+            after_clip = sum(two["clipped"][:-1])
+            assert sorted(two["norm_passes"]) == sorted(
+                [n for n in (len(two["clipped"]) - after_clip, after_clip) if n]), two
         one = out["AdamW-1-group"]
         assert one["clip"] == ["speculative"]  # the norm alongside the unclipped update
         assert one["runs"] == _speculative_runs(one["clipped"])

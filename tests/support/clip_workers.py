@@ -98,6 +98,13 @@ def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict | No
         # bucket's other steps are compiled at their first use)
         "runs": {ours._buckets[0].clip.value: ours._buckets[0].step_fn.calls,
                  **{c.value: s.calls for c, s in ours._buckets[0].clip_steps.items()}},
+        # with several buckets: the largest speculates (its calls as "runs" counts them), and
+        # how many steps ran a norm pass over the others only, over every bucket
+        "sizes": [b.size for b in ours._buckets],
+        "lead_runs": next(({b.clip.value: b.step_fn.calls,
+                            **{c.value: s.calls for c, s in b.clip_steps.items()}}
+                           for b in ours._buckets if b.clip.value == "speculative"), {}),
+        "norm_passes": sorted(s.calls for s in ours._norm_passes.values()),
     }
 
 
@@ -241,7 +248,7 @@ def victim_after_the_norm_pass(comm: Communicator, victim: int, dies: bool) -> d
                 "status": type(e).__name__,
                 "message": str(e),
                 "seconds": time.monotonic() - start,
-                "norm_pass_ran": opt._norm_pass is not None and opt._norm_pass[1].calls == 2,
+                "norm_pass_ran": sum(s.calls for s in opt._norm_passes.values()) == 2,
                 "unchanged": all(torch.equal(a, p) for a, p in
                                  zip(before, net.parameters(), strict=True))
                 and all(torch.equal(s[n], b.state[n]) for s, b in

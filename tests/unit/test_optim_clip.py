@@ -226,7 +226,9 @@ def test_a_world_of_one_matches_clip_grad_norm_then_torch(name, two):
     ours, rel, norm_rel, clipped = _train_both(name, two, 12, 1.0)
     assert rel <= TOL and norm_rel <= TOL
     assert any(clipped) and not all(clipped)
-    assert [b.clip for b in ours._buckets] == ([Clip.GIVEN] * 2 if two else [Clip.SPECULATIVE])
+    # two buckets: the larger (the first group's 30 elements, against 14) speculates
+    assert [b.clip for b in ours._buckets] == ([Clip.SPECULATIVE, Clip.GIVEN] if two
+                                               else [Clip.SPECULATIVE])  # fmt: skip
     assert ours.max_grad_norm == 1.0
 
 
@@ -258,10 +260,48 @@ def test_a_speculative_bucket_that_never_clips_compiles_nothing_else():
     assert ours._buckets[0].clip_steps == {} and ours._buckets[0].step_fn.calls == 6
 
 
-def test_a_group_added_later_moves_the_norm_out_of_the_first_buckets_step():
+def test_a_group_added_later_keeps_the_larger_bucket_speculating():
     ours, rel, norm_rel, clipped = _train_both("AdamW", False, 10, 1.0, late_group=True)
-    assert [b.clip for b in ours._buckets] == [Clip.GIVEN, Clip.GIVEN]
+    assert [b.clip for b in ours._buckets] == [Clip.SPECULATIVE, Clip.GIVEN]
     assert rel <= TOL and norm_rel <= TOL and any(clipped) and not all(clipped)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_several_buckets_speculate_on_the_largest(name):
+    """The lead (the larger bucket) steps first, speculatively, after a norm pass over the
+    other bucket; a step after one that clipped runs the norm pass over both and gives every
+    bucket the factor. The calls of each compiled step follow from which steps clipped."""
+    ours, rel, norm_rel, clipped = _train_both(name, True, 12, 1.0)
+    assert rel <= TOL and norm_rel <= TOL and any(clipped) and not all(clipped)
+    lead, other = ours._buckets
+    after_clip = sum(clipped[:-1])
+    speculative = len(clipped) - after_clip
+    assert lead.step_fn.calls == speculative
+    # given: a speculative step that clipped, run again; and every step after one that clipped
+    assert lead.clip_steps[Clip.GIVEN].calls == sum(
+        c for k, c in enumerate(clipped) if k == 0 or not clipped[k - 1]) + after_clip
+    assert other.step_fn.calls == len(clipped)
+    passes = {len(key): s.calls for key, s in ours._norm_passes.items()}
+    assert passes == {1: speculative, 2: after_clip}
+
+
+def test_the_lead_without_a_gradient_leaves_the_norm_to_the_others():
+    """Only the smaller group has gradients: the lead is not stepped, its bucket holds zeros,
+    and the others' norm is the whole one (torch's, over the gradients there are)."""
+    net, ref = _model(), _model()
+    ours = coconet.optim.SGD(_groups(net, True), lr=0.1, options=EAGER, max_grad_norm=0.5)
+    theirs = torch.optim.SGD(_groups(ref, True), lr=0.1)
+    for m in (net, ref):
+        m.zero_grad(set_to_none=True)
+        for p in list(m.parameters())[2:]:
+            p.grad = torch.full_like(p, 0.3)
+    ours.step()
+    norm = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None],
+                                          0.5)  # fmt: skip
+    theirs.step()
+    assert _rel(ours.last_grad_norm, norm) <= TOL
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        assert _rel(a, b) <= TOL
 
 
 @pytest.mark.parametrize("two", [False, True], ids=["one-bucket", "two-buckets"])

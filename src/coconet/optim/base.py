@@ -41,9 +41,12 @@ What it does with the parameters (the contract ``coconet.optim``'s optimizers sh
   declined (nothing written) and the step runs again with the factor (``Clip.GIVEN``). After a
   step that clipped, the next computes the norm first and clips before the update in one step
   (``Clip.IN_STEP``: two passes, no pass wasted), until a step does not clip. Several
-  buckets: the global norm needs every bucket's gradient before any bucket is updated, so a
-  norm pass over every bucket (``programs.grad_norm_pass``, which commits nothing) runs first
-  and each bucket's step takes the factor (``Clip.GIVEN``).
+  buckets (param groups): the global norm needs every bucket's gradient before any bucket is
+  updated. The largest bucket speculates: a norm pass (``programs.grad_norm_pass``, which
+  commits nothing) runs over the others only, then the largest's speculative step, whose own
+  norm joins theirs (committed when the factor of the whole norm is 1, else declined and run
+  again with it), then the others with that factor (``Clip.GIVEN``). After a step that
+  clipped, the norm pass runs over every bucket first and each takes the factor.
   ``last_grad_norm`` is the norm; ``step()`` returns the closure's loss, as torch's. A
   ``clip_grad_norm_`` between ``backward()`` and ``step()`` would clip each rank's local
   gradient: on several ranks it is warned about (``LocalGradientEditWarning``, once).
@@ -272,8 +275,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the global norm of the averaged gradient at the last step (max_grad_norm=), as
         # torch.nn.utils.clip_grad_norm_ returns it
         self.last_grad_norm: torch.Tensor | None = None
-        self._norm_pass: tuple[tuple[int, ...], Any] | None = None  # (bucket ids, CompiledStep)
+        # the compiled norm passes, by the ids of the buckets each runs over (every bucket's;
+        # all but a speculative lead's), made again when the buckets change
+        self._norm_passes: dict[tuple[int, ...], Any] = {}
         self._clip_now: dict[str, Any] = {}  # the clipping scalars of the step under way
+        # with several buckets: the speculative lead of the step under way (None: the factor
+        # came from a norm pass over every bucket) and the others' norm (``_clip_scalars``)
+        self._lead: _Bucket | None = None
+        self._norm_rest: torch.Tensor | None = None
         self._warned_edit = False  # LocalGradientEditWarning given (once per optimizer)
         self._comm = _default_comm(comm, type(self).__name__)
         self._storage = _param_storage(param_storage, type(self).__name__, ddp)
@@ -444,46 +453,73 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _settle_clip(self) -> None:
         """With several buckets the global norm needs every bucket's gradient before any bucket
-        is updated: a bucket that computed the norm in its own step (it was the only one) gets
-        the step that takes the factor from the norm pass instead (collective, as
-        add_param_group: every rank recompiles at the same point; its gradient buffer and
-        state stay, the step only reads them)."""
+        is updated. The largest bucket keeps (or gets) the speculative step: the norm pass runs
+        over the others only, and the largest computes its own norm alongside its update, which
+        commits when the factor of the whole norm is 1 (``_run``). Every other bucket takes the
+        factor (``Clip.GIVEN``). Collective, as add_param_group: every rank recompiles at the
+        same point; the gradient buffers and state stay, the steps only read them."""
+        self._norm_passes.clear()  # over buckets that changed
         if len(self._buckets) < 2:
             return
+        lead = self._speculative_lead()
         for b in self._buckets:
-            if b.clip is Clip.SPECULATIVE:
-                group = self.param_groups[b.group]
-                b.step_fn = self._step_fn(group, b.params[0].dtype, b.size, Clip.GIVEN, b.row)
+            group = self.param_groups[b.group]
+            if b is lead and b.clip is Clip.GIVEN:
+                b.clip_steps = {Clip.GIVEN: b.step_fn}
+                b.step_fn = self._step_fn(group, b.params[0].dtype, b.size, Clip.SPECULATIVE,
+                                          b.row)  # fmt: skip
+                b.clip = Clip.SPECULATIVE
+            elif b is not lead and b.clip is Clip.SPECULATIVE:
+                b.step_fn = b.clip_steps.get(Clip.GIVEN) or self._step_fn(
+                    group, b.params[0].dtype, b.size, Clip.GIVEN, b.row)
                 b.clip = Clip.GIVEN
                 b.clip_steps.clear()
 
-    def _norm_step(self) -> Any:
-        """The compiled norm pass over every bucket's gradient (``programs.grad_norm_pass``),
-        made again when the buckets change (collective: every rank steps the same buckets)."""
-        key = tuple(id(b) for b in self._buckets)
-        if self._norm_pass is None or self._norm_pass[0] != key:
-            dtype = _DTYPES[self._buckets[0].grad.dtype]
-            program = programs.grad_norm_pass(dtype, len(self._buckets))
+    def _speculative_lead(self) -> _Bucket | None:
+        """The bucket whose step speculates with several buckets: the largest (the first of
+        equals), where the optimizer computes the norm inside its step."""
+        if self._max_grad_norm is None or self._ddp is not None or not self.clip_in_step:
+            return None
+        clipping = [b for b in self._buckets if b.clip is not Clip.OFF]
+        return max(clipping, key=lambda b: b.size) if clipping else None
+
+    def _norm_step(self, buckets: list[_Bucket]) -> Any:
+        """The compiled norm pass over ``buckets``' gradients (``programs.grad_norm_pass``),
+        made again when they change (collective: every rank steps the same buckets)."""
+        key = tuple(id(b) for b in buckets)
+        if key not in self._norm_passes:
+            dtype = _DTYPES[buckets[0].grad.dtype]
+            program = programs.grad_norm_pass(dtype, len(buckets))
             # one fused reduce_scatter + sum of squares per bucket, one scalar all_reduce
             step_fn = coconet_compile(programs.grad_norm_pass_schedule(program),
                                       comm=self._comm, options=self._options)
             step_fn.input_sources = {"grad_scale": "the world size"}
-            self._norm_pass = (key, step_fn)
-        return self._norm_pass[1]
+            self._norm_passes[key] = step_fn
+        return self._norm_passes[key]
 
     def _clip_scalars(self, agree: dict[str, str] | None) -> tuple[dict[str, Any], bool]:
         """The clipping scalars of this step's bucket steps, and whether ``agree`` was used
         (by the norm pass, which then runs first). One bucket: ``max_norm``, the norm is
-        computed inside its fused step. Several: the norm pass runs over every bucket's
-        gradient (one reduce_scatter each, one scalar all_reduce) and the factor is computed
-        here as torch computes it, in float32: ``clamp(max_norm / (norm + 1e-6), max=1)``."""
+        computed inside its fused step. Several, with a speculative lead (``_settle_clip``)
+        whose last step did not clip: the norm pass runs over the other buckets only
+        (``_norm_rest``) and the factor is known once the lead has stepped (``_run``). Else
+        the norm pass runs over every bucket's gradient (one reduce_scatter each, one scalar
+        all_reduce) and the factor is computed here as torch computes it, in float32:
+        ``clamp(max_norm / (norm + 1e-6), max=1)``."""
+        self._lead, self._norm_rest = None, None
         if self._max_grad_norm is None or not self._buckets:
             return {}, False
-        if self._buckets[0].clip is Clip.SPECULATIVE:  # the only bucket: clips in _run
-            return {}, False
-        inputs: dict[str, Any] = {f"g{j}": b.grad for j, b in enumerate(self._buckets)}
+        if self._buckets[0].clip is Clip.SPECULATIVE and len(self._buckets) == 1:
+            return {}, False  # the only bucket: clips in _run
+        lead = next((b for b in self._buckets if b.clip is Clip.SPECULATIVE), None)
+        speculate = lead is not None and not lead.clipped_last  # the same on every rank
+        over = [b for b in self._buckets if b is not lead] if speculate else self._buckets
+        inputs: dict[str, Any] = {f"g{j}": b.grad for j, b in enumerate(over)}
         inputs["grad_scale"] = 1.0 / self._comm.world
-        norm = self._norm_step().run(inputs, agree=agree)["grad_norm"]
+        norm = self._norm_step(over).run(inputs, agree=agree)["grad_norm"]
+        if speculate:
+            self._lead, self._norm_rest = lead, norm
+            return {}, agree is not None
         self.last_grad_norm = norm
         return {"clip_coef": self.clip_factor(norm)}, agree is not None
 
@@ -918,8 +954,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._clip_now, used = self._clip_scalars(agree)
             if used:
                 agree = None
-            for j, (b, mask) in enumerate(zip(self._buckets, masks, strict=True)):
+            order = list(zip(self._buckets, masks, strict=True))
+            if self._lead is not None:
+                # the speculative lead first: its step gives the norm the others are clipped by
+                order.sort(key=lambda pair: pair[0] is not self._lead)
+            for j, (b, mask) in enumerate(order):
                 self._step_bucket(b, mask, agree if j == 0 else None)
+                if b is self._lead and "clip_coef" not in self._clip_now:
+                    # the lead was not stepped (no gradient for it on any rank: its bucket
+                    # holds zeros): the norm is the others'
+                    self.last_grad_norm = self._norm_rest
+                    self._clip_now = {"clip_coef": self.clip_factor(self._norm_rest)}
         except CoconetError:
             raise  # a compiled step's own: it told the peers already, or they all refused
         except BaseException as e:
@@ -932,7 +977,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  f"{type(self).__name__}.step: {_first_line(e)}")
             raise
         finally:
-            self._clip_now = {}
+            self._clip_now, self._lead, self._norm_rest = {}, None, None
         if self._max_grad_norm is not None and self.last_grad_norm is None:
             # nothing was stepped (no gradient anywhere): torch's norm of no gradients
             self.last_grad_norm = torch.zeros((), device=self._comm.device)
@@ -1006,6 +1051,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if b.clip is not Clip.SPECULATIVE:
             self._keep_norm(self._run_step(b, b.step_fn, {**scalars, **self._clip_now}, agree))
             return
+        if len(self._buckets) > 1:
+            self._run_lead(b, scalars, agree)
+            return
         if b.clipped_last:
             # the last step clipped, so this one likely does: the norm first, then the clipped
             # update, in one step (two passes; a speculative pass would likely be wasted)
@@ -1028,6 +1076,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # declined on every rank, nothing written: the step again, with the factor
             step_fn = self._clip_step(b, Clip.GIVEN)
             self._run_step(b, step_fn, {**scalars, "clip_coef": verdict["coef"]}, None)
+
+    def _run_lead(self, b: _Bucket, scalars: dict[str, float],
+                  agree: dict[str, str] | None) -> None:  # fmt: skip
+        """The speculative lead of several buckets. Speculating (``_lead``): its update
+        unclipped with its own norm alongside, committed when the factor of the whole norm
+        (the others' from the norm pass, and its own) is 1, else declined and run again with
+        the factor; either way the factor is then the other buckets'. Not speculating (its
+        last step clipped: the norm pass ran over every bucket): the factor given."""
+        if self._lead is not b or "clip_coef" in self._clip_now:
+            # the factor is known (a full norm pass; or a second group of this bucket's
+            # parameters at another step count, the first having decided)
+            step_fn = self._clip_step(b, Clip.GIVEN)
+            self._run_step(b, step_fn, {**scalars, **self._clip_now}, agree)
+            if self._lead is not b:
+                b.clipped_last = bool(self._clip_now["clip_coef"] != 1.0)
+            return
+        verdict: dict[str, torch.Tensor] = {}
+        rest = self._norm_rest
+
+        def unclipped(outputs: dict[str, torch.Tensor]) -> bool:
+            # the whole norm from the two all-reduced parts: the same on every rank
+            own = outputs["grad_norm"].double()
+            norm = torch.sqrt(own * own + rest.double() * rest.double()).to(rest.dtype)
+            verdict["norm"], verdict["coef"] = norm, self.clip_factor(norm)
+            return bool(verdict["coef"] == 1.0)  # NaN: declined, and clipped by NaN
+
+        self._run_step(b, b.step_fn, scalars, agree, commit_if=unclipped)
+        b.clipped_last = b.step_fn.last_declined
+        self.last_grad_norm = verdict["norm"]
+        self._clip_now = {"clip_coef": verdict["coef"]}
+        if b.clipped_last:
+            step_fn = self._clip_step(b, Clip.GIVEN)
+            self._run_step(b, step_fn, {**scalars, **self._clip_now}, None)
 
     def _clip_step(self, b: _Bucket, clip: Clip) -> Any:
         """A speculative bucket's step that clips as ``clip`` says, compiled at its first use
