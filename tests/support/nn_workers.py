@@ -258,12 +258,18 @@ def sequence_parallel_schedules_vs_torch(comm, tokens: int = 7) -> dict[str, flo
     lin1, lin2 = nn.Linear(6, 10), nn.Linear(10, 6)
     x, ct = torch.randn(tokens, 3, 6), torch.randn(tokens, 3, 6)
     keep = dropout_mask(9, 0, 0.2, tuple(ct.shape))
-    names = [k for k, v in SCHEDULES.items() if v.sequence_parallel] + ["auto"]
+    from coconet.schedule import paper
+
+    def own(program):  # a user's function: 2 chunks, every chain
+        return paper.ol_sequence_parallel(program, chunks=2)
+
+    names = [k for k, v in SCHEDULES.items() if v.sequence_parallel] + ["auto", "own"]
     for name in names:
-        col = ColumnParallelLinear.from_linear(lin1, comm=comm, schedule=name,
+        schedule = own if name == "own" else name
+        col = ColumnParallelLinear.from_linear(lin1, comm=comm, schedule=schedule,
                                                sequence_parallel=True)  # fmt: skip
-        row = RowParallelLinear.from_linear(lin2, comm=comm, dropout=0.2, seed=9, schedule=name,
-                                            sequence_parallel=True)  # fmt: skip
+        row = RowParallelLinear.from_linear(lin2, comm=comm, dropout=0.2, seed=9,
+                                            schedule=schedule, sequence_parallel=True)  # fmt: skip
         mine = _part(x, 0, comm).clone().requires_grad_()
         ref_x = x.clone().requires_grad_()
         out = row(F.gelu(col(mine)), residual=mine)
@@ -281,7 +287,8 @@ def sequence_parallel_schedules_vs_torch(comm, tokens: int = 7) -> dict[str, flo
             steps = [st for layer in (col, row) for st in layer._programs.values()]
             compiled = [c for st in steps for c in (st.forward, *st.backward.values())]
             overlapped = sum("overlap(" in c.source for c in compiled)
-            expected = {"ol_AG_MM": 2, "ol_MM_RS_C": 2, "ol_sequence_parallel": 4}[name]
+            expected = {"ol_AG_MM": 2, "ol_MM_RS_C": 2, "ol_sequence_parallel": 4,
+                        "own": 4}[name]
             errors[f"{name} programs overlapped: {overlapped} of 4, expected {expected}"] = float(
                 overlapped != expected)
         lin1.zero_grad()

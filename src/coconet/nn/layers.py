@@ -18,7 +18,9 @@ length runs the same step).
   ``sequence_parallel``: ``"ol_AG_MM"`` (the all_gather overlapped with the matmul it feeds: a
   column-parallel forward, a row-parallel backward), ``"ol_MM_RS_C"`` (the matmul overlapped
   with its reduce_scatter: a row-parallel forward, a column-parallel backward) or
-  ``"ol_sequence_parallel"`` (both). ``"auto"`` tunes each program with ``coconet.tune``.
+  ``"ol_sequence_parallel"`` (both); a function is then applied to each program with such a
+  chain (``coconet.schedule.paper.sequence_parallel_chains``). ``"auto"`` tunes each program
+  with ``coconet.tune``.
 - ``RowParallelLinear``: ``x`` Sliced on its last dim (``input_is_parallel``; else its slice is
   taken), the weight sliced by input features: the partial products are all_reduced
   (reduce_scattered along the sequence), then bias, ``dropout`` (coconet's counter-based mask:
@@ -121,8 +123,9 @@ AUTO = "auto"  # the tuner's choice per program and input shape (coconet.tune)
 def _schedule_of(schedule: Any, who: str, sequence_parallel: bool) -> _Named | str | None:
     if schedule is None or schedule == AUTO:
         return schedule
-    if callable(schedule):  # the user's own: applied where a named one without SP would be
-        return _Named(schedule, _schedulable, sequence_parallel)
+    if callable(schedule):  # the user's own: applied where a named one of its form would be
+        return _Named(schedule, _has_chain(None) if sequence_parallel else _schedulable,
+                      sequence_parallel)  # fmt: skip
     if isinstance(schedule, str) and schedule in SCHEDULES:
         named = SCHEDULES[schedule]
         if named.sequence_parallel != sequence_parallel:
