@@ -259,10 +259,16 @@ def sequence_parallel_chains(program: Program) -> dict[str, list[tuple[str, str]
     return {"ol_AG_MM": gathers, "ol_MM_RS_C": scatters}
 
 
-def _the_chain(program: Program, schedule: str, value: Any, what: str) -> tuple[str, str]:
+# what each sequence-parallel schedule's chain is, for its errors
+_WHAT = {"ol_AG_MM": "all_gather feeding a matmul",
+         "ol_MM_RS_C": "matmul feeding a reduce_scatter"}
+
+
+def _the_chain(program: Program, schedule: str, value: Any) -> tuple[str, str]:
     """The (producer, consumer) pair of ``schedule``'s chain: the program's only one, or the one
     whose collective is ``value`` (a name, or the DSL Tensor that built it)."""
     chains = sequence_parallel_chains(program)[schedule]
+    what = _WHAT[schedule]
     listed = ", ".join(f"{a} -> {b}" for a, b in chains) or "none"
     if value is None:
         if len(chains) == 1:
@@ -308,7 +314,7 @@ def ol_AG_MM(  # noqa: N802
     tensor parallelism). Values are those of the program; a chunked matmul may round its last
     bit differently (its blocking follows its shape).
     """
-    chain = _the_chain(program, "ol_AG_MM", collective, _WHAT["ol_AG_MM"])
+    chain = _the_chain(program, "ol_AG_MM", collective)
     s = Schedule(program, "ol_AG_MM")
     _OVERLAP_CHAIN["ol_AG_MM"](s, chain, chunks)
     return s
@@ -329,7 +335,7 @@ def ol_MM_RS_C(  # noqa: N802
     After: ``fuse(computations(y_rs))``, ``overlap([partial, y_rs, ...], chunks)``: chunk c's
     reduce_scatter is in flight while chunk c + 1's rows are multiplied.
     """
-    chain = _the_chain(program, "ol_MM_RS_C", collective, _WHAT["ol_MM_RS_C"])
+    chain = _the_chain(program, "ol_MM_RS_C", collective)
     s = Schedule(program, "ol_MM_RS_C")
     _OVERLAP_CHAIN["ol_MM_RS_C"](s, chain, chunks)
     return s
@@ -356,7 +362,7 @@ def overlap_every_chain(program: Program, schedule: str, chunks: int) -> Schedul
     both). A ScheduleError when there is none."""
     chains = sequence_parallel_chains(program)[schedule]
     if not chains:
-        _the_chain(program, schedule, None, _WHAT[schedule])  # raises: there is none
+        _the_chain(program, schedule, None)  # raises: there is none
     s = Schedule(program, schedule)
     for chain in chains:
         _OVERLAP_CHAIN[schedule](s, chain, chunks)
@@ -374,8 +380,8 @@ def ol_sequence_parallel(program: Program, chunks: int = 4) -> Schedule:
     found = sequence_parallel_chains(program)
     if not any(found.values()):
         raise ScheduleError(
-            f"program {program.name} has no sequence-parallel chain to overlap (an all_gather "
-            "feeding a matmul, or a matmul feeding a reduce_scatter, along dim 0)",
+            f"program {program.name} has no sequence-parallel chain to overlap (an "
+            f"{' or a '.join(_WHAT.values())}, along dim 0)",
             op="ol_sequence_parallel",
             hint="a layer without sequence parallelism has an all_reduce: ol_MM_fuse_RS_C_AG",
         )
@@ -384,9 +390,6 @@ def ol_sequence_parallel(program: Program, chunks: int = 4) -> Schedule:
             _OVERLAP_CHAIN[schedule](s, chain, chunks)
     return s
 
-
-_WHAT = {"ol_AG_MM": "all_gather feeding a matmul",
-         "ol_MM_RS_C": "matmul feeding a reduce_scatter"}
 
 
 # -- pipeline-parallel boundary -----------------------------------------------------------------
