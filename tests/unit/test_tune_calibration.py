@@ -189,3 +189,34 @@ def test_extend_measures_past_the_calibrated_range_and_predicts_what_it_measured
     assert shm == pytest.approx(a + b * needed, rel=1e-3)
     assert [p[0] for p in bigger.memory.points][-1] == 16.0 * (needed // 4)
     assert cal.extend(bigger, comms, needed) is bigger  # nothing left to measure
+
+
+# -- the memory probes run with their operands out of cache -------------------------------------
+
+
+def test_the_eviction_before_each_repetition_is_not_timed(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(cal, "time", clock)
+    calls = {"run": 0, "before": 0}
+
+    def run() -> None:
+        calls["run"] += 1
+        clock.now += 1e-3
+
+    def before() -> None:
+        calls["before"] += 1
+        clock.now += 1.0  # far longer than the probe: it must not show
+
+    seconds = cal._timed(FakeComm(SHM, clock), run, 5, before)
+    assert calls == {"run": 6, "before": 5}  # one untimed run, then each repetition after it
+    assert seconds == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_the_evictor_passes_over_more_than_the_last_level_cache():
+    llc = cal.last_level_cache_bytes()
+    assert llc >= 1 << 20
+    evict = cal._evictor(FakeComm(SHM, Clock()))
+    junk = evict.__closure__[0].cell_contents
+    assert junk.numel() * junk.element_size() >= 2 * llc
+    evict()
+    assert bool((junk == 1.0).all())

@@ -31,6 +31,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -59,12 +60,15 @@ def _reps(nbytes: int) -> int:
     return 9 if nbytes <= 1 * MiB else 5 if nbytes <= 16 * MiB else 3
 
 
-def _timed(comm: Communicator, run: Callable[[], None], reps: int) -> float:
+def _timed(comm: Communicator, run: Callable[[], None], reps: int,
+           before: Callable[[], None] | None = None) -> float:
     """The median seconds of ``run`` over ``reps`` barrier-aligned repetitions (after one
-    untimed), the slowest rank's."""
+    untimed), the slowest rank's; ``before`` runs (untimed) before each repetition."""
     run()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         comm.barrier("calibration")
         t0 = time.perf_counter()
         run()
@@ -72,17 +76,42 @@ def _timed(comm: Communicator, run: Callable[[], None], reps: int) -> float:
     return statistics.median(times)
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of this host (Linux sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": KiB, "M": MiB}.get(text[-1:], 1)
+        digits = text.rstrip("KM")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=32 * MiB)
+
+
+def _evictor(comm: Communicator) -> Callable[[], None]:
+    """A pass over twice the last-level cache: run before each repetition of a memory probe, it
+    leaves the probe's operands in memory, not in cache. A step's operands are there too: the
+    parameters and the state were last touched a step ago, and the step itself moves more than
+    the cache holds (probing warm operands predicted 1M-parameter steps at half their time)."""
+    junk = torch.zeros(2 * last_level_cache_bytes() // 4, device=comm.device)
+    return lambda: junk.add_(1.0)
+
+
 def _memory(
     comm: Communicator, elements: Sequence[int] = MEMORY_ELEMENTS
 ) -> list[tuple[float, float]]:
     """(bytes moved, seconds) of a fused kernel's kind of work: one pass that reads three
     streams and writes a new tensor (``addcmul``), as a generated kernel reads the gradient and
-    the state and writes the new values."""
+    the state and writes the new values; the operands in memory, not in cache (``_evictor``)."""
     points = []
+    cold = _evictor(comm)
     for n in elements:
         a, b, c = (torch.rand(n, device=comm.device) for _ in range(3))
         run = lambda a=a, b=b, c=c: torch.addcmul(a, b, c)  # noqa: E731
-        points.append((16.0 * n, _timed(comm, run, _reps(16 * n))))
+        points.append((16.0 * n, _timed(comm, run, _reps(16 * n), cold)))
     return points
 
 
@@ -91,13 +120,14 @@ def _eager(
 ) -> list[tuple[float, float]]:
     """(bytes moved, seconds) of eager ops as unfused generated code runs them: one op after
     the other, each allocating its result, with a 0-d scalar operand (``mul`` then ``add``;
-    the temporary dies at once, as the step's do)."""
+    the temporary dies at once, as the step's do); the operands in memory, not in cache."""
     points = []
+    cold = _evictor(comm)
     for n in elements:
         a, b = (torch.rand(n, device=comm.device) for _ in range(2))
         s = torch.tensor(0.5, device=comm.device)
         run = lambda a=a, b=b, s=s: torch.add(torch.mul(a, s), b)  # noqa: E731
-        points.append((20.0 * n, _timed(comm, run, _reps(20 * n))))
+        points.append((20.0 * n, _timed(comm, run, _reps(20 * n), cold)))
     return points
 
 

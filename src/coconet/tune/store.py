@@ -64,12 +64,19 @@ def result_key(
             **_where(comm),
             "transports": [t.value for t in transports],
             "settings": dict(settings),
+            "calibration": CALIBRATION,  # a result holds the model's predictions
         }
     )
 
 
+# What the calibration measures and how (coconet.tune.calibrate): a cached model measured
+# otherwise is not this one. 2: memory probes with their operands out of cache.
+CALIBRATION = 2
+
+
 def _machine_key(comm: Communicator, transports: Sequence[TransportKind]) -> str:
-    return _digest({**_where(comm), "transports": [t.value for t in transports]})
+    return _digest({**_where(comm), "transports": [t.value for t in transports],
+                    "calibration": CALIBRATION})
 
 
 def _read(comm: Communicator, path: Path) -> dict | None:
