@@ -220,3 +220,55 @@ def test_the_evictor_passes_over_more_than_the_last_level_cache():
     assert junk.numel() * junk.element_size() >= 2 * llc
     evict()
     assert bool((junk == 1.0).all())
+
+
+# -- a probe that hit a slow spell is timed again -----------------------------------------------
+
+BIG = 64 << 20  # the largest calibrated size
+
+
+class SlowSpell(FakeTorch):
+    """The native all_gather at BIG bytes runs 1 s slower for its first ``spell`` calls (the
+    whole first probe: one untimed run and its repetitions), then at its true cost."""
+
+    def __init__(self, clock: Clock, spell: int) -> None:
+        super().__init__(clock)
+        self.spell = spell
+
+    def run_for_measurement(self, op, algorithm, group, numel, device) -> None:
+        super().run_for_measurement(op, algorithm, group, numel, device)
+        if (op is Op.ALL_GATHER and algorithm is Algorithm.NATIVE and numel * 4 == BIG
+                and self.spell > 0):
+            self.spell -= 1
+            self.clock.now += 1.0
+
+
+def _calibrated_with(monkeypatch, spell: int):
+    clock = Clock()
+    monkeypatch.setattr(cal, "time", clock)
+    monkeypatch.setattr(cal, "MEMORY_ELEMENTS", (1024, 4096))
+    monkeypatch.setattr(cal, "_step_seconds", lambda comm: 3 * CONTROL[comm.transport] + 1e-4)
+    comms = {t: FakeComm(t, clock) for t in (SHM, TD)}
+    comms[TD].torch = SlowSpell(clock, spell)
+    return cal.calibrate(comms), comms[TD].torch
+
+
+def test_a_slow_spell_during_one_probe_does_not_become_the_curve(monkeypatch):
+    reps = cal._reps(BIG)
+    model, fake = _calibrated_with(monkeypatch, spell=1 + reps)
+    assert fake.spell == 0  # the whole first probe was slow ...
+    alpha, beta = COSTS[(TD, Algorithm.NATIVE)]
+    curve = model.collectives[(TD, Op.ALL_GATHER, Algorithm.NATIVE, False)]
+    # ... and the point was timed again at its true cost
+    assert curve.points[-1][1] == pytest.approx(alpha + beta * BIG, rel=1e-3)
+    assert curve.beta == pytest.approx(beta, rel=1e-3)
+
+
+def test_a_point_that_stays_slow_when_timed_again_is_kept(monkeypatch):
+    model, _ = _calibrated_with(monkeypatch, spell=10**6)  # slow however often it is timed
+    curve = model.collectives[(TD, Op.ALL_GATHER, Algorithm.NATIVE, False)]
+    alpha, beta = COSTS[(TD, Algorithm.NATIVE)]
+    assert curve.points[-1][1] == pytest.approx(alpha + beta * BIG + 1.0, rel=1e-3)
+    # the other curves were not timed again (nothing jumped there)
+    other = model.collectives[(TD, Op.ALL_REDUCE, Algorithm.NATIVE, False)]
+    assert other.points[-1][1] == pytest.approx(alpha + beta * BIG, rel=1e-3)

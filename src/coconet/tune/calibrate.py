@@ -219,6 +219,56 @@ def _torch_collective_run(comm: Communicator, op: Op, algorithm, numel: int):
     return run
 
 
+def _collective_timer(c: Communicator, key, numel: int, buffers: dict) -> Callable[[], None]:
+    """The run that times the collective curve ``key`` at ``numel`` elements."""
+    transport, op, algorithm, in_place = key
+    if transport is TransportKind.TORCH_DISTRIBUTED and algorithm is not None:
+        return _torch_collective_run(c, op, algorithm, numel)
+    return _collective_run(c, op, numel, in_place, buffers)
+
+
+# A collective's point whose time per byte is this many times the next smaller size's is timed
+# again (a larger message costs less per byte, or about the same, past its latency).
+_JUMP = 2.5
+
+
+def _retime_jumps(
+    comm: Communicator,
+    comms: Mapping[TransportKind, Communicator],
+    points: dict,
+    buffers: Mapping[TransportKind, dict],
+    first: Mapping | None = None,
+) -> dict:
+    """``points`` (each collective curve's agreed (bytes, seconds), by key) with every point that
+    jumps (``_JUMP``) timed again, with twice the repetitions, and the smaller of its two times
+    kept: a slow spell of this shared machine during one probe of 3-9 repetitions must not
+    become the model's bandwidth (a calibration here once measured a 256 MiB all_gather at 7x
+    its neighbours' time per byte, and the tuner would have believed it). A real knee measures
+    the same again and stays. ``first``: per key, the first index that may be timed again (an
+    extension re-times only what it measured). Decided on the agreed times, so every rank times
+    the same points again. Collective."""
+    suspects = []
+    for key in sorted(points, key=_key_order):
+        pts = points[key]
+        for i in range(max(1, (first or {}).get(key, 1)), len(pts)):
+            (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+            if b0 > 0 and b1 > 0 and t1 / b1 > _JUMP * t0 / b0:
+                suspects.append((key, i))
+    if not suspects:
+        return points
+    again = []
+    for key, i in suspects:
+        nbytes = int(points[key][i][0])
+        run = _collective_timer(comms[key[0]], key, nbytes // 4, buffers[key[0]])
+        again.append(_timed(comms[key[0]], run, 2 * _reps(nbytes)))
+    agreed = comm.max_over_world(again, "cost model calibration, timed again")
+    out = {k: list(v) for k, v in points.items()}
+    for (key, i), t in zip(suspects, agreed, strict=True):
+        b, before = out[key][i]
+        out[key][i] = (b, min(before, t))
+    return out
+
+
 def calibrate(
     comms: Mapping[TransportKind, Communicator],
     progress: Callable[[str], None] | None = None,
@@ -235,8 +285,9 @@ def calibrate(
     collectives: dict = {}
     control: dict[TransportKind, float] = {}
     steps: dict[TransportKind, float] = {}
+    buffers: dict[TransportKind, dict[int, torch.Tensor]] = {}
     for transport, c in comms.items():
-        buffers: dict[int, torch.Tensor] = {}
+        buffers[transport] = {}
         for op in _OPS:
             variants: list[tuple] = []
             if transport is TransportKind.TORCH_DISTRIBUTED:
@@ -254,10 +305,8 @@ def calibrate(
                 for nbytes in COLLECTIVE_BYTES:
                     numel = nbytes // 4
                     numel -= numel % c.world
-                    if transport is TransportKind.TORCH_DISTRIBUTED and algorithm is not None:
-                        run = _torch_collective_run(c, op, algorithm, numel)
-                    else:
-                        run = _collective_run(c, op, numel, in_place, buffers)
+                    key = (transport, op, algorithm, in_place)
+                    run = _collective_timer(c, key, numel, buffers[transport])
                     points.append((float(numel * 4), _timed(c, run, _reps(nbytes))))
                 collectives[(transport, op, algorithm, in_place)] = points
         say(f"{transport.value} agreement and step")
@@ -274,9 +323,11 @@ def calibrate(
     eager_points = [(b, next(agreed)) for b, _ in eager_points]
     op_s = next(agreed)
     flops = 2.0 * _MM**3 / next(agreed)
-    curves = {k: Curve.fit([(b, next(agreed)) for b, _ in pts]) for k, pts in collectives.items()}
+    measured = {k: [(b, next(agreed)) for b, _ in pts] for k, pts in collectives.items()}
     control = {t: next(agreed) for t in control}
     steps = {t: next(agreed) for t in steps}
+    measured = _retime_jumps(comm, comms, measured, buffers)
+    curves = {k: Curve.fit(pts) for k, pts in measured.items()}
     cpus = torch.get_num_threads()
     model = MachineModel(
         description=f"calibrated on this host: {comm.world} ranks x {cpus} thread(s), "
@@ -340,6 +391,7 @@ def extend(
     memory_new = _memory(comm, elements)
     eager_new = _eager(comm, elements)
     measured: dict = {}
+    buffers: dict[TransportKind, dict[int, torch.Tensor]] = {t: {} for t in comms}
     for key in sorted(model.collectives, key=_key_order):
         transport, op, algorithm, in_place = key
         c = comms.get(transport)
@@ -347,13 +399,9 @@ def extend(
             continue  # a transport this tune does not use: its curve stays as it was
         say(f"{transport.value} {op.value}" + (f" ({algorithm.value})" if algorithm else "")
             + (" in place" if in_place else "") + f" up to {sizes[-1] / MiB:.0f} MiB")
-        buffers: dict[int, torch.Tensor] = {}
         points = []
         for numel in elements:
-            if transport is TransportKind.TORCH_DISTRIBUTED and algorithm is not None:
-                run = _torch_collective_run(c, op, algorithm, numel)
-            else:
-                run = _collective_run(c, op, numel, in_place, buffers)
+            run = _collective_timer(c, key, numel, buffers[transport])
             points.append((float(numel * 4), _timed(c, run, 3)))
         measured[key] = points
     flat = [t for _, t in memory_new] + [t for _, t in eager_new]
@@ -362,11 +410,13 @@ def extend(
     agreed = iter(comm.max_over_world(flat, "cost model extension"))
     memory_new = [(b, next(agreed)) for b, _ in memory_new]
     eager_new = [(b, next(agreed)) for b, _ in eager_new]
+    grown = {key: list(model.collectives[key].points) + [(b, next(agreed)) for b, _ in points]
+             for key, points in measured.items()}
+    first = {key: len(model.collectives[key].points) for key in grown}
+    grown = _retime_jumps(comm, comms, grown, buffers, first)
     curves = dict(model.collectives)
-    for key, points in measured.items():
-        curves[key] = Curve.fit(list(model.collectives[key].points) + [
-            (b, next(agreed)) for b, _ in points
-        ])
+    for key, points in grown.items():
+        curves[key] = Curve.fit(points)
     return dataclasses.replace(
         model,
         collectives=curves,
