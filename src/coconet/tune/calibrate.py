@@ -6,14 +6,16 @@ time is the median of a few repetitions, and the medians are reduced with MAX ov
 every rank ends with the same model (and would choose the same schedule). What is measured:
 
 - ``memory``: a fused kernel's kind of pass (``addcmul``: 3 streams read, 1 written) and
-  ``eager``: unfused ops one after the other (``mul`` then ``add``), on 16K-16M float32;
+  ``eager``: unfused ops one after the other (``mul`` then ``add``), on 16K-16M float32, each
+  repetition with its operands out of cache, as a step finds them;
 - ``op_overhead``: an eager op on a tiny tensor (the dispatch cost);
 - ``step_overhead``: a tiny compiled step (one all_reduce, one op) on each transport, less what
   the model already counts for it: the fixed cost of a step call;
 - ``flops``: a 384 x 384 matmul;
 - every collective op the programs use (all_reduce, reduce_scatter, all_gather) on each
   transport given, each algorithm torch.distributed has for it, at 64 KiB - 64 MiB; on shared
-  memory also the all_reduce of a donated buffer in symmetric memory (it reduces in place);
+  memory also the all_reduce of a donated buffer in symmetric memory (it reduces in place); a
+  point that jumps past its smaller neighbour's time per byte is timed again (``_retime_jumps``);
 - ``control``: one round of the per-step agreement on each transport.
 
 About 10-20 s on this kind of 2-core host; the result is cached per machine and world
