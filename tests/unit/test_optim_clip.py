@@ -435,3 +435,28 @@ def test_lamb_pre_norm_is_lambs_global_scaling(two, foreach):
     assert any(scaled) and not all(scaled)
     assert max(_rel(a, b) for a, b in zip(net.parameters(), ref.parameters(),
                                           strict=True)) <= TOL
+
+
+# -- schedule="auto": every clipping form of a step takes the recipe tuned for the step ---------
+
+
+@pytest.mark.parametrize("make, state", [(programs.adam, ("m", "v")), (programs.lamb, ("m", "v")),
+                                         (programs.sgd_momentum, ("buf",))])
+def test_each_clipping_form_takes_the_tuned_recipe_and_slices_the_state_alike(make, state):
+    # A bucket runs its speculative, given-factor and norm-first steps on one state: whatever
+    # recipe the tuner picks for the step without clipping, every form must slice that state
+    # as it does (tuned each on its own, two forms once picked layouts that did not fit).
+    from coconet.optim.base import _is_sliced, _same_recipe
+    from coconet.options import TransportKind
+    from coconet.tune.candidates import CHUNKS, enumerate_candidates
+
+    base = make(DType.float32)
+    candidates, _ = enumerate_candidates(base, [TransportKind.SHARED_MEMORY], CHUNKS, state)
+    assert len(candidates) > 3
+    for chosen in candidates:
+        sliced = {n for n in state if _is_sliced(chosen.scheduled, n)}
+        for clip in (Clip.SPECULATIVE, Clip.GIVEN, Clip.IN_STEP):
+            form = make(DType.float32, clip=clip)
+            target = _same_recipe(form, state, chosen, "Adam")
+            scheduled = target.program if hasattr(target, "program") else target
+            assert {n for n in state if _is_sliced(scheduled, n)} == sliced, (chosen.name, clip)

@@ -708,18 +708,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``row``: of equal-sized tensors of ``row`` elements, one per row (``_tensor_buckets``;
         0: flat)."""
         extra: dict[str, Any] = {"rows": True} if row else {}
-        if clip is Clip.OFF:
-            program = self.program(group, _DTYPES[dtype], **extra)
-        else:
-            program = self.program(group, _DTYPES[dtype], clip=clip, **extra)
-        target = self._scheduled(program, tuple(self.state_names(group)), total, row)
+        base = self.program(group, _DTYPES[dtype], **extra)
+        program = base if clip is Clip.OFF else self.program(group, _DTYPES[dtype], clip=clip,
+                                                             **extra)  # fmt: skip
+        target = self._scheduled(program, tuple(self.state_names(group)), total, row, base)
         step_fn = coconet_compile(target, comm=self._comm, options=self._options)
         step_fn.input_sources = {**self.SCALAR_SOURCES, **_CLIP_SOURCES}
         return step_fn
 
     def _scheduled(
-        self, program: Program, state: tuple[str, ...], total: int = 0, row: int = 0
+        self, program: Program, state: tuple[str, ...], total: int = 0, row: int = 0,
+        base: Program | None = None,
     ) -> Program | Schedule:
+        """``program``'s schedule; ``base``: the same step without clipping, when ``program``
+        is one of its clipping forms (``schedule="auto"`` tunes ``base`` and gives every form
+        the same recipe, see ``_tuned``)."""
         # A world of one has nothing to fuse the update with: its default is the program as
         # written (one no-op all_reduce instead of a reduce_scatter and an all_gather).
         default = "fuse_RS_C_AG" if self._comm.world > 1 else "unscheduled"
@@ -727,7 +730,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if callable(choice):
             return choice(program)
         if choice == "auto":
-            return self._tuned(program, state, total, row)
+            return self._tuned(program, state, total, row, base)
         named = {
             "AR_C": lambda p: schedules.AR_C(p),
             "RS_C_AG": lambda p: schedules.RS_C_AG(p, state=state),
@@ -743,15 +746,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         return named[choice](program)
 
-    def _tuned(self, program: Program, state: tuple[str, ...], total: int, row: int = 0
-               ) -> Program | Schedule:
+    def _tuned(self, program: Program, state: tuple[str, ...], total: int, row: int = 0,
+               base: Program | None = None) -> Program | Schedule:
         """``schedule="auto"``: the tuner's choice for a bucket of ``total`` elements, once per
         (program, size class): buckets of very different sizes (LAMB's one per parameter, or
         param groups) may get different schedules, and same-class buckets reuse the choice (a
-        program's schedule does not depend on its size: N is symbolic). Collective."""
+        program's schedule does not depend on its size: N is symbolic). Collective.
+
+        A clipping form of a step (``base`` given: the step without clipping) is not tuned on
+        its own: ``base`` is, and the form gets the winner's recipe. A bucket runs several
+        forms on the same state (the speculative step, the step given the factor, the one
+        with the norm first), so they must slice it alike; tuned each on its own they could
+        pick schedules that do not (one slicing ``m`` and ``v``, one not), and the second form
+        then refused the bucket's state."""
         from coconet.tune import tune
         from coconet.tune.tuner import tuning_bucket
 
+        if base is not None and base is not program:
+            self._tuned(base, state, total, row)  # tuned once per size class, then cached
+            chosen = self._auto[(base.digest(), tuning_bucket(total * 4))].winner
+            return _same_recipe(program, state, chosen, type(self).__name__)
         key = (program.digest(), tuning_bucket(total * 4))
         if key not in self._auto:
             result = tune(
@@ -1538,6 +1552,45 @@ class _StateView(Mapping):
 
     def __repr__(self) -> str:
         return f"<coconet.optim state of {len(self)} parameters>"
+
+
+def _same_recipe(program: Program, state: tuple[str, ...], chosen: Any, name: str
+                 ) -> Program | Schedule:  # fmt: skip
+    """``program`` (a clipping form of a step) scheduled as ``chosen`` (the tuner's winning
+    ``Candidate`` for the step without clipping) schedules it: the candidate of ``program``
+    with that recipe on that transport, or the one that recipe duplicates. Where the recipe
+    does not apply to the form (the norm of a clipping form can make a fusion illegal), the
+    form's candidate that slices the same state, the one whose recipe shares the most
+    primitives with the chosen recipe (the first such in enumeration order: the same on every
+    rank)."""
+    from coconet.tune.candidates import CHUNKS, enumerate_candidates
+
+    candidates, found = enumerate_candidates(program, [chosen.transport], CHUNKS, state)
+    recipe = chosen.recipe
+    same = found.duplicates.get(recipe)
+    for c in candidates:
+        if c.recipe == recipe or (same is not None and c.name == same):
+            return c.target
+    sliced = {n for n in state if _is_sliced(chosen.scheduled, n)}
+    alike = [c for c in candidates if {n for n in state if _is_sliced(c.scheduled, n)} == sliced]
+    if not alike:
+        raise ConfigError(
+            f"schedule='auto' chose {chosen.name} ({recipe}) for the step without clipping, and "
+            f"no schedule of {program.name} keeps its state sliced alike "
+            f"({', '.join(sorted(sliced)) or 'nothing sliced'})",
+            op=f"coconet.optim.{name}",
+            details=[str(r) for r in found.rejected][:3],
+            hint="give a named schedule (schedule='fuse_RS_C_AG', 'AR_C', ...) with "
+            "max_grad_norm=",
+        )
+
+    def shared(c: Any) -> int:
+        ours, theirs = c.recipe.split("+"), recipe.split("+")
+        return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
+                     if a != b),
+                    min(len(ours), len(theirs)))
+
+    return max(alike, key=shared).target
 
 
 def _default_comm(comm: Any, name: str) -> Communicator:
