@@ -44,6 +44,7 @@ def test_misuse_fails_on_every_rank_before_any_data_moves(healthy):
     same(results, "float too big", "rank 1: input 'lr' (float32): 100000000000...(401 digits)")
     same(results, "float32 overflow", "rank 0: input 'lr' (float32): 1e+39 overflows float32")
     same(results, "step ahead", "Replicated inputs differ", "input 'k': rank 0 has 2")
+    same(results, "re-pointed", "rank 0: inputs 'p' and 'm' share memory and both are updated")
     for out in results:
         assert out["interleaved views"]["status"] == "no error"  # disjoint views are fine
         assert out["float nan passes"]["status"] == "no error"

@@ -111,7 +111,13 @@ def misuse(comm: Communicator) -> dict:
     out["float nan passes"] = _attempt(step, mine)
     # item 3: a rank one step ahead (its step counter differs)
     bad("step ahead", 1, k=3)
-    out["good"] = _attempt(step, inputs(rank))
+    good = inputs(rank)
+    out["good"] = _attempt(step, good)
+    if rank == 0:
+        # the same tensor objects as the good call, re-pointed to share memory: a step
+        # remembers what it checked only by everything the checks read, so it checks again
+        good["m"].set_(good["p"])
+    out["re-pointed"] = _attempt(step, good)
     out["calls"] = step.calls
     return out
 

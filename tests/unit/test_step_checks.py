@@ -112,6 +112,37 @@ def test_scalars_that_fit_pass(dtype, value):
         assert t.item() == int(value)
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    dtype=st.sampled_from([cc.float32, cc.float16, cc.bfloat16, cc.int64]),
+    value=st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.floats(min_value=-4e38, max_value=4e38),  # around float32's largest
+        st.floats(min_value=-1e-44, max_value=1e-44),  # float32's subnormals
+        st.integers(-(2**70), 2**70),
+    ),
+)
+def test_the_float_scalar_fast_path_is_the_slow_path(dtype, value):
+    """A step binds a new float scalar (an optimizer's step size) without reading the tensor
+    back: where the fast path answers, its tensor and the text the ranks compare are exactly
+    what ``_scalar`` and ``_scalar_text`` give (a rank on either path agrees with the other);
+    where it declines (another dtype, not finite, does not fit), the slow path words why."""
+    node = _node(dtype)
+    fast = step_mod._float_scalar(node, value, torch.device("cpu"))
+    slow, why = step_mod._scalar(node, value, torch.device("cpu"))
+    if fast is None:
+        declined = dtype is not cc.float32 or why is not None or not (
+            math.isfinite(slow.item()))
+        assert declined, (dtype, value)
+        return
+    t, text = fast
+    assert why is None
+    assert t.dtype == slow.dtype and t.shape == ()
+    assert t.reshape(1).view(torch.uint8).tolist() == (
+        slow.reshape(1).view(torch.uint8).tolist())
+    assert text == step_mod._scalar_text(slow)
+
+
 def test_the_checksum_sees_one_changed_element_and_swapped_elements():
     x = torch.randn(1000)
     base = step_mod._checksum(x)

@@ -258,7 +258,7 @@ class PeerChannels:
         key = (id(end), (n - 1) % len(end.slots), numel, dtype, slot.payload.data_ptr())
         v = self._views.get(key)
         if v is None:
-            size = torch.empty((), dtype=dtype).element_size()
+            size = dtype.itemsize
             v = self._views[key] = slot.payload[: numel * size].view(dtype)
         return v
 

@@ -49,7 +49,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 def _second(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
     """(bytes of one buffer, the second buffer's byte offset)."""
-    one = max(1, _numel(shape)) * torch.empty((), dtype=dtype).element_size()
+    one = max(1, _numel(shape)) * dtype.itemsize
     return one, -(-one // _PAGE) * _PAGE + _SKEW
 
 
@@ -85,6 +85,11 @@ class HostReplica:
     def spare(self) -> torch.Tensor:
         """The buffer the next step writes (a new view of it)."""
         return self._buffers[1 - self._live].view(self.shape)
+
+    @property
+    def spare_index(self) -> int:
+        """Which of the two buffers ``spare()`` is now (0 or 1)."""
+        return 1 - self._live
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the whole live buffer (the only tensor a step may flip)."""

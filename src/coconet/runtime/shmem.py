@@ -126,6 +126,11 @@ class ShmGroup:
         # cn_one_shot's fixed arguments by kind of call (``one_shot_args``)
         self._pointers: dict[tuple, tuple] = {}
         self.words: dict[int, tuple] = {}  # words_round's ctypes arrays, by number of words
+        # The one-pass units' views (every peer's rows of a published input, every rank's
+        # slot of a gather): by what they view, with the memory they view (reused only while
+        # that is the same object). A step builds the same ones every time, and rebuilding them
+        # cost ~10 torch calls per peer, before and after the kernel.
+        self._views: dict[tuple, tuple[object, list[torch.Tensor]]] = {}
 
     def _segment(self, nbytes: int) -> SymmetricMemory:
         """A new ``SymmetricMemory`` over the group with ``nbytes`` in this rank's segment
@@ -139,7 +144,7 @@ class ShmGroup:
         """A tensor of ``shape`` in symmetric memory of its own, mapped by every peer.
         Collective: every rank of the group calls it at the same point."""
         numel = _numel(shape)
-        mem = self._segment(max(1, numel) * torch.empty((), dtype=dtype).element_size())
+        mem = self._segment(max(1, numel) * dtype.itemsize)
         t = mem.buffer(self.index, dtype, numel).view(tuple(shape))
         if len(set(mem.peer_bytes)) > 1:
             # The ranks asked for different sizes (an uneven slice of a sequence): a collective
@@ -248,6 +253,25 @@ class ShmGroup:
         mem.buffer(self.index, x.dtype, x.numel()).view(x.shape).copy_(x)
         return (lambda j: mem.buffer(j, x.dtype, x.numel()).view(x.shape)), False
 
+    def views(self, key: tuple, owner: object, make: Callable[[], list[torch.Tensor]]
+              ) -> list[torch.Tensor]:
+        """``make()``, or what it returned last time for ``key`` while ``owner`` (the memory
+        the views are of) is the same object. The views go to coconet's own generated code and
+        commit, which read and write their elements, never their shape or storage."""
+        hit = self._views.get(key)
+        if hit is not None and hit[0] is owner:
+            return hit[1]
+        if len(self._views) > 64:  # many kinds in turn: keep the cache small
+            self._views.clear()
+        made = make()
+        self._views[key] = (owner, made)
+        return made
+
+    def published_owner(self, mem: SymmetricMemory, x: torch.Tensor, registered: bool) -> object:
+        """What ``publish(mem, x)`` made the peers' copies of ``x`` views of: a registered
+        tensor's own memory entry, else ``mem``."""
+        return self.registered.get(x.data_ptr()) if registered else mem
+
     def peer_views(self, x: torch.Tensor) -> Callable[[int], torch.Tensor] | None:
         """For a registered tensor ``x`` (the whole of it): peer j's copy of it, by j."""
         entry = self.registered.get(x.data_ptr())
@@ -282,7 +306,7 @@ class ShmGroup:
         if old is not None:
             old.close()
         self.mem, self.area = mem, area
-        self._areas, self._pointers = {}, {}  # they viewed the old segment
+        self._areas, self._pointers, self._views = {}, {}, {}  # they viewed the old segment
 
     def abort(self) -> None:
         """Tell the peers that this rank's step failed: their waits on it fail at once."""
@@ -297,7 +321,7 @@ class ShmGroup:
         for mem in (*(m for m, _, _ in self.registered.values()), *self._uneven):
             mem.close()
         self.registered, self._copies, self._areas, self._pointers = {}, {}, {}, {}
-        self._uneven = []
+        self._views, self._uneven = {}, []
         for r in set(self.replicas.values()):
             r.close()
         self.replicas, self.open_replica = {}, None
@@ -780,7 +804,7 @@ class SharedMemoryTransport:
         out_bytes = 0
         if gather_shape is not None:
             out_numel = _numel(gather_shape)
-            out_bytes = out_numel * torch.empty((), dtype=gather_dtype).element_size()
+            out_bytes = out_numel * gather_dtype.itemsize
         mem, e = st.begin(max(x0.numel() * x0.element_size(), out_bytes))
         peer, st.open_registered = st.publish(mem, x0)
         mem.post(Phase.READY, e)
@@ -788,7 +812,10 @@ class SharedMemoryTransport:
         lo, hi = slice_bounds(x0.shape[0], n, i)
         # the peers' rows stay valid until the gather (or the end): every rank reads them before
         # it posts REDUCED (CONSUMED), and a peer overwrites its segment only after it saw that
-        peers = [peer(j)[lo:hi] for j in range(n)]
+        owner = st.published_owner(mem, x0, st.open_registered)
+        key = ("rows", x0.data_ptr() if st.open_registered else 0, x0.dtype, tuple(x0.shape),
+               lo, hi)
+        peers = st.views(key, owner, lambda: [peer(j)[lo:hi] for j in range(n)])
         if gather_shape is None:
             st.open_replica = None
             return peers, None
@@ -818,7 +845,7 @@ class SharedMemoryTransport:
         ``fused_reduce_scatter``'s ``gather_into``)."""
         st: ShmGroup = group.handle
         numel = _numel(shape)
-        mem, _ = st.begin(numel * torch.empty((), dtype=dtype).element_size())
+        mem, _ = st.begin(numel * dtype.itemsize)
         return self._slot(st, mem, shape, dtype, parts, into)
 
     @staticmethod
@@ -833,11 +860,18 @@ class SharedMemoryTransport:
         if replica is not None and (replica.shape != tuple(shape) or replica.dtype != dtype):
             replica = None  # a gather of another shape: the ordinary slot
         st.open_replica = replica
-        if replica is not None:
-            out = replica.spare()
-        else:
-            out = mem.buffer(st.index, dtype, _numel(shape), st.area).view(tuple(shape))
-        return out[start : start + parts[st.index]]
+        rows = parts[st.index]
+
+        def slot() -> list[torch.Tensor]:
+            if replica is not None:
+                out = replica.spare()
+            else:
+                out = mem.buffer(st.index, dtype, _numel(shape), st.area).view(tuple(shape))
+            return [out[start : start + rows]]
+
+        which = ("replica", replica.spare_index) if replica is not None else ("area", st.area)
+        key = ("slot", which, tuple(shape), dtype, start, rows)
+        return st.views(key, replica if replica is not None else mem, slot)[0]
 
     def fused_all_gather(
         self,
@@ -858,13 +892,21 @@ class SharedMemoryTransport:
         shape = tuple(shape)
         numel = _numel(shape)
         replica, st.open_replica = st.open_replica, None
-        pieces, start = [], 0
-        for j, rows in enumerate(parts):
-            whole = replica.spare() if replica is not None else (
-                mem.buffer(j, dtype, numel, st.area).view(shape)
-            )
-            pieces.append(whole[start : start + rows])
-            start += rows
+
+        def slots() -> list[torch.Tensor]:
+            pieces, start = [], 0
+            for j, rows in enumerate(parts):
+                whole = replica.spare() if replica is not None else (
+                    mem.buffer(j, dtype, numel, st.area).view(shape)
+                )
+                pieces.append(whole[start : start + rows])
+                start += rows
+            return pieces
+
+        # (a replica's spare buffer alternates: one entry for each)
+        which = ("replica", replica.spare_index) if replica is not None else ("area", st.area)
+        key = ("gather", which, shape, dtype, tuple(parts))
+        pieces = st.views(key, replica if replica is not None else mem, slots)
         result = Published(
             pieces, lambda: mem.post(Phase.CONSUMED, e), shape, dtype, replica=replica
         )

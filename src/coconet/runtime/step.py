@@ -108,6 +108,20 @@ class CompiledStep:
         # the same (an optimizer passes ~10 per step, most of them constant): converting and
         # checking a number costs more than a small step's arithmetic.
         self._numbers: dict[str, tuple[type, int | float, torch.Tensor, str]] = {}
+        # Per input, what binding it reads at every call: (name, node, whether the handshake
+        # compares it: Replicated over the whole world; Replicated over one axis may differ
+        # between that axis's groups, and the handshake spans the world).
+        self._slots = [
+            (n.name, n, n.type.layout.is_replicated and n.type.layout.axis is None)
+            for n in program.inputs
+        ]
+        self._input_names = frozenset(n.name for n in program.inputs)
+        # Tensor inputs that passed the local checks, by everything those checks read
+        # (``_signature``), and the sets of them whose memory was checked together for
+        # aliasing: a step called with the same tensors again (an optimizer's buckets: the
+        # same few tensors every step) skips checks that would give the same answer.
+        self._checked: set[tuple] = set()
+        self._unaliased: set[tuple] = set()
         # How this step's agreement can cost less than a round of its own (handshake): the
         # all_reduce it may ride with (the step's first communication, named by the generated
         # module), or whether the step communicates nothing and updates nothing at all (its calls
@@ -473,51 +487,76 @@ class CompiledStep:
         """Positional args for the generated step, local shapes and dtypes, the digests of the
         Replicated inputs compared across ranks, and the first problems found with this rank's
         inputs (None when they look right locally)."""
-        names = [n.name for n in self.program.inputs]
         problems = []
-        unknown = sorted(set(given) - set(names))
-        if unknown:
+        if not self._input_names.issuperset(given):
+            names = [n.name for n in self.program.inputs]
             problems.append(
-                f"{self.program.name} has no inputs named {unknown}; its inputs are {names}"
+                f"{self.program.name} has no inputs named {sorted(set(given) - set(names))}; "
+                f"its inputs are {names}"
             )
         args, shapes, dtypes, replicated = [], {}, {}, {}
+        signatures: list[tuple] = []
         compare = comm.world > 1  # a world of one has no peer to compare Replicated inputs with
-        for node in self.program.inputs:
-            if node.name not in given:
-                problems.append(f"input {node.name!r} ({node.type}) is missing")
+        for name, node, compared in self._slots:
+            raw = given.get(name, _MISSING)
+            if raw is _MISSING:
+                problems.append(f"input {name!r} ({node.type}) is missing")
                 args.append(None)
                 continue
-            raw = given[node.name]
-            cached = self._numbers.get(node.name)
+            cached = self._numbers.get(name)
             if (cached is not None and type(raw) is cached[0] and raw == cached[1]
                     and raw == raw):  # the same number as last time (NaN never is)
-                value, text = cached[2], cached[3]
+                value = cached[2]
                 args.append(value)
-                shapes[node.name] = ()
-                dtypes[node.name] = _dtype_name(value.dtype)
-                if compare and node.type.layout.is_replicated and node.type.layout.axis is None:
-                    replicated[node.name] = text
+                shapes[name] = ()
+                dtypes[name] = _dtype_name(value.dtype)
+                if compare and compared:
+                    replicated[name] = cached[3]
                 continue
-            value, problem = self._tensor(node, raw, comm)
+            fast = _float_scalar(node, raw, comm.device)
+            if fast is not None:
+                # a new finite float (a step-dependent scalar): made and named at once
+                value, text = fast if compare else (fast[0], "")
+                args.append(value)
+                shapes[name] = ()
+                dtypes[name] = _dtype_name(value.dtype)
+                if compare and compared:
+                    replicated[name] = text
+                self._numbers[name] = (type(raw), raw, value, text)
+                continue
+            sig = _signature(name, raw) if isinstance(raw, torch.Tensor) else None
+            if sig is not None and sig in self._checked:
+                value, problem = (raw.detach() if raw.requires_grad else raw), None
+            else:
+                value, problem = self._tensor(node, raw, comm)
+                if sig is not None and problem is None:
+                    if len(self._checked) > 64:  # many tensors in turn: keep the set small
+                        self._checked.clear()
+                    self._checked.add(sig)
+            if sig is not None:
+                signatures.append(sig)
             if problem:
                 problems.append(problem)
             args.append(value)
             if value is not None:
-                shapes[node.name] = tuple(value.shape)
-                dtypes[node.name] = _dtype_name(value.dtype)
-                layout = node.type.layout
-                # The same on every rank of the world (Replicated over one axis may differ
-                # between that axis's groups, and the handshake spans the world).
-                if compare and layout.is_replicated and layout.axis is None:
+                shapes[name] = tuple(value.shape)
+                dtypes[name] = _dtype_name(value.dtype)
+                if compare and compared:
                     if node.type.rank == 0:
-                        replicated[node.name] = _scalar_text(value)
+                        replicated[name] = _scalar_text(value)
                     elif self.options.check_replicated:
-                        replicated[node.name] = _checksum(value)
+                        replicated[name] = _checksum(value)
                 if isinstance(raw, (int, float)) and not isinstance(raw, bool):
                     text = replicated.get(node.name) or (_scalar_text(value) if compare else "")
                     self._numbers[node.name] = (type(raw), raw, value, text)
         if not problems:
-            problems.extend(self._aliasing(given))
+            together = tuple(signatures)
+            if together not in self._unaliased:
+                problems.extend(self._aliasing(given))
+                if not problems:
+                    if len(self._unaliased) > 16:
+                        self._unaliased.clear()
+                    self._unaliased.add(together)
         return args, shapes, dtypes, replicated, ("; ".join(problems) or None)
 
     def _aliasing(self, given: dict[str, Any]) -> list[str]:
@@ -686,6 +725,9 @@ def _steps_seen(comm: Any) -> dict[int, int]:
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
+_MISSING = object()  # an input the caller did not pass
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     """``float32`` for torch.float32 (remembered: the handshake names every input's dtype at
     every step)."""
@@ -734,9 +776,47 @@ def _short(value: int | float) -> str:
     return text if len(text) <= 30 else f"{text[:12]}...({len(text)} digits)"
 
 
+_PACKED = {torch.float32: struct.Struct("=f")}  # (float16, bfloat16: the slow path)
+
+
+def _float_scalar(node: Node, raw: Any, device) -> tuple[torch.Tensor, str] | None:
+    """A Python float or int for a 0-d float32 input, as ``_scalar`` makes it and
+    ``_scalar_text`` names it, without reading the tensor back (those two cost ~15 us per
+    scalar, and an optimizer passes two new ones every step); None for anything else (another
+    dtype, a value that is not finite or does not fit: ``_scalar`` words its problem).
+
+    The text is ``_scalar_text``'s exactly: ``struct`` rounds a double to float32 with the same
+    C cast as ``torch.tensor``, so its bytes are the tensor's and ``repr`` of the rounded value
+    is ``repr(t.item())`` (a rank taking the slow path names the same bits the same way)."""
+    ty = node.type
+    packer = _PACKED.get(ty.dtype.torch)
+    if packer is None or ty.rank != 0 or type(raw) not in (float, int):
+        return None
+    try:
+        x = float(raw)
+        if not math.isfinite(x):
+            return None
+        bits = packer.pack(x)
+    except (OverflowError, struct.error):
+        return None
+    rounded = packer.unpack(bits)[0]
+    if not math.isfinite(rounded):
+        return None
+    return torch.tensor(x, dtype=ty.dtype.torch, device=device), f"{rounded!r} [{bits.hex()}]"
+
+
 def _scalar_text(t: torch.Tensor) -> str:
     """A 0-d Replicated input as the ranks compare it: its exact bits (NaN equals NaN)."""
     return f"{t.item()!r} [{bytes(t.detach().cpu().reshape(1).view(torch.uint8).tolist()).hex()}]"
+
+
+def _signature(name: str, t: torch.Tensor) -> tuple:
+    """Everything the local checks of input ``name`` read from ``t`` (``_tensor``,
+    ``_unwritable``) and everything its aliasing with the other inputs depends on (``_overlap``:
+    its bytes' addresses, from the first element's address, the storage offset, shape, strides
+    and dtype): equal signatures get equal verdicts."""
+    return (name, t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device,
+            t.requires_grad, t.is_inference())
 
 
 def _checksum(t: torch.Tensor) -> str:

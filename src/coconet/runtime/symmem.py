@@ -228,7 +228,7 @@ class SymmetricMemory:
     def buffer(self, peer: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at byte ``offset`` of ``peer``'s data area."""
         start = SIGNAL_BYTES + offset
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if offset < 0 or start + nbytes > SIGNAL_BYTES + self._peer_bytes[peer]:
             raise ConfigError(
                 f"shared memory: {nbytes} bytes at offset {offset} exceed rank {peer}'s "
