@@ -385,6 +385,54 @@ class AllReduceProbe(Contender):
 # -- the ranks ----------------------------------------------------------------------------------
 
 
+class AlignedStart:
+    """Starts every rank's timed step within about a microsecond of the others.
+
+    A gloo barrier alone releases the ranks up to milliseconds apart on this VM (measured: median
+    20 us, but p90 3.9 ms when the ranks ran different work before it, as they do between
+    contenders): a rank that waited in it has its vCPU halted and woken late, and the rank that
+    left first then waits for it inside the step it times, which puts the barrier's skew into
+    that contender's time. So after the barrier each rank bumps its own counter in a page of
+    shared memory and busy-polls the others' (no sleep, nothing to wake): every contender's
+    step starts from the same instant on every rank. The file is unlinked as soon as every rank
+    mapped it (nothing is left in /dev/shm, even if a rank dies)."""
+
+    LINE = 8  # int64 words per rank: one cache line each
+    TIMEOUT_S = 120.0
+
+    def __init__(self, rank: int, world: int) -> None:
+        import numpy as np
+
+        name = [f"/dev/shm/coconet-bench-start-{os.getpid()}-{time.time_ns()}" if rank == 0
+                else None]
+        dist.broadcast_object_list(name, src=0)
+        path = name[0]
+        if rank == 0:
+            with open(path, "wb") as f:
+                f.write(bytes(8 * self.LINE * world))
+        dist.barrier()
+        flags = torch.from_file(path, shared=True, size=self.LINE * world, dtype=torch.int64)
+        dist.barrier()
+        if rank == 0:
+            os.unlink(path)
+        self.flags = flags  # kept: the numpy view below does not own the mapping
+        self.words = np.asarray(flags.numpy())
+        self.rank, self.world, self.count = rank, world, 0
+
+    def __call__(self) -> None:
+        self.count += 1
+        k, words, line = self.count, self.words, self.LINE
+        words[self.rank * line] = k
+        deadline = time.monotonic() + self.TIMEOUT_S
+        for j in range(self.world):
+            spins = 0
+            while words[j * line] < k:
+                spins += 1
+                if spins % 100_000 == 0 and time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {j} did not reach the aligned start in "
+                                       f"{self.TIMEOUT_S:g} s")
+
+
 def worker(comm, cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     rank, world, n, seed = comm.rank, comm.world, cfg["params"], cfg["seed"]
@@ -478,6 +526,7 @@ def worker(comm, cfg: dict) -> dict:
     names = [c.name for c in contenders]
 
     rounds = 1 + cfg["warmup"] + cfg["steps"]
+    start = AlignedStart(rank, world)
     first = torch.zeros(len(contenders), dtype=torch.float64)
     times = torch.zeros(len(contenders), cfg["steps"], dtype=torch.float64)
     for r in range(rounds):
@@ -491,6 +540,7 @@ def worker(comm, cfg: dict) -> dict:
         for i, c in enumerate(contenders):
             c.prepare(g)
             dist.barrier()
+            start()  # every rank from the same instant (the barrier alone: ms apart)
             t = time.perf_counter()
             c.step(r, g)
             dt = (time.perf_counter() - t) * 1e3
@@ -501,7 +551,8 @@ def worker(comm, cfg: dict) -> dict:
     dist.all_reduce(first, op=dist.ReduceOp.MAX)  # the slowest rank's time, step by step
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
 
-    # Correctness: every contender against ddp (and across ranks), ddp against plain torch.
+    # Correctness: every contender against ddp (and across ranks), ddp against plain torch (and
+    # every contender against plain torch where ddp was not run).
     if say:
         say("checking every contender's parameters against ddp's")
     ref = next(c for c in contenders if c.name == "ddp").param() if "ddp" in names else None
@@ -518,8 +569,10 @@ def worker(comm, cfg: dict) -> dict:
             want = torch_reference(p0, hp, seed, world, n, cfg["distinct_grads"], rounds,
                                    clip=c.clip_norm)
         else:
+            if ref is None:  # ddp not run: the plain single-process torch reference instead
+                ref = torch_reference(p0, hp, seed, world, n, cfg["distinct_grads"], rounds)
             want = ref
-        errs = compare(mine, want) if want is not None else dict.fromkeys(ERR_KEYS, float("nan"))
+        errs = compare(mine, want)
         vectors.append([errs[k] for k in ERR_KEYS] + [across])
     err_t = torch.tensor(vectors, dtype=torch.float64).reshape(len(checked), len(ERR_KEYS) + 1)
     dist.all_reduce(err_t, op=dist.ReduceOp.MAX)  # the worst rank

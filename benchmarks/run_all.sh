@@ -36,6 +36,8 @@ mkdir -p "$R"
   | tee "$R/step_breakdown_4M.txt"
 "$PY" benchmarks/step_breakdown.py --params 16777216 --steps 10 --commit swap \
   | tee "$R/step_breakdown_16M.txt"
+"$PY" benchmarks/optim_step_timeline.py --params 4096,1048576,4194304 --steps 40 \
+  --json "$R/optim_step_timeline.json" | tee "$R/optim_step_timeline.txt"
 
 # The end-to-end training step: coconet.optim.AdamW against DDP + fused AdamW (examples/).
 "$PY" examples/train_gpt.py --steps 40 --json "$R/train_gpt.json" --plot "$R/train_gpt.png" \
