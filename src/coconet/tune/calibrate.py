@@ -9,8 +9,9 @@ every rank ends with the same model (and would choose the same schedule). What i
   ``eager``: unfused ops one after the other (``mul`` then ``add``), on 16K-16M float32, each
   repetition with its operands out of cache, as a step finds them;
 - ``op_overhead``: an eager op on a tiny tensor (the dispatch cost);
-- ``step_overhead``: a tiny compiled step (one all_reduce, one op) on each transport, less what
-  the model already counts for it: the fixed cost of a step call;
+- ``step_overhead``: a tiny compiled step (one all_reduce, one op) on each transport, its caches
+  flushed before each repetition, less what the model already counts for it: the fixed cost of
+  a step call;
 - ``flops``: a 384 x 384 matmul;
 - every collective op the programs use (all_reduce, reduce_scatter, all_gather) on each
   transport given, each algorithm torch.distributed has for it, at 64 KiB - 64 MiB; on shared
@@ -159,7 +160,11 @@ def _tiny_program():
 def _step_seconds(comm: Communicator) -> float:
     """Seconds of one step of a tiny compiled program (one all_reduce, one op, one update): the
     fixed cost of a step call (binding and checking the inputs, the agreement, the generated
-    code, the commit) with almost no data."""
+    code, the commit) with almost no data. Each repetition runs with the caches flushed, as a
+    real step finds them (backward, or the step's own passes over memory, streamed more than
+    the cache holds): the interpreter's working set is then read from memory, which made a
+    step's fixed cost ~2-4x what back-to-back steps showed (``benchmarks/
+    optim_step_timeline.py``: a 4M-parameter Adam step's Python before its kernel)."""
     from coconet.compiler import compile as coconet_compile
 
     fn = coconet_compile(_tiny_program(), comm=comm, fused_kernels=False)
@@ -167,7 +172,7 @@ def _step_seconds(comm: Communicator) -> float:
     gt = fn.input_buffer("g", (size,))
     gt.fill_(1.0)
     pt = torch.zeros(size, device=comm.device)
-    return _timed(comm, lambda: fn(g=gt, p=pt), 9)
+    return _timed(comm, lambda: fn(g=gt, p=pt), 9, before=_evictor(comm))
 
 
 _MM = 384  # the matmul probe's size: 2 * 384^3 flops

@@ -70,8 +70,9 @@ def result_key(
 
 
 # What the calibration measures and how (coconet.tune.calibrate): a cached model measured
-# otherwise is not this one. 2: memory probes with their operands out of cache.
-CALIBRATION = 2
+# otherwise is not this one. 2: memory probes with their operands out of cache; 3: the step's
+# fixed cost measured with the caches flushed too.
+CALIBRATION = 3
 
 
 def _machine_key(comm: Communicator, transports: Sequence[TransportKind]) -> str:
