@@ -30,6 +30,7 @@ from coconet.ir.mesh import Mesh
 from coconet.ir.program import Program
 from coconet.options import TransportKind
 from coconet.runtime.algorithm_choice import choose_all_locally
+from coconet.runtime.allocator import rank_environment
 from coconet.runtime.launch import run_script
 from coconet.runtime.tuning import AlgorithmTable
 from coconet.version import __version__
@@ -290,7 +291,7 @@ def _run(args) -> int:
             args.script,
             *script_args,
         ]
-        return subprocess.call(cmd)
+        return subprocess.call(cmd, env=rank_environment(os.environ))  # glibc's tcache off
     return run_script([args.script, *script_args], args.nproc, module=args.module)
 
 

@@ -235,7 +235,9 @@ class CommOptions:
       size classes, whose timings are noisier);
     - ``keep_buffers_mapped``: ``init()`` tunes glibc's malloc so that the large buffers a step
       allocates stay mapped between steps instead of page-faulting every step (process-wide;
-      see ``coconet.runtime.allocator``). False leaves the allocator alone.
+      see ``coconet.runtime.allocator``), and ``spawn`` starts its ranks with glibc's
+      per-thread cache off (``GLIBC_TUNABLES``, which only a process's start reads). False
+      leaves the allocator alone.
 
     Every field is checked when the options are made: a bad one is a ``ConfigError`` there, not
     a failure at the job's first collective.

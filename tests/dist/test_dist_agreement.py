@@ -79,3 +79,18 @@ def test_ranks_in_different_control_rounds_are_told_at_once(transport):
         assert out["status"] == "RuntimeFault", f"rank {rank}: {out}"
         assert "out of step on the control channel" in out["message"], out["message"]
         assert out["seconds"] < TIMEOUT / 4, f"rank {rank}: {out}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_aligned_start_lets_no_rank_go_before_the_last_arrives(transport):
+    """The start the tuner and the calibration time from (``Communicator.aligned_start``): a
+    barrier on either transport, with a late rank and back to back."""
+    options = CommOptions(timeout=TIMEOUT, transport=transport)
+    results = spawn(agreement_workers.aligned_starts, 2, 0.2, options=options, timeout=50)
+    assert [r["transport"] for r in results] == [transport] * 2
+    for k in range(3):
+        last_arrival = max(r["spans"][k][0] for r in results)
+        first_exit = min(r["spans"][k][1] for r in results)
+        assert first_exit >= last_arrival, f"start {k}: a rank left before the last arrived"
+    assert results[0]["spans"][0][1] - results[0]["spans"][0][0] > 0.1  # rank 0 waited for 1

@@ -19,6 +19,7 @@ from coconet.cache import keyed_cache_dir
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
+    import os
     import sys
     import torch
     import coconet as cc
@@ -34,6 +35,7 @@ SCRIPT = textwrap.dedent(
     out = step(g=torch.full((3,), float(comm.rank + 1)), w=w_t)
     print(f"rank {comm.rank} of {comm.world}: total={out['total'].tolist()} w={w_t.tolist()} "
           f"args={sys.argv[1:]}", flush=True)
+    print(f"rank {comm.rank} GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES')}", flush=True)
     runtime.shutdown(exit_code=0)
     """
 )
@@ -69,6 +71,8 @@ def test_coconet_run_two_ranks(tmp_path):
             f"rank {rank} of 2: total=[3.0, 3.0, 3.0] w=[1.0, 1.0, 1.0] args=['--flag', 'x']"
             in out.stdout
         ), out.stdout + out.stderr
+        # started with glibc's tcache off (coconet.runtime.allocator.rank_environment)
+        assert f"rank {rank} GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in out.stdout
 
 
 @pytest.mark.timeout(240)
@@ -169,6 +173,9 @@ def test_torchrun_two_nodes_on_localhost(tmp_path):
     assert all(a.returncode == 0 for a in agents), text
     for rank in (0, 1):
         assert f"rank {rank} of 2: total=[3.0, 3.0, 3.0] w=[1.0, 1.0, 1.0]" in text, text
+    # coconet's agent starts its rank with glibc's tcache off; plain torchrun leaves it alone
+    assert "GLIBC_TUNABLES=glibc.malloc.tcache_count=0" in outputs[0], outputs[0]
+    assert "GLIBC_TUNABLES=None" in outputs[1], outputs[1]
 
 
 @pytest.mark.timeout(120)

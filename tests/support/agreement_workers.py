@@ -150,3 +150,17 @@ def out_of_step(comm: Communicator) -> dict:
     except Exception as e:  # noqa: BLE001 - reported to the test
         status, message = type(e).__name__, str(e)
     return {"status": status, "message": message, "seconds": time.perf_counter() - t0}
+
+
+def aligned_starts(comm: Communicator, late: float) -> dict:
+    """``Communicator.aligned_start`` with rank 1 ``late`` seconds late, then back to back: when
+    each rank arrived and left (``time.monotonic``: one clock on the host), and what a
+    dead-peer-free start costs in the communicator's shared-memory rounds."""
+    spans = []
+    for delay in (late, 0.0, 0.0):
+        if comm.rank == 1:
+            time.sleep(delay)
+        arrived = time.monotonic()
+        comm.aligned_start("test")
+        spans.append((arrived, time.monotonic()))
+    return {"spans": spans, "transport": comm.transport_of(None).value}

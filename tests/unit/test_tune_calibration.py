@@ -58,6 +58,12 @@ class FakeComm:
     def barrier(self, label: str = "") -> None:
         pass
 
+    def aligned_start(self, label: str) -> None:
+        pass
+
+    def transport_of(self, axis) -> TransportKind:
+        return self.transport
+
     def group(self, axis):
         return None
 
@@ -81,12 +87,21 @@ class FakeComm:
         return list(values)
 
 
+STEPS_ON: list[TransportKind] = []  # the transports the fake tiny step ran on
+
+
+def _fake_step(comm, align) -> float:
+    """The tiny step: three of its transport's rounds and 100 us of Python."""
+    STEPS_ON.append(comm.transport)
+    return 3 * CONTROL[comm.transport] + 1e-4
+
+
 @pytest.fixture
 def model(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(cal, "time", clock)  # calibrate reads time.perf_counter()
     monkeypatch.setattr(cal, "MEMORY_ELEMENTS", (1024, 4096))
-    monkeypatch.setattr(cal, "_step_seconds", lambda comm: 3 * CONTROL[comm.transport] + 1e-4)
+    monkeypatch.setattr(cal, "_step_seconds", _fake_step)
     comms = {t: FakeComm(t, clock) for t in (SHM, TD)}
     return cal.calibrate(comms)
 
@@ -122,6 +137,21 @@ def test_control_and_the_step_calls_fixed_cost(model):
         assert model.step_overhead[t] == pytest.approx(1e-4 - model.op_overhead, abs=1e-6)
 
 
+def test_the_fixed_cost_is_measured_once_where_rounds_are_cheapest(monkeypatch):
+    """Shared memory when there is one (a gloo round's wake-up noise must not become every
+    step's fixed cost); torch.distributed alone otherwise."""
+    clock = Clock()
+    monkeypatch.setattr(cal, "time", clock)
+    monkeypatch.setattr(cal, "MEMORY_ELEMENTS", (1024, 4096))
+    monkeypatch.setattr(cal, "_step_seconds", _fake_step)
+    for transports, measured_on in (((TD, SHM), [SHM]), ((TD,), [TD])):
+        STEPS_ON.clear()
+        got = cal.calibrate({t: FakeComm(t, clock) for t in transports})
+        assert STEPS_ON == measured_on
+        for t in transports:
+            assert got.step_overhead[t] == pytest.approx(1e-4 - got.op_overhead, abs=1e-6)
+
+
 # -- extending the calibration to the sizes a tune needs ----------------------------------------
 
 KNEE = 1 << 20  # past this many bytes the fake torch.distributed collectives get 3x slower
@@ -141,7 +171,7 @@ def small(monkeypatch):
     monkeypatch.setattr(cal, "time", clock)
     monkeypatch.setattr(cal, "MEMORY_ELEMENTS", (1024, 4096))
     monkeypatch.setattr(cal, "COLLECTIVE_BYTES", (64 << 10, 256 << 10, KNEE))
-    monkeypatch.setattr(cal, "_step_seconds", lambda comm: 3 * CONTROL[comm.transport] + 1e-4)
+    monkeypatch.setattr(cal, "_step_seconds", _fake_step)
     # the memory probes at the extension's sizes would allocate for real: a known line instead
     monkeypatch.setattr(
         cal, "_memory", lambda comm, elements=(1024, 4096): [(16.0 * n, 1e-6 * n) for n in elements]
@@ -247,7 +277,7 @@ def _calibrated_with(monkeypatch, spell: int):
     clock = Clock()
     monkeypatch.setattr(cal, "time", clock)
     monkeypatch.setattr(cal, "MEMORY_ELEMENTS", (1024, 4096))
-    monkeypatch.setattr(cal, "_step_seconds", lambda comm: 3 * CONTROL[comm.transport] + 1e-4)
+    monkeypatch.setattr(cal, "_step_seconds", _fake_step)
     comms = {t: FakeComm(t, clock) for t in (SHM, TD)}
     comms[TD].torch = SlowSpell(clock, spell)
     return cal.calibrate(comms), comms[TD].torch

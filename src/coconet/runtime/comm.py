@@ -644,6 +644,11 @@ class Communicator:
     def barrier(self, label: str = "barrier") -> None:
         self.control.barrier(label)
 
+    def aligned_start(self, label: str) -> None:
+        """A barrier whose ranks leave within microseconds of each other where the world shares
+        memory (``ControlChannel.aligned_start``): where a timing starts."""
+        self.control.aligned_start(label)
+
     def agree_ready(self, label: str, deadline_s: float) -> None:
         """Wait until every rank has called ``agree_ready`` with the same label (see
         ``ControlChannel.agree_ready``)."""

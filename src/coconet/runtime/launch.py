@@ -32,7 +32,7 @@ import torch.distributed as dist
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.options import CommOptions
-from coconet.runtime.allocator import keep_large_buffers_mapped
+from coconet.runtime.allocator import keep_large_buffers_mapped, rank_environment
 from coconet.runtime.comm import Communicator
 
 __all__ = ["RankFailure", "current", "free_port", "init", "run_script", "shutdown", "spawn"]
@@ -228,7 +228,10 @@ def run_script(
     previous = {s: signal.signal(s, on_signal) for s in handled} if main_thread else {}
     procs: list[subprocess.Popen] = []
     try:
-        procs = [subprocess.Popen(cmd, env=_rank_env(r, nproc, port)) for r in range(nproc)]
+        procs = [  # glibc's tcache off (allocator.rank_environment)
+            subprocess.Popen(cmd, env=rank_environment(_rank_env(r, nproc, port)))
+            for r in range(nproc)
+        ]
         return _supervise(procs, received, grace, kill_after)
     finally:
         for p in procs:  # only on an error of the launcher itself: _supervise waited for all
@@ -442,8 +445,20 @@ def spawn(
         ctx.Process(target=_worker, args=(r, n, port, fn, args, mesh, options, q))
         for r in range(n)
     ]
-    for p in procs:
-        p.start()
+    # A spawned process reads GLIBC_TUNABLES when it starts, from this process's environment:
+    # set while the ranks start (``allocator.rank_environment``), then put back.
+    keep = options.keep_buffers_mapped if options is not None else True
+    saved = os.environ.get("GLIBC_TUNABLES")
+    try:
+        if keep:
+            os.environ["GLIBC_TUNABLES"] = rank_environment(os.environ)["GLIBC_TUNABLES"]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = saved
     results: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
     try:

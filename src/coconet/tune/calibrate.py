@@ -1,7 +1,8 @@
 """Calibrating the cost model on the machine at hand: short micro-benchmarks on the real ranks.
 
 Collective (every rank calls ``calibrate`` with the same communicators). Each probe runs every
-rank at once after a barrier (the ranks share the memory bus and the cores, as in a step), its
+rank at once (``Communicator.aligned_start``: the ranks share the memory bus and the cores, as
+in a step, and a rank woken late from a barrier must not put its lateness in a probe), its
 time is the median of a few repetitions, and the medians are reduced with MAX over the world, so
 every rank ends with the same model (and would choose the same schedule). What is measured:
 
@@ -9,9 +10,9 @@ every rank ends with the same model (and would choose the same schedule). What i
   ``eager``: unfused ops one after the other (``mul`` then ``add``), on 16K-16M float32, each
   repetition with its operands out of cache, as a step finds them;
 - ``op_overhead``: an eager op on a tiny tensor (the dispatch cost);
-- ``step_overhead``: a tiny compiled step (one all_reduce, one op) on each transport, its caches
-  flushed before each repetition, less what the model already counts for it: the fixed cost of
-  a step call;
+- ``step_overhead``: a tiny compiled step (one all_reduce, one op), its caches flushed before
+  each repetition, less what the model already counts for it: the fixed cost of a step call
+  (Python: measured once, on shared memory where there is one, and used for every transport);
 - ``flops``: a 384 x 384 matmul;
 - every collective op the programs use (all_reduce, reduce_scatter, all_gather) on each
   transport given, each algorithm torch.distributed has for it, at 64 KiB - 64 MiB; on shared
@@ -65,14 +66,16 @@ def _reps(nbytes: int) -> int:
 
 def _timed(comm: Communicator, run: Callable[[], None], reps: int,
            before: Callable[[], None] | None = None) -> float:
-    """The median seconds of ``run`` over ``reps`` barrier-aligned repetitions (after one
-    untimed), the slowest rank's; ``before`` runs (untimed) before each repetition."""
+    """The median seconds of ``run`` over ``reps`` repetitions (after one untimed), this
+    rank's, each started at the same instant on every rank (``comm.aligned_start``: ``comm``
+    is the communicator that aligns, not necessarily the one ``run`` uses); ``before`` runs
+    (untimed) before each repetition."""
     run()
     times = []
     for _ in range(reps):
         if before is not None:
             before()
-        comm.barrier("calibration")
+        comm.aligned_start("calibration")
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
@@ -157,7 +160,7 @@ def _tiny_program():
     return Program("calibration_step", [g, p], [update(p, p + all_reduce(g))])
 
 
-def _step_seconds(comm: Communicator) -> float:
+def _step_seconds(comm: Communicator, align: Communicator) -> float:
     """Seconds of one step of a tiny compiled program (one all_reduce, one op, one update): the
     fixed cost of a step call (binding and checking the inputs, the agreement, the generated
     code, the commit) with almost no data. Each repetition runs with the caches flushed, as a
@@ -172,7 +175,7 @@ def _step_seconds(comm: Communicator) -> float:
     gt = fn.input_buffer("g", (size,))
     gt.fill_(1.0)
     pt = torch.zeros(size, device=comm.device)
-    return _timed(comm, lambda: fn(g=gt, p=pt), 9, before=_evictor(comm))
+    return _timed(align, lambda: fn(g=gt, p=pt), 9, before=_evictor(comm))
 
 
 _MM = 384  # the matmul probe's size: 2 * 384^3 flops
@@ -241,6 +244,7 @@ _JUMP = 2.5
 
 def _retime_jumps(
     comm: Communicator,
+    align: Communicator,
     comms: Mapping[TransportKind, Communicator],
     points: dict,
     buffers: Mapping[TransportKind, dict],
@@ -267,13 +271,28 @@ def _retime_jumps(
     for key, i in suspects:
         nbytes = int(points[key][i][0])
         run = _collective_timer(comms[key[0]], key, nbytes // 4, buffers[key[0]])
-        again.append(_timed(comms[key[0]], run, 2 * _reps(nbytes)))
+        again.append(_timed(align, run, 2 * _reps(nbytes)))
     agreed = comm.max_over_world(again, "cost model calibration, timed again")
     out = {k: list(v) for k, v in points.items()}
     for (key, i), t in zip(suspects, agreed, strict=True):
         b, before = out[key][i]
         out[key][i] = (b, min(before, t))
     return out
+
+
+def _aligner(comms: Mapping[TransportKind, Communicator]) -> Communicator:
+    """The communicator whose ``aligned_start`` starts the probes: one whose whole world runs
+    on shared memory if any (its start releases the ranks within microseconds; the probes of
+    every transport use it), else the first."""
+    for c in comms.values():
+        if c.transport_of(None) is TransportKind.SHARED_MEMORY:
+            return c
+    return next(iter(comms.values()))
+
+
+def _transport_of(comms: Mapping[TransportKind, Communicator], c: Communicator
+                  ) -> TransportKind:  # fmt: skip
+    return next(t for t, x in comms.items() if x is c)
 
 
 def calibrate(
@@ -284,14 +303,14 @@ def calibrate(
     the same ranks) and return its ``MachineModel``. Collective."""
     say = progress or (lambda _msg: None)
     comm = next(iter(comms.values()))
+    align = _aligner(comms)
     say("memory bandwidth")
-    memory_points = _memory(comm)
-    eager_points = _eager(comm)
-    op_s = _op_overhead(comm)
-    matmul_s = _matmul_seconds(comm)
+    memory_points = _memory(align)
+    eager_points = _eager(align)
+    op_s = _op_overhead(align)
+    matmul_s = _matmul_seconds(align)
     collectives: dict = {}
     control: dict[TransportKind, float] = {}
-    steps: dict[TransportKind, float] = {}
     buffers: dict[TransportKind, dict[int, torch.Tensor]] = {}
     for transport, c in comms.items():
         buffers[transport] = {}
@@ -314,17 +333,18 @@ def calibrate(
                     numel -= numel % c.world
                     key = (transport, op, algorithm, in_place)
                     run = _collective_timer(c, key, numel, buffers[transport])
-                    points.append((float(numel * 4), _timed(c, run, _reps(nbytes))))
+                    points.append((float(numel * 4), _timed(align, run, _reps(nbytes))))
                 collectives[(transport, op, algorithm, in_place)] = points
-        say(f"{transport.value} agreement and step")
-        control[transport] = _timed(c, lambda c=c: c.agree_max([0], "calibration"), 9)
-        steps[transport] = _step_seconds(c)
+        say(f"{transport.value} agreement")
+        control[transport] = _timed(align, lambda c=c: c.agree_max([0], "calibration"), 9)
+    say("a step's fixed cost")
+    step_s = _step_seconds(align, align)
     # One model on every rank: each time is the slowest rank's.
     flat: list[float] = [t for _, t in memory_points] + [t for _, t in eager_points]
     flat += [op_s, matmul_s]
     for points in collectives.values():
         flat += [t for _, t in points]
-    flat += list(control.values()) + list(steps.values())
+    flat += [*control.values(), step_s]
     agreed = iter(comm.max_over_world(flat, "cost model calibration"))
     memory_points = [(b, next(agreed)) for b, _ in memory_points]
     eager_points = [(b, next(agreed)) for b, _ in eager_points]
@@ -332,8 +352,8 @@ def calibrate(
     flops = 2.0 * _MM**3 / next(agreed)
     measured = {k: [(b, next(agreed)) for b, _ in pts] for k, pts in collectives.items()}
     control = {t: next(agreed) for t in control}
-    steps = {t: next(agreed) for t in steps}
-    measured = _retime_jumps(comm, comms, measured, buffers)
+    step_s = next(agreed)
+    measured = _retime_jumps(comm, align, comms, measured, buffers)
     curves = {k: Curve.fit(pts) for k, pts in measured.items()}
     cpus = torch.get_num_threads()
     model = MachineModel(
@@ -348,11 +368,15 @@ def calibrate(
         op_overhead=op_s,
         overlap=0.0,
     )
-    # The step's fixed cost: what the tiny step took beyond its agreement (handshake and vote)
-    # and its all_reduce of a few bytes (about one more such round), and its op.
-    model.step_overhead = {
-        t: max(0.0, s - 3 * control[t] - op_s) for t, s in steps.items()
-    }
+    # The step's fixed cost: what the tiny step took beyond its agreement (handshake and vote),
+    # its all_reduce of a few bytes (about one more such round) and its op. That is Python
+    # (binding and checking, the generated code, the commit), the same whatever carries the
+    # rounds, which the model counts apart (``control``); so it is measured once, where rounds
+    # are cheapest (the aligner's transport). A gloo round on this VM takes 0.4-0.7 ms or
+    # 2.3-5 ms (a halted vCPU woken late), and the same subtraction on gloo gave anything from
+    # 2.7 to 8.2 ms in two calibrations, where the real gloo steps showed no such cost.
+    fixed = max(0.0, step_s - 3 * control[_transport_of(comms, align)] - op_s)
+    model.step_overhead = {t: fixed for t in comms}
     return model
 
 
@@ -392,11 +416,12 @@ def extend(
     if not sizes:
         return model
     comm = next(iter(comms.values()))
+    align = _aligner(comms)
     world = comm.world
     elements = [max(world, b // 4 - (b // 4) % world) for b in sizes]
     say(f"memory bandwidth up to {sizes[-1] / MiB:.0f} MiB")
-    memory_new = _memory(comm, elements)
-    eager_new = _eager(comm, elements)
+    memory_new = _memory(align, elements)
+    eager_new = _eager(align, elements)
     measured: dict = {}
     buffers: dict[TransportKind, dict[int, torch.Tensor]] = {t: {} for t in comms}
     for key in sorted(model.collectives, key=_key_order):
@@ -409,7 +434,7 @@ def extend(
         points = []
         for numel in elements:
             run = _collective_timer(c, key, numel, buffers[transport])
-            points.append((float(numel * 4), _timed(c, run, 3)))
+            points.append((float(numel * 4), _timed(align, run, 3)))
         measured[key] = points
     flat = [t for _, t in memory_new] + [t for _, t in eager_new]
     for points in measured.values():
@@ -420,7 +445,7 @@ def extend(
     grown = {key: list(model.collectives[key].points) + [(b, next(agreed)) for b, _ in points]
              for key, points in measured.items()}
     first = {key: len(model.collectives[key].points) for key in grown}
-    grown = _retime_jumps(comm, comms, grown, buffers, first)
+    grown = _retime_jumps(comm, align, comms, grown, buffers, first)
     curves = dict(model.collectives)
     for key, points in grown.items():
         curves[key] = Curve.fit(points)

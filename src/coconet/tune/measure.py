@@ -5,10 +5,11 @@ Collective: every rank measures the same candidates in the same order. For each 
 1. compile it (``coconet.compile`` on the communicator of its transport and algorithms) and
    build its inputs; the ranks vote on whether that worked before any step runs, so one rank's
    compile error never leaves the others waiting in a step;
-2. warm up (the first call compiles the fused kernels); a candidate whose warm-up took longer
-   than its ``budget_s`` is not timed further ("timed out");
-3. time ``reps`` steps, each after a barrier, each the slowest rank's time (MAX over the world),
-   and keep the median;
+2. warm up (the first call compiles the fused kernels), until a step no longer page-faults
+   (``_SETTLED_FAULTS``: the heap has settled); a candidate whose warm-up took longer than its
+   ``budget_s`` is not timed further ("timed out");
+3. time ``reps`` steps, each started at one instant on every rank (``aligned_start``), each
+   the slowest rank's time (MAX over the world), and keep the median;
 4. vote again: a candidate that failed on any rank scores as infinitely slow, with the first
    failing rank's error, and the tuning goes on. A communicator a failed step broke is replaced
    by a fresh one over the same ranks.
@@ -27,6 +28,7 @@ import ctypes.util
 import dataclasses
 import gc
 import math
+import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -271,16 +273,27 @@ def _one(
     timed_out = False
     try:
         start = time.perf_counter()
-        for _ in range(warmup):
+        warmed = 0
+        while True:
+            faults = _minor_faults()
             ready.step()
-        warm_s = _max_over_world(comms.base, [time.perf_counter() - start])[0]
+            warmed += 1
+            if warmed < warmup:
+                continue
+            # one decision for every rank: its slowest warm-up, its most page faults
+            spent, faulted = _max_over_world(
+                comms.base, [time.perf_counter() - start, float(_minor_faults() - faults)]
+            )
+            if faulted <= _SETTLED_FAULTS or warmed >= _MAX_WARMUP or spent > budget_s:
+                break
+        warm_s = spent
         timed_out = warm_s > budget_s
         if not timed_out:
-            per_step = warm_s / max(warmup, 1)
+            per_step = warm_s / warmed
             n = max(3, min(reps, int(budget_s / max(per_step, 1e-6))))
             n = _max_over_world(comms.base, [n])[0]  # every rank times the same number of steps
             for _ in range(int(n)):
-                times.append(_timed_step(ready))
+                times.append(_timed_step(ready, comms.base))
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
     error = _vote_failed(comms.base, error is not None, error)
@@ -299,10 +312,28 @@ def _one(
     return Measurement(candidate, statistics.median(ms), ms)
 
 
-def _timed_step(ready: _Ready) -> float:
-    """Seconds of one step on this rank, started after a barrier (the ranks start together)."""
+# The warm-up goes on past ``warmup`` steps until a step page-faults at most this many pages on
+# every rank, for at most ``_MAX_WARMUP`` steps. A large step's heap takes a few steps to settle
+# (glibc keeps small remainders of aligned allocations in a per-thread cache, which keeps freed
+# buffers from merging until it is full: ``tests/unit/test_allocator.py``); the steps it grows
+# in fault their temporaries in (64M-parameter Adam, ``split``: 0.7 s settled, 1.4-2.3 s in the
+# steps that faulted 0.25-0.5 GiB), and timing them would put that one-time growth in the
+# median of a handful of steps, where a training loop pays it once.
+_SETTLED_FAULTS = 256
+_MAX_WARMUP = 12
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (a fresh page touched: zeroed and mapped)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _timed_step(ready: _Ready, align: Communicator) -> float:
+    """Seconds of one step on this rank, started at the same instant on every rank
+    (``align.aligned_start``: the tuner's base communicator, whose start releases the ranks
+    together where they share memory, whatever transport the candidate runs on)."""
     _refill(ready.inputs, ready.originals)
-    ready.comm.barrier("tuning")
+    align.aligned_start("tuning")
     t0 = time.perf_counter()
     ready.fn(**ready.inputs)
     return time.perf_counter() - t0
@@ -366,7 +397,7 @@ def rematch(
             # A B, then B A: neither always runs right after the other's step
             order = (0, 1) if i % 2 == 0 else (1, 0)
             for j in order:
-                times[j].append(_timed_step(ready[j]))
+                times[j].append(_timed_step(ready[j], comms.base))
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
     if _vote_failed(comms.base, error is not None, error) is not None:

@@ -71,8 +71,9 @@ def result_key(
 
 # What the calibration measures and how (coconet.tune.calibrate): a cached model measured
 # otherwise is not this one. 2: memory probes with their operands out of cache; 3: the step's
-# fixed cost measured with the caches flushed too.
-CALIBRATION = 3
+# fixed cost measured with the caches flushed too; 4: every probe started at one instant on every
+# rank (``Communicator.aligned_start``), the fixed cost measured once, on shared memory.
+CALIBRATION = 4
 
 
 def _machine_key(comm: Communicator, transports: Sequence[TransportKind]) -> str:
