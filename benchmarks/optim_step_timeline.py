@@ -94,6 +94,25 @@ def worker(comm, cfg: dict) -> dict:
     return res
 
 
+def who(ranks: list[list[dict[str, float]]]) -> dict[str, float]:
+    """Which rank's kernel is the slower, step by step: the share of steps where it is rank 0's,
+    where it is the kernel that started later, and the median time both kernels ran at once
+    as a share of the slower kernel (the rest of it ran alone, with the memory to itself)."""
+    slower0 = later = 0
+    overlap = []
+    steps = min(len(r) for r in ranks)
+    for k in range(steps):
+        a, b = ranks[0][k], ranks[1][k]
+        da, db = a["kernel_end"] - a["kernel_start"], b["kernel_end"] - b["kernel_start"]
+        slow, fast = (a, b) if da >= db else (b, a)
+        slower0 += da >= db
+        later += slow["kernel_start"] >= fast["kernel_start"]
+        both = min(a["kernel_end"], b["kernel_end"]) - max(a["kernel_start"], b["kernel_start"])
+        overlap.append(max(0, both) / max(da, db))
+    return {"slower is rank 0": slower0 / steps, "slower started later": later / steps,
+            "kernels overlap": statistics.median(overlap)}
+
+
 def phases(ranks: list[list[dict[str, float]]], warm: bool) -> dict[str, float]:
     """Median phases (us) over the steps, from every rank's timestamps."""
     rows: dict[str, list[float]] = {ph: [] for ph in PHASES}
@@ -124,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
     t0 = time.monotonic()
     res = spawn(worker, 2, {"params": sizes, "steps": args.steps}, timeout=3600)
-    table = {}
+    table, whose = {}, {}
     for key in res[0]:
         table[key] = phases([res[r][key] for r in range(2)], key.endswith("warm"))
+        whose[key] = who([res[r][key] for r in range(2)])
     head = (f"optim_step_timeline: coconet.optim.Adam, 2 ranks x 1 thread over shared memory, "
             f"median of {args.steps} steps, us (load average {os.getloadavg()[0]:.2f}; "
             f"{platform.processor() or platform.machine()}, torch {torch.__version__})")
@@ -136,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         n, storage, regime = key.split("|")
         lines.append(f"{int(n):>10,} {storage:<12} {regime:<6} "
                      + " ".join(f"{row[ph]:>21.0f}" for ph in PHASES))
+    lines += ["", "the slower kernel, step by step (shares of the steps; overlap: the median "
+              "time both kernels ran at once over the slower kernel's time):",
+              f"{'params':>10} {'parameters':<12} {'regime':<6} "
+              + " ".join(f"{w:>21}" for w in next(iter(whose.values())))]
+    for key, row in whose.items():
+        n, storage, regime = key.split("|")
+        lines.append(f"{int(n):>10,} {storage:<12} {regime:<6} "
+                     + " ".join(f"{v:>21.2f}" for v in row.values()))
     lines += ["", "before: aligned start -> the later rank's kernel start; after: the later "
               "kernel's end -> the later rank's return; warm: back to back (from the later "
               "rank's start); cold: caches flushed and the gradient written before each step",
@@ -143,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"params": sizes, "steps": args.steps, "phases_us": table, "text": lines},
+            {"params": sizes, "steps": args.steps, "phases_us": table, "slower_kernel": whose,
+             "text": lines},
             indent=1))
     return 0
 

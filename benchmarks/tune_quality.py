@@ -10,6 +10,9 @@ rank's), each candidate in a fresh pair of processes. From that one run it repor
   ``--top`` best predicted and the unscheduled program, then takes the fastest of those): is the
   default winner within 5% of the best?
 - prediction error of every measured candidate (target: within 25%);
+- with ``--repeat 2``: every candidate measured twice, round after round, each time in fresh
+  processes; the measurement is their mean, and how far the two rounds differ is reported: the
+  floor this machine puts under any model's error;
 - and, from ``coconet plan``'s model of a DGX-A100-like cluster, the predicted step of
   data-parallel Adam at BERT-large size (334M parameters) at 8-256 GPUs.
 
@@ -66,17 +69,29 @@ def worker(comm, example: str, n: int, cfg: dict, only: list[str]) -> dict | Non
 def measure_each(example: str, n: int, cfg: dict, options, say) -> dict:
     """Every candidate predicted, then each measured in a fresh pair of processes (nothing one
     leaves behind, such as a grown heap, weighs on the next; at 64M parameters 20 candidates in
-    one process ran out of this machine's memory)."""
+    one process ran out of this machine's memory). With ``cfg["repeat"]`` rounds, every
+    candidate is measured once per round, round after round (a slow spell of the machine falls
+    on one round, not on one candidate's every measurement); its measurement is then the median
+    of its rounds' (two: their mean); ``measured_rounds_ms`` and ``steps_ms`` keep each round's."""
     from coconet.runtime import spawn
 
     doc = spawn(worker, 2, example, n, cfg, [], options=options, timeout=1800)[0]["json"]
-    for i, c in enumerate(doc["candidates"]):
-        label = c["schedule"].split(": ")[0]
-        say(f"  [{i + 1}/{len(doc['candidates'])}] {label}")
-        got = spawn(worker, 2, example, n, cfg, [label], options=options, timeout=1800)[0]
-        mine = next(x for x in got["json"]["candidates"] if x["schedule"] == c["schedule"])
-        for key in ("measured_ms", "steps_ms", "error", "timed_out"):
-            c[key] = mine[key]
+    total = len(doc["candidates"])
+    for c in doc["candidates"]:
+        c["measured_rounds_ms"], c["steps_ms"] = [], []
+    for round_ in range(cfg["repeat"]):
+        for i, c in enumerate(doc["candidates"]):
+            label = c["schedule"].split(": ")[0]
+            say(f"  [round {round_ + 1}/{cfg['repeat']}: {i + 1}/{total}] {label}")
+            got = spawn(worker, 2, example, n, cfg, [label], options=options, timeout=1800)[0]
+            mine = next(x for x in got["json"]["candidates"] if x["schedule"] == c["schedule"])
+            c["measured_rounds_ms"].append(mine["measured_ms"])
+            c["steps_ms"].append(mine["steps_ms"])
+            if round_ == 0 or mine["error"] is not None:
+                c["error"], c["timed_out"] = mine["error"], mine["timed_out"]
+    for c in doc["candidates"]:
+        rounds = c["measured_rounds_ms"]
+        c["measured_ms"] = None if None in rounds else statistics.median(rounds)
     ran = [c for c in doc["candidates"] if c["measured_ms"] is not None]
     doc["winner"] = min(ran, key=lambda c: c["measured_ms"])["schedule"] if ran else None
     return doc
@@ -105,7 +120,15 @@ def summarize(doc: dict, top: int) -> dict:
                            and c["transport"] == "shared memory" and c not in ranked[:top]]
     default_errors = [(c["predicted_ms"] - c["measured_ms"]) / c["measured_ms"] for c in pool
                       if c["measured_ms"] is not None]
+    # The measurement's own repeatability: the same candidate in two fresh pairs of processes
+    # (a model that predicted each candidate's true time exactly would still differ from one
+    # measurement by about this over sqrt(2))
+    pairs = [c["measured_rounds_ms"][:2] for c in ran if len(c["measured_rounds_ms"]) >= 2]
+    first = [(c["predicted_ms"] - c["measured_rounds_ms"][0]) / c["measured_rounds_ms"][0]
+             for c in ran]
     return {
+        "repeatability": statistics.median(abs(b / a - 1) for a, b in pairs) if pairs else None,
+        "median_abs_error_first_round": statistics.median(abs(e) for e in first),
         "best": best["schedule"],
         "best_ms": best["measured_ms"],
         "default_pick": pick["schedule"],
@@ -136,6 +159,10 @@ def targets(runs: list[dict]) -> list[dict]:
     return out
 
 
+def rows_of(run: dict) -> list[dict]:
+    return run["json"]["candidates"]
+
+
 def short(schedule: str) -> str:
     return schedule.split(":")[0]
 
@@ -155,8 +182,16 @@ def table(runs: list[dict], plan_text: str, top: int) -> str:
             f"{s['median_abs_error']:.0%}, mean {s['mean_abs_error']:.0%}); of the "
             "candidates the default tune measures: "
             f"{s['within_25_default']} of {s['default_measured']}",
-            "",
         ]
+        if s.get("repeatability") is not None:
+            lines += [
+                f"   measured in {len(rows_of(r)[0]['measured_rounds_ms'])} rounds (each a fresh "
+                "pair of processes per candidate; the measurement is their median): the same "
+                f"candidate's two rounds differ by a median {s['repeatability']:.0%}; against "
+                f"the first round alone the median prediction error is "
+                f"{s['median_abs_error_first_round']:.0%}",
+            ]
+        lines += [""]
         rows = sorted(r["json"]["candidates"],
                       key=lambda c: (c["measured_ms"] is None, c["measured_ms"] or 0))
         width = max(len(short(c["schedule"])) for c in rows)
@@ -215,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1M,16M,64M")
     p.add_argument("--top", type=int, default=4)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds: every candidate measured this many times, each in fresh "
+                        "processes (2 or more also reports how well a measurement repeats)")
     p.add_argument("--commit", default="swap", choices=["copy", "swap"])
     p.add_argument("--json")
     p.add_argument("--plot")
@@ -223,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(float(s[:-1]) * 2**20) if s.endswith("M") else int(s)
              for s in args.sizes.split(",")]
     cache = tempfile.mkdtemp(prefix="coconet-tune-quality-")
-    cfg = {"cache_dir": cache, "reps": args.reps, "commit": args.commit}
+    if args.repeat < 1:
+        p.error(f"--repeat takes 1 or more rounds, got {args.repeat}")
+    cfg = {"cache_dir": cache, "reps": args.reps, "commit": args.commit, "repeat": args.repeat}
     runs = []
     began = time.time()
     print(NOTE.format(cpus=os.cpu_count()))
@@ -249,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n(wall time {time.time() - began:.0f} s)")
     if args.json:
         doc = {"runs": runs, "targets": targets(runs), "plan": planned.to_json(),
-               "top": args.top, "commit": args.commit, "torch": torch.__version__,
+               "top": args.top, "commit": args.commit, "repeat": args.repeat,
+               "torch": torch.__version__,
                "cpus": os.cpu_count()}
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"JSON written to {args.json}")
