@@ -66,7 +66,7 @@ done
 # The tuner: every candidate of data-parallel Adam predicted and measured at 1M, 16M, 64M
 # parameters (is the default tune's pick within 5% of the best? predictions within 25%?), and
 # coconet plan's BERT-large table on a DGX-A100-like cluster.
-"$PY" benchmarks/tune_quality.py --examples adam --sizes 1M,16M,64M \
+"$PY" benchmarks/tune_quality.py --examples adam --sizes 1M,16M,64M --repeat 2 \
   --json "$R/tune_quality.json" --plot "$R/tune_quality.png" | tee "$R/tune_quality.txt"
 
 # Small steps (issue 19.3): the fixed cost of small all_reduces and of a compiled step, against

@@ -8,26 +8,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from support.alloc import fault_rounds
 
 from coconet.runtime import CommOptions, spawn
 from coconet.runtime.allocator import TCACHE_OFF
 
 
 def _rounds(comm) -> dict:
-    """What a step that allocates one large temporary sees, round after round: minor page
-    faults per allocation of 64 MiB."""
-    import resource
-
-    import torch
-
-    n = 16 << 20
-    faults = []
-    for _ in range(8):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        x = torch.ones(n)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        del x
-    return {"tunables": os.environ.get("GLIBC_TUNABLES"), "faults": faults}
+    return {"tunables": os.environ.get("GLIBC_TUNABLES"), "faults": fault_rounds(8)}
 
 
 @pytest.mark.timeout(120)

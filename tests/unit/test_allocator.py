@@ -29,18 +29,11 @@ def test_a_freed_large_buffer_comes_back_without_page_faults():
     Tuned, it settles within a few rounds: each aligned allocation leaves a small remainder
     that glibc's per-thread cache holds (7 per size), which keeps the freed buffer from joining
     the heap's top until that cache is full (measured here: rounds 4-12)."""
-    import resource
-
-    import torch
+    from support.alloc import fault_rounds
 
     keep_large_buffers_mapped()
     n = 16 << 20  # 64 MiB
-    faults = []
-    for _ in range(16):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        x = torch.ones(n)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        del x
+    faults = fault_rounds(16, n)
     ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)  # hand the heap back
     assert max(faults[-2:]) < (4 * n // 4096) // 10, faults
 
