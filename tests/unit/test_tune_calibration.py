@@ -90,7 +90,7 @@ class FakeComm:
 STEPS_ON: list[TransportKind] = []  # the transports the fake tiny step ran on
 
 
-def _fake_step(comm, align) -> float:
+def _fake_step(comm) -> float:
     """The tiny step: three of its transport's rounds and 100 us of Python."""
     STEPS_ON.append(comm.transport)
     return 3 * CONTROL[comm.transport] + 1e-4

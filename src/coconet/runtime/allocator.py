@@ -58,9 +58,9 @@ def keep_large_buffers_mapped() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     mapped = mallopt(_M_MMAP_THRESHOLD, 1 << 30)
-    # -1: never trim (mallopt(3)). The largest int, 2 GiB, was not enough: a 64M-parameter
-    # unfused Adam step frees more than that at the heap's top, so glibc handed it back every
-    # few steps and the next step faulted ~2.3 GiB in again (one step in five at 2x the time).
+    # -1: never trim (mallopt(3)), which is what keeping freed buffers means. The largest int,
+    # 2 GiB, is less than a 64M-parameter unfused Adam step frees at the heap's top: with it,
+    # one such step was seen faulting 2.25 GiB in again after the heap had settled.
     trimmed = mallopt(_M_TRIM_THRESHOLD, -1)
     return bool(mapped and trimmed)
 

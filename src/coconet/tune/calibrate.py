@@ -160,7 +160,7 @@ def _tiny_program():
     return Program("calibration_step", [g, p], [update(p, p + all_reduce(g))])
 
 
-def _step_seconds(comm: Communicator, align: Communicator) -> float:
+def _step_seconds(comm: Communicator) -> float:
     """Seconds of one step of a tiny compiled program (one all_reduce, one op, one update): the
     fixed cost of a step call (binding and checking the inputs, the agreement, the generated
     code, the commit) with almost no data. Each repetition runs with the caches flushed, as a
@@ -175,7 +175,7 @@ def _step_seconds(comm: Communicator, align: Communicator) -> float:
     gt = fn.input_buffer("g", (size,))
     gt.fill_(1.0)
     pt = torch.zeros(size, device=comm.device)
-    return _timed(align, lambda: fn(g=gt, p=pt), 9, before=_evictor(comm))
+    return _timed(comm, lambda: fn(g=gt, p=pt), 9, before=_evictor(comm))
 
 
 _MM = 384  # the matmul probe's size: 2 * 384^3 flops
@@ -338,7 +338,7 @@ def calibrate(
         say(f"{transport.value} agreement")
         control[transport] = _timed(align, lambda c=c: c.agree_max([0], "calibration"), 9)
     say("a step's fixed cost")
-    step_s = _step_seconds(align, align)
+    step_s = _step_seconds(align)
     # One model on every rank: each time is the slowest rank's.
     flat: list[float] = [t for _, t in memory_points] + [t for _, t in eager_points]
     flat += [op_s, matmul_s]
