@@ -272,21 +272,7 @@ def _one(
     times: list[float] = []
     timed_out = False
     try:
-        start = time.perf_counter()
-        warmed = 0
-        while True:
-            faults = _minor_faults()
-            ready.step()
-            warmed += 1
-            if warmed < warmup:
-                continue
-            # one decision for every rank: its slowest warm-up, its most page faults
-            spent, faulted = _max_over_world(
-                comms.base, [time.perf_counter() - start, float(_minor_faults() - faults)]
-            )
-            if faulted <= _SETTLED_FAULTS or warmed >= _MAX_WARMUP or spent > budget_s:
-                break
-        warm_s = spent
+        warmed, warm_s = _warm_up(ready.step, comms.base, warmup, budget_s)
         timed_out = warm_s > budget_s
         if not timed_out:
             per_step = warm_s / warmed
@@ -326,6 +312,27 @@ _MAX_WARMUP = 12
 def _minor_faults() -> int:
     """This process's minor page faults so far (a fresh page touched: zeroed and mapped)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _warm_up(step: Callable[[], None], base: Communicator, warmup: int, budget_s: float
+             ) -> tuple[int, float]:  # fmt: skip
+    """Run ``step`` at least ``warmup`` times, then until one faults at most
+    ``_SETTLED_FAULTS`` pages on every rank, ``_MAX_WARMUP`` steps were run or ``budget_s`` is
+    spent: (steps run, seconds spent, the slowest rank's). Collective: each decision after the
+    first ``warmup`` steps is agreed (MAX over the world), so every rank runs as many."""
+    start = time.perf_counter()
+    warmed = 0
+    while True:
+        faults = _minor_faults()
+        step()
+        warmed += 1
+        if warmed < warmup:
+            continue
+        spent, faulted = _max_over_world(
+            base, [time.perf_counter() - start, float(_minor_faults() - faults)]
+        )
+        if faulted <= _SETTLED_FAULTS or warmed >= _MAX_WARMUP or spent > budget_s:
+            return warmed, spent
 
 
 def _timed_step(ready: _Ready, align: Communicator) -> float:
