@@ -280,19 +280,14 @@ def _retime_jumps(
     return out
 
 
-def _aligner(comms: Mapping[TransportKind, Communicator]) -> Communicator:
-    """The communicator whose ``aligned_start`` starts the probes: one whose whole world runs
-    on shared memory if any (its start releases the ranks within microseconds; the probes of
-    every transport use it), else the first."""
-    for c in comms.values():
+def _aligner(comms: Mapping[TransportKind, Communicator]) -> tuple[TransportKind, Communicator]:
+    """The transport and communicator whose ``aligned_start`` starts the probes: one whose whole
+    world runs on shared memory if any (its start releases the ranks within microseconds; the
+    probes of every transport use it), else the first."""
+    for t, c in comms.items():
         if c.transport_of(None) is TransportKind.SHARED_MEMORY:
-            return c
-    return next(iter(comms.values()))
-
-
-def _transport_of(comms: Mapping[TransportKind, Communicator], c: Communicator
-                  ) -> TransportKind:  # fmt: skip
-    return next(t for t, x in comms.items() if x is c)
+            return t, c
+    return next(iter(comms.items()))
 
 
 def calibrate(
@@ -303,7 +298,7 @@ def calibrate(
     the same ranks) and return its ``MachineModel``. Collective."""
     say = progress or (lambda _msg: None)
     comm = next(iter(comms.values()))
-    align = _aligner(comms)
+    aligned_on, align = _aligner(comms)
     say("memory bandwidth")
     memory_points = _memory(align)
     eager_points = _eager(align)
@@ -375,7 +370,7 @@ def calibrate(
     # are cheapest (the aligner's transport). A gloo round on this VM takes 0.4-0.7 ms or
     # 2.3-5 ms (a halted vCPU woken late), and the same subtraction on gloo gave anything from
     # 2.7 to 8.2 ms in two calibrations, where the real gloo steps showed no such cost.
-    fixed = max(0.0, step_s - 3 * control[_transport_of(comms, align)] - op_s)
+    fixed = max(0.0, step_s - 3 * control[aligned_on] - op_s)
     model.step_overhead = {t: fixed for t in comms}
     return model
 
@@ -416,7 +411,7 @@ def extend(
     if not sizes:
         return model
     comm = next(iter(comms.values()))
-    align = _aligner(comms)
+    _, align = _aligner(comms)
     world = comm.world
     elements = [max(world, b // 4 - (b // 4) % world) for b in sizes]
     say(f"memory bandwidth up to {sizes[-1] / MiB:.0f} MiB")
