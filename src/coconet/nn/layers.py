@@ -46,6 +46,7 @@ from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Layout, Replicated, Sliced, slice_bounds
 from coconet.options import CompileOptions
 from coconet.runtime.comm import Communicator
+from coconet.runtime.shards import Placement, ShardedParameter
 from coconet.schedule import Schedule, paper
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -273,13 +274,25 @@ class _ParallelLinear(nn.Module):
         lo, hi = self._bounds(full[self._weight_dim])
         shape = list(full)
         shape[self._weight_dim] = hi - lo
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-        self.bias = (
-            nn.Parameter(torch.empty(shape[0], dtype=dtype, device=device))
-            if bias else None
-        )  # fmt: skip
+        # A part of a tensor split over the ranks is a ShardedParameter (coconet.runtime.shards:
+        # torch's clip_grad_norm_ and coconet.optim take its norm over the whole tensor)
+        self.weight = self._parameter(torch.empty(shape, dtype=dtype, device=device),
+                                      self._weight_dim, full)  # fmt: skip
+        self.bias = None
+        if bias:
+            # sliced with the output features (column-parallel), else whole on every rank
+            b = torch.empty(shape[0], dtype=dtype, device=device)
+            self.bias = (self._parameter(b, 0, (out_features,)) if self._weight_dim == 0
+                         else nn.Parameter(b))  # fmt: skip
         self._programs: dict[_Key, _Steps] = {}
         self.reset_parameters()
+
+    def _parameter(self, data: torch.Tensor, dim: int, whole: tuple[int, ...]) -> nn.Parameter:
+        """This rank's part of a tensor of shape ``whole`` split along ``dim``: a
+        ``ShardedParameter`` over the layer's group (a plain one when the group is one rank)."""
+        if self.parts == 1:
+            return nn.Parameter(data)
+        return ShardedParameter(data, placement=Placement(self.comm, dim, tuple(whole)))
 
     def _bounds(self, size: int) -> tuple[int, int]:
         return slice_bounds(size, self.parts, self.index)

@@ -641,6 +641,20 @@ class Communicator:
         """Every rank's ``obj`` (any picklable value, of any size), in rank order."""
         return self.control.exchange(obj, label)
 
+    def gather_floats(self, values: Sequence[float], label: str) -> list[list[float]]:
+        """Every rank's ``values`` (float64, the same count on every rank), exactly, in rank
+        order: one control-channel round (a few microseconds over shared memory), so a caller
+        that reduces them in rank order gets the same bits on every rank."""
+        k = len(values)
+        if self.world == 1:
+            return [[float(v) for v in values]]
+        words = [_LEAST_WORD] * (self.world * k)
+        mine = torch.tensor([float(v) for v in values], dtype=torch.float64).view(torch.int64)
+        words[self.rank * k : (self.rank + 1) * k] = mine.tolist()
+        got = self.control.agree_max(words, label, op="gather")
+        every = torch.tensor(got, dtype=torch.int64).view(torch.float64).view(self.world, k)
+        return every.tolist()
+
     def barrier(self, label: str = "barrier") -> None:
         self.control.barrier(label)
 
