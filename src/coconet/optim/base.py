@@ -103,6 +103,7 @@ from coconet.optim.programs import Clip
 from coconet.options import CommitMode, CompileOptions, ParamStorage
 from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
+from coconet.runtime.shards import Placement, placement_of
 from coconet.schedule import Schedule
 
 __all__ = ["DistributedOptimizer", "LocalGradientEditWarning"]
@@ -154,6 +155,10 @@ class _Bucket:
     # with ParamStorage.HOST_SHARED: the host's one copy of the parameters, double-buffered
     # (``flat`` is its live buffer, re-pointed by each step's commit)
     replica: HostReplica | None = None
+    # parts of tensors split over other ranks (tensor-parallel weights: coconet.runtime.shards),
+    # all over one group; None: whole tensors (the same on the ranks of such a group). Their
+    # squares count over that group in the global norm (max_grad_norm=).
+    placement: Placement | None = None
 
     # per parameter: its shape when it was packed (what its view of the bucket has)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
@@ -403,14 +408,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.param_groups.pop()  # as if never added
             raise
         self._frozen.extend(p for p in group["params"] if not p.requires_grad)
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        # one bucket per dtype and per group a parameter is split over (whole tensors apart
+        # from parts: their squares count differently in the global norm)
+        by_kind: dict[tuple, list[torch.nn.Parameter]] = {}
         for p in trainable:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            placement = placement_of(p)
+            by_kind.setdefault((p.dtype, placement.key if placement else ()), []).append(p)
         if self._ddp is not None:
             ddp_hook.check_group(self, index)
             self._refresh_identity()
             return  # DDP's buckets are the buckets: made on the hook's first call
-        for dtype, params in by_dtype.items():
+        for (dtype, _), params in by_kind.items():
             if self.bucket_per_parameter:
                 for members in self._tensor_buckets(params):
                     self._buckets.append(self._bucket(index, group, dtype, members))
@@ -459,7 +467,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         factor (``Clip.GIVEN``). Collective, as add_param_group: every rank recompiles at the
         same point; the gradient buffers and state stay, the steps only read them."""
         self._norm_passes.clear()  # over buckets that changed
-        if len(self._buckets) < 2:
+        if len(self._buckets) < 2 and not self._has_parts():
             return
         lead = self._speculative_lead()
         for b in self._buckets:
@@ -480,6 +488,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         equals), where the optimizer computes the norm inside its step."""
         if self._max_grad_norm is None or self._ddp is not None or not self.clip_in_step:
             return None
+        if self._has_parts():
+            return None  # the norm needs a round over the parts' groups first (_parts_norm)
         clipping = [b for b in self._buckets if b.clip is not Clip.OFF]
         return max(clipping, key=lambda b: b.size) if clipping else None
 
@@ -509,6 +519,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._lead, self._norm_rest = None, None
         if self._max_grad_norm is None or not self._buckets:
             return {}, False
+        if self._has_parts():
+            norm = self._parts_norm(agree)
+            self.last_grad_norm = norm
+            return {"clip_coef": self.clip_factor(norm)}, agree is not None
         if self._buckets[0].clip is Clip.SPECULATIVE and len(self._buckets) == 1:
             return {}, False  # the only bucket: clips in _run
         lead = next((b for b in self._buckets if b.clip is Clip.SPECULATIVE), None)
@@ -522,6 +536,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return {}, agree is not None
         self.last_grad_norm = norm
         return {"clip_coef": self.clip_factor(norm)}, agree is not None
+
+    def _has_parts(self) -> bool:
+        """Whether a bucket holds parts of tensors split over other ranks (tensor parallel)."""
+        return any(b.placement is not None for b in self._buckets)
+
+    def _parts_norm(self, agree: dict[str, str] | None) -> torch.Tensor:
+        """The global norm of the averaged gradient when some buckets hold parts of tensors
+        split over other ranks (a tensor-parallel model stepped over its data-parallel
+        communicator): a parameter counts once over every axis it is split along. A norm pass
+        over the buckets of each kind (whole tensors; the parts of each group), the parts'
+        squares summed over their group in one exact round (rank order: the same bits on every
+        rank of the group), and the whole tensors' counted once: they are the same on every
+        rank of the group. Every rank of every group runs the same passes in the same order."""
+        kinds: dict[tuple, list[_Bucket]] = {}
+        for b in self._buckets:
+            kinds.setdefault(b.placement.key if b.placement else (), []).append(b)
+        total = 0.0
+        for buckets in kinds.values():
+            inputs: dict[str, Any] = {f"g{j}": b.grad for j, b in enumerate(buckets)}
+            inputs["grad_scale"] = 1.0 / self._comm.world
+            norm = self._norm_step(buckets).run(inputs, agree=agree)["grad_norm"]
+            agree = None  # (the first pass carries the step's agreement)
+            squares = float(norm.double()) ** 2
+            placement = buckets[0].placement
+            if placement is not None:
+                every = placement.comm.gather_floats(
+                    [squares], "coconet.optim: the squares of the gradient's parts")
+                squares = math.fsum(row[0] for row in every)
+            total += squares
+        return torch.tensor(math.sqrt(total), dtype=torch.float32, device=self._comm.device)
 
     def clip_factor(self, norm: torch.Tensor) -> torch.Tensor:
         """The factor the gradient is multiplied by, from its global norm (a float32 0-d
@@ -622,6 +666,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if p.grad is not None:
             self._check_grad(p, p.grad, f"param group {index}")
+        self._check_placement(p, index)
+
+    def _check_placement(self, p: torch.Tensor, index: int) -> None:
+        """A part of a tensor split over other ranks (a tensor-parallel weight) is stepped by an
+        optimizer whose ranks hold the same part: its communicator must not reach the ranks that
+        hold the other parts (it would average different parts of one tensor), and the update
+        must not need the whole tensor's norms (LAMB's trust ratio)."""
+        placement = placement_of(p)
+        if placement is None:
+            return
+        name = f"coconet.optim.{type(self).__name__}"
+        if placement.comm is None:
+            raise ConfigError(
+                f"param group {index}: a parameter {placement.describe()} has no communicator "
+                "(the model was unpickled)",
+                op=name,
+                hint="give the model its group first: coconet.nn.attach(model, comm)",
+            )
+        mine = set(self._comm.members)
+        shared = sorted(set(placement.comm.members) & mine - {self._comm.members[self._comm.rank]})
+        if shared:
+            raise ConfigError(
+                f"param group {index}: a parameter of shape {tuple(p.shape)} is this rank's part "
+                f"of a tensor {placement.describe()}, and the optimizer's communicator also "
+                f"holds the job's rank(s) {shared}, which hold other parts of it: the step would "
+                "average different parts of one tensor",
+                op=name,
+                hint="step a tensor-parallel model with the data-parallel communicator only: "
+                "coconet.optim.AdamW(model.parameters(), comm=comm.along('dp'))",
+            )
+        if self.bucket_per_parameter:
+            raise ConfigError(
+                f"param group {index}: {type(self).__name__}'s update needs each tensor's own "
+                f"norms, and a parameter of shape {tuple(p.shape)} is this rank's part of a "
+                f"tensor {placement.describe()}: its part's norms are not the tensor's",
+                op=name,
+                hint="use coconet.optim.AdamW/Adam/SGD for a tensor-parallel model (their update "
+                "is element-wise), or keep the model whole on each rank",
+            )
 
     def _check_grad(self, p: torch.Tensor, g: torch.Tensor, where: str) -> None:
         name = type(self).__name__
@@ -695,6 +778,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step_fn = self._step_fn(group, dtype, total, clip, row)
         names = self.state_names(group)
         bucket = _Bucket(index, params, offsets, total, step_fn, (0, total), names, clip, row)
+        bucket.placement = placement_of(params[0])
         bucket.bounds = bounds = bucket.bounds_of(comm.rank, comm.world)
         n = bounds[1] - bounds[0]
         for name in names:

@@ -1,0 +1,62 @@
+"""Gradient clipping of a tensor-parallel model is by the global norm (issue 42, items 1-2).
+
+A parameter split over the tp ranks counts once in the norm, over every rank that holds a part;
+a replicated one (LayerNorms, embeddings) counts once. With torch's own ``clip_grad_norm_`` on a
+``parallelize``d nanoGPT (2 and 4 ranks, both transports) and with ``coconet.optim``'s
+``max_grad_norm=`` over the data-parallel group of a ``dp x tp`` mesh, the norm and the weights
+follow one process (float32 to 1e-5 relative: the norm's parts are summed in another order), and
+the replicated parameters stay bitwise equal across the tp ranks (every rank clips by the same
+factor). Before, each tp rank clipped by its own partial norm and they drifted apart."""
+
+from __future__ import annotations
+
+import pytest
+from support import tp_clip_workers
+
+from coconet.ir.mesh import Mesh
+from coconet.runtime import CommOptions, spawn
+
+TOL = 1e-5
+
+
+def _check(results: list[dict], groups: list[list[int]]) -> None:
+    for rank, r in enumerate(results):
+        bad = {k: v for k, v in r["errors"].items() if not v <= TOL}
+        assert bad == {}, f"rank {rank}: {bad}"
+        assert r["clipped"] >= 2, r["clipped"]  # the steps clipped: the factor mattered
+    for group in groups:  # the replicated parameters: the same bits on every rank of a tp group
+        first = results[group[0]]["bits"]
+        for rank in group[1:]:
+            same = [a == b for a, b in zip(first, results[rank]["bits"], strict=True)]
+            assert all(same), f"ranks {group[0]} and {rank} differ: {same}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc, plan, transport", [
+    (2, "block", "shared memory"), (2, "mlp", "torch.distributed"), (4, "block", "shared memory"),
+])  # fmt: skip
+def test_torch_clip_grad_norm_on_a_parallelized_model_is_the_global_norm(nproc, plan, transport):
+    options = CommOptions(timeout=60, transport=transport)
+    results = spawn(tp_clip_workers.torch_clip_on_a_parallelized_model, nproc, plan,
+                    options=options, timeout=220)  # fmt: skip
+    _check(results, [list(range(nproc))])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", ["shared memory", "torch.distributed"])
+def test_max_grad_norm_over_dp_of_a_dp_x_tp_mesh_is_the_global_norm(transport):
+    mesh = Mesh(dp=2, tp=2)
+    results = spawn(tp_clip_workers.dp_x_tp_max_grad_norm, mesh,
+                    options=CommOptions(timeout=60, transport=transport), timeout=220)
+    tp_groups = [[r for r in range(4) if mesh.index_in(r, "dp") == d] for d in range(2)]
+    _check(results, tp_groups)
+
+
+@pytest.mark.timeout(180)
+def test_an_optimizer_over_the_parts_groups_or_needing_whole_norms_is_refused():
+    results = spawn(tp_clip_workers.refusals, Mesh(dp=2, tp=2),
+                    options=CommOptions(timeout=60), timeout=160)
+    for r in results:
+        assert "would average different parts of one tensor" in r["whole world"], r
+        assert "comm.along('dp')" in r["whole world"], r
+        assert "its part's norms are not the tensor's" in r["lamb"], r
