@@ -101,6 +101,7 @@ from coconet.optim import ddp as ddp_hook
 from coconet.optim.identity import CALL_KEY, CallKind
 from coconet.optim.programs import Clip
 from coconet.options import CommitMode, CompileOptions, ParamStorage
+from coconet.runtime import interrupts
 from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
 from coconet.runtime.shards import Placement, placement_of
@@ -917,16 +918,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"a parameter of shape {tuple(p.shape)} did not require grad when the "
                     "optimizer was built (so it was not packed) but has a gradient now"
                 )
-        if self._comm.world == 1 or not self._buckets:
-            # nobody to agree with (no bucket: no collective either, so a refusal stays local)
-            self._refuse(problems, problems)
-            self._step_buckets(masks, None)
-        else:
-            self._step_agreeing(masks, problems)
-        self._steps_done += 1
-        for b in self._buckets:
-            b.seen[:] = [b.grad._version, False]
-        self.after_step()
+        # Once a bucket starts to commit, a Ctrl-C waits until the whole step is applied (every
+        # bucket, the step counts): coconet.runtime.interrupts
+        outcome = [f"coconet.optim.{type(self).__name__}: the step was not applied on any rank"]
+        with interrupts.span(lambda: outcome[0]):
+            if self._comm.world == 1 or not self._buckets:
+                # nobody to agree with (no bucket: no collective either, so a refusal stays
+                # local)
+                self._refuse(problems, problems)
+                self._step_buckets(masks, None)
+            else:
+                self._step_agreeing(masks, problems)
+            self._steps_done += 1
+            for b in self._buckets:
+                b.seen[:] = [b.grad._version, False]
+            self.after_step()
+            outcome[0] = (f"coconet.optim.{type(self).__name__}: the step was applied on every "
+                          "rank before this was raised: do not repeat it")
         return loss
 
     def _warn_local_edits(self) -> None:

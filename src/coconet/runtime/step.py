@@ -55,7 +55,7 @@ from coconet.ir.opspec import Prop, spec
 from coconet.ir.program import Program
 from coconet.ir.types import format_shape
 from coconet.options import CommitMode, CompileOptions
-from coconet.runtime import handshake
+from coconet.runtime import handshake, interrupts
 from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
 from coconet.runtime.transport import Published
@@ -301,22 +301,52 @@ class CompiledStep:
                 outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
             finally:
                 comm.defer_agreement(None)
+        except BaseException as exc:
+            self._failed(comm, exc)
+            raise
+        if not updates:  # nothing to write: nothing to hold a Ctrl-C for
+            outputs, declined = self._vote(comm, outputs, updates, commit_if)
+            return outputs if declined else self._commit(inputs, outputs, updates, comm)
+        # Two-phase across the ranks: from this rank's vote to the end of its commit a Ctrl-C
+        # is held (coconet.runtime.interrupts), so that it cannot land between a vote every rank
+        # counted and this rank's last write: the step is written on every rank or on none.
+        outcome = ["the step was not committed on any rank"]
+        with interrupts.hold(lambda: f"coconet: {self.program.name}: {outcome[0]}"):
+            outputs, declined = self._vote(comm, outputs, updates, commit_if)
+            if declined:
+                outcome[0] = "the step was declined on every rank: nothing was written"
+                return outputs
+            # Every rank voted to commit: the step ends wholly after on every rank, and the
+            # ranks stay in step (an interrupt held back by the commit is raised after it).
+            outcome[0] = "the commit was under way on this rank (every rank voted to commit)"
+            outputs = self._commit(inputs, outputs, updates, comm)
+            outcome[0] = ("the step was committed on this rank and on every other before this "
+                          "was raised: do not repeat it")
+            return outputs
+
+    def _failed(self, comm: Communicator, exc: BaseException) -> None:
+        """A step failed on this rank before its commit: tell the peers at once (they may be
+        inside a collective this rank will never finish), unless the verdict refused the call
+        on every rank (nothing moved, the communicator is still usable)."""
+        if isinstance(exc, RuntimeFault) and getattr(exc, "refused", False):
+            return
+        # KeyboardInterrupt and SystemExit too: they leave the step as half done as any error.
+        comm.abort(f"rank {comm.rank} failed in a step: {_first_line(exc)}")
+
+    def _vote(self, comm: Communicator, outputs: dict[str, torch.Tensor],
+              updates: dict[str, Any], commit_if: Callable[[dict[str, torch.Tensor]], bool] | None
+              ) -> tuple[dict[str, torch.Tensor], bool]:  # fmt: skip
+        """``commit_if``'s answer and, with ``commit_vote``, every rank's: (the outputs, whether
+        the updates are declined). Declined: the peers' published slices are let go."""
+        try:
             declined = commit_if is not None and not commit_if(outputs)
             # one rank votes alone; a step that communicates nothing and updates nothing has
             # nothing to vote on (it only computes this rank's outputs)
             if self.options.commit_vote and comm.world > 1 and not self._local:
                 declined = bool(comm.agree_max([int(declined)], "every rank finished the step",
                                                op="commit vote")[0])
-        except RuntimeFault as fault:
-            if getattr(fault, "refused", False):
-                raise  # the verdict refused the call on every rank: nothing moved, still usable
-            comm.abort(f"rank {comm.rank} failed in a step: {_first_line(fault)}")
-            raise
         except BaseException as exc:
-            # Collectives of this step may be half done on other ranks: this communicator
-            # can no longer line up with them. KeyboardInterrupt and SystemExit too: they
-            # leave the step as half done as any error.
-            comm.abort(f"rank {comm.rank} failed in a step: {_first_line(exc)}")
+            self._failed(comm, exc)
             raise
         self.last_declined = declined
         if declined:
@@ -324,10 +354,7 @@ class CompiledStep:
             for value in updates.values():
                 if isinstance(value, Published):
                     value.release()
-            return outputs
-        # Every rank voted to commit: the step ends wholly after on every rank, and the ranks
-        # stay in step (an interrupt held back by the commit is raised after it, no abort).
-        return self._commit(inputs, outputs, updates, comm)
+        return outputs, declined
 
     def _settle(self, comm: Communicator, reports: list[handshake.RankReport],
                 shapes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
