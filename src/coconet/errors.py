@@ -66,20 +66,21 @@ class SourceLoc:
 
 
 def capture_loc() -> SourceLoc | None:
-    """The innermost stack frame outside the coconet package: the user's line.
+    """The innermost stack frame outside the coconet package and torch: the user's line.
 
     Frames of coconet itself are skipped so that an error raised deep inside a rule still points
-    at the line the user wrote (``m1 = b1 * m + g``), not at coconet's internals.
+    at the line the user wrote (``m1 = b1 * m + g``), not at coconet's internals; torch's own
+    frames so that an error of a ``coconet.nn`` layer points at the user's ``model(x)``.
     """
     frame = sys._getframe(1)
     while frame is not None:
-        if not _is_coconet_frame(frame):
+        if not _is_library_frame(frame):
             return SourceLoc(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
 
 
-def _is_coconet_frame(frame) -> bool:
+def _is_library_frame(frame) -> bool:
     filename = frame.f_code.co_filename
     if os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
         return True
@@ -90,9 +91,13 @@ def _is_coconet_frame(frame) -> bool:
     module = frame.f_globals.get("__name__", "")
     if module == "dataclasses":
         return True
-    # torch's decorator plumbing (``@torch.no_grad()`` on an optimizer's step) sits between the
-    # user's ``opt.step()`` and coconet.optim's checks: it is not the user's line either.
-    if module == "torch.utils._contextlib" or module == "torch.optim.optimizer":
+    # torch's own frames sit between the user's line and coconet's checks: its decorator
+    # plumbing (``@torch.no_grad()`` on an optimizer's step), nn.Module's call machinery
+    # (``model(x)`` -> ``_call_impl`` -> a layer's forward), ``torch.compiler.disable``'s
+    # wrapper around a layer's call (torch/_dynamo/eval_frame.py), autograd's ``Function.apply``
+    # and ``loss.backward()``, ``clip_grad_norm_``, a Sequential's loop. None of them is the
+    # user's line: the user's is the one that called into torch.
+    if module == "torch" or module.startswith("torch."):
         return True
     return filename.startswith("<") and (module == "coconet" or module.startswith("coconet."))
 

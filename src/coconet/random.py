@@ -8,11 +8,19 @@ multiply kept inside 31 bits, so every intermediate fits in int64 without overfl
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 
-__all__ = ["dropout_mask", "global_index", "keep_threshold", "random_bits", "uniform"]
+__all__ = [
+    "derive_seed",
+    "dropout_mask",
+    "global_index",
+    "keep_threshold",
+    "random_bits",
+    "uniform",
+]
 
 _M31 = (1 << 31) - 1
 _MUL = 0x45D9F3B  # < 2**31: a 31-bit value times it stays below 2**62
@@ -34,6 +42,16 @@ def _key(seed: int | torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
     step = torch.as_tensor(step, dtype=torch.int64)
     k = _mix((seed & _M31) ^ ((seed >> 31) & _M31))
     return _mix(k ^ ((step & _M31) ^ ((step >> 31) & _M31)))
+
+
+def derive_seed(base: int, name: str) -> int:
+    """A seed of its own for the stream ``name`` (a layer's module name, one of its dropouts)
+    under the user's ``base`` seed: the same in every process (a hash of the text, never
+    Python's salted ``hash``), and unrelated for different names, so two layers that share a
+    base seed and a call count still draw different masks. 62 bits, what ``_key`` reads of a
+    seed."""
+    digest = hashlib.blake2b(f"{int(base)}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
 def random_bits(

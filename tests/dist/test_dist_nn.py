@@ -95,3 +95,34 @@ def test_a_rank_killed_in_backward(transport):
 def test_auto_schedule_equals_torch():
     results = spawn(nn_workers.auto_schedule_vs_torch, 2, options=OPTIONS, timeout=280)
     _assert_within(results)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_attention_dropout_equals_one_process_with_the_same_masks(nproc):
+    """A nanoGPT attention's dropouts carried over by parallelize (flash and slow paths): train
+    mode equals one process with coconet's masks, however the heads are split; eval mode equals
+    the module; a GPT's train-mode losses equal one process's and differ from no dropout."""
+    results = spawn(nn_workers.attention_dropout_vs_reference, nproc, options=OPTIONS,
+                    timeout=160)  # fmt: skip
+    _assert_within(results)
+
+
+@pytest.mark.timeout(120)
+def test_parallelize_refuses_ranks_whose_torch_generators_differ():
+    """The model keeps dropouts of its own (nanoGPT's MLP and embedding dropouts): every rank
+    refuses when torch is seeded per rank, and accepts when seeded alike."""
+    results = spawn(nn_workers.refusals_of_dropouts, 2, options=OPTIONS, timeout=100)
+    for seen in results:
+        assert seen["alike"] == "accepted"
+        refused = seen["per-rank seeds"]
+        assert "differs between the ranks of the group: ranks [1]" in refused, refused
+        assert "transformer.drop" in refused and "torch.manual_seed(seed)" in refused
+
+
+@pytest.mark.timeout(180)
+def test_deepcopy_and_torch_save_of_a_parallelized_model(tmp_path):
+    """copy.deepcopy shares the group and trains like the original; torch.save -> torch.load ->
+    coconet.nn.attach gives the same losses and gradient norm; before attach: a ConfigError."""
+    results = spawn(nn_workers.copies_and_saves, 2, str(tmp_path), options=OPTIONS, timeout=160)
+    _assert_within(results, rtol=0.0)

@@ -1,5 +1,7 @@
 """A GPT written the way nanoGPT writes it (``c_attn``, ``c_proj``, ``c_fc``, ``transformer.h``),
-without coconet in mind: what ``coconet.nn.parallelize`` is tested on."""
+without coconet in mind: what ``coconet.nn.parallelize`` is tested on. Its modules are
+nanoGPT's (model.py), dropouts and both attention paths included; the GPT returns the loss
+alone and leaves out weight tying and nanoGPT's own initialisation."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ class GPTConfig:
     n_embd: int = 12
     dropout: float = 0.0
     bias: bool = True
+    # nanoGPT chooses by hasattr(F, "scaled_dot_product_attention") (True on torch >= 2); False
+    # takes its slow path (the probabilities written out, attn_dropout applied to them)
+    flash: bool = True
 
 
 class CausalSelfAttention(nn.Module):
@@ -27,7 +32,14 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.dropout = config.dropout
+        self.flash = config.flash
+        if not self.flash:
+            size = config.block_size
+            self.register_buffer("bias", torch.tril(torch.ones(size, size)).view(1, 1, size, size))
 
     def forward(self, x):
         B, T, C = x.size()
@@ -35,11 +47,17 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
-        att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -73,6 +91,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd),
         ))  # fmt: skip
@@ -80,7 +99,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.shape[1])
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))

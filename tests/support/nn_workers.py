@@ -388,3 +388,229 @@ def auto_schedule_vs_torch(comm) -> dict[str, float]:
     errors["auto dx"] = _err(xa.grad, ref_x.grad)
     errors["tuned"] = 0.0 if row.tuning else 1.0  # the row forward was tuned
     return errors
+
+
+# -- dropout of a parallelized attention, copies and saves of a parallelized model -------------
+
+
+def _attention_reference(attn: nn.Module, x: torch.Tensor, p: float, seeds: tuple[int, int],
+                         step: int) -> torch.Tensor:  # fmt: skip
+    """nanoGPT's attention on one process (its slow path) with coconet's masks for its two
+    dropouts: ``seeds`` = (the probabilities', the output's), drawn at ``step`` over the whole
+    ``[B, n_head, T, T]`` probabilities and the ``[B, T, C]`` output."""
+    import math
+
+    B, T, C = x.shape
+    H = attn.n_head
+    q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))
+    att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    att = torch.softmax(att, dim=-1)
+    att = torch.where(dropout_mask(seeds[0], step, p, (B, H, T, T)), att / (1 - p), 0.0)
+    y = attn.c_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+    return torch.where(dropout_mask(seeds[1], step, p, (B, T, C)), y / (1 - p), 0.0)
+
+
+class _MaskedAttention(nn.Module):
+    """A nanoGPT attention module whose forward is ``_attention_reference`` in training (the
+    one-process model a parallelized one with attention dropout must equal), its own in eval."""
+
+    def __init__(self, attn: nn.Module, p: float, seeds: tuple[int, int]) -> None:
+        super().__init__()
+        self.attn, self.p, self.seeds, self.calls = attn, p, seeds, 0
+
+    def forward(self, x):
+        if not self.training:
+            return self.attn(x)
+        self.calls += 1
+        return _attention_reference(self.attn, x, self.p, self.seeds, self.calls - 1)
+
+
+def attention_dropout_vs_reference(comm) -> dict[str, float]:
+    """``parallelize`` carries a nanoGPT attention's dropouts over (its flash path's float
+    ``dropout``, its slow path's ``attn_dropout`` module, ``resid_dropout``): in training the
+    output and the gradients equal one process with the same counter-based masks (each layer its
+    own seed, derived from the base seed and its name) over two calls; eval mode equals the
+    module; and a whole GPT's train-mode loss equals the one-process
+    model's with the same masks (its MLP and embedding dropouts the model's own, torch's
+    generator seeded alike), and differs from its loss without dropout."""
+    import copy
+
+    from coconet.nn import parallelize
+    from coconet.random import derive_seed
+    from support.nanogpt import GPT, GPTConfig
+
+    errors: dict[str, float] = {}
+    p, base = 0.3, 11
+    seeds = (derive_seed(derive_seed(base, "attn"), "attn_dropout"),
+             derive_seed(derive_seed(base, "attn"), "resid_dropout"))  # fmt: skip
+    for flash in (True, False):
+        torch.manual_seed(7)
+        ref = GPT(GPTConfig(n_head=4, n_embd=16, dropout=p, flash=flash)).transformer.h[0].attn
+        model = parallelize(nn.ModuleDict({"attn": copy.deepcopy(ref)}), comm,
+                            {"attn": "attention"}, seed=base)  # fmt: skip
+        attn = model["attn"]
+        x, ct = torch.randn(2, 7, 16), torch.randn(2, 7, 16)
+        for step in range(2):
+            xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y, want = attn(xa), _attention_reference(ref, ref_x, p, seeds, step)
+            (y * ct).sum().backward()
+            (want * ct).sum().backward()
+            tag = f"flash={flash} step {step}"
+            errors[f"{tag} y"] = _err(y, want)
+            errors[f"{tag} dx"] = _err(xa.grad, ref_x.grad)
+            mine = slice(*slice_bounds(48, comm.world, comm.rank))
+            errors[f"{tag} dw_qkv"] = _err(attn.qkv.weight.grad,
+                                           ref.c_attn.weight.grad[attn._order()][mine])
+            errors[f"{tag} dw_proj"] = _err(attn.proj.weight.grad,
+                                            _part(ref.c_proj.weight.grad, 1, comm))
+            model.zero_grad()
+            ref.zero_grad()
+        model.eval(), ref.eval()
+        with torch.no_grad():
+            errors[f"flash={flash} eval"] = _err(attn(x), ref(x))
+
+    # a whole GPT: train-mode losses equal the one-process model with the same masks
+    torch.manual_seed(3)
+    reference = GPT(GPTConfig(n_head=4, n_embd=16, dropout=0.2))
+    model = parallelize(copy.deepcopy(reference), comm, BLOCK_PLAN, seed=base)
+    for i, block in enumerate(reference.transformer.h):
+        name = f"transformer.h.{i}.attn"
+        block.attn = _MaskedAttention(block.attn, 0.2, (
+            derive_seed(derive_seed(base, name), "attn_dropout"),
+            derive_seed(derive_seed(base, name), "resid_dropout")))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (2, 16), generator=gen)
+    targets = torch.randint(0, 32, (2, 16), generator=gen)
+    for step in range(2):
+        torch.manual_seed(100 + step)  # the model's own dropouts: the same draws in both
+        loss = model(idx, targets)
+        torch.manual_seed(100 + step)
+        errors[f"gpt train loss step {step}"] = _err(loss.detach(), reference(idx, targets))
+    # what parallelize did before it carried the attention's dropouts over: the same model
+    # with them off (its other dropouts on, the same draws) is more than rounding away
+    for block in reference.transformer.h:
+        block.attn.p = 0.0
+    torch.manual_seed(101)
+    without = reference(idx, targets)
+    errors[f"gpt train loss {loss.item()!r}, without the attention's dropouts "
+           f"{without.item()!r}: too close"] = float(
+        abs(loss.item() - without.item()) < 1e-4 * abs(without.item()))  # fmt: skip
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        errors["gpt eval loss"] = _err(model(idx, targets), reference(idx, targets))
+    return errors
+
+
+def refusals_of_dropouts(comm) -> dict[str, str]:
+    """What ``parallelize`` refuses about dropout, as each rank saw it: torch's generator
+    seeded differently on the ranks while the model keeps dropouts of its own (every rank
+    refuses)."""
+    import copy
+
+    from coconet.errors import ConfigError
+    from coconet.nn import parallelize
+    from support.nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(n_head=4, n_embd=16, dropout=0.1))
+    seen: dict[str, str] = {}
+    torch.manual_seed(3 + comm.rank)  # nanoGPT's train.py seeds 1337 + rank
+    try:
+        parallelize(copy.deepcopy(model), comm, BLOCK_PLAN)
+        seen["per-rank seeds"] = "not refused"
+    except ConfigError as e:
+        seen["per-rank seeds"] = str(e)
+    torch.manual_seed(3)  # alike: accepted
+    parallelize(copy.deepcopy(model), comm, BLOCK_PLAN)
+    seen["alike"] = "accepted"
+    return seen
+
+
+def copies_and_saves(comm, directory: str) -> dict[str, float]:
+    """A parallelized nanoGPT (dropout on) and its ``copy.deepcopy``: one AdamW step each on the
+    same batch gives the same loss and weights, and they stay apart after. ``torch.save`` ->
+    ``torch.load`` -> ``coconet.nn.attach`` gives the same losses (train and eval) and gradient
+    norm as the model saved; calling the loaded model before ``attach`` and attaching another
+    rank's file are refused."""
+    import copy
+    import os
+
+    from coconet.errors import ConfigError
+    from coconet.nn import attach, parallelize
+    from support.nanogpt import GPT, GPTConfig
+
+    errors: dict[str, float] = {}
+    torch.manual_seed(3)
+    model = parallelize(GPT(GPTConfig(n_head=4, n_embd=16, dropout=0.1)), comm, BLOCK_PLAN)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (2, 16), generator=gen)
+    targets = torch.randint(0, 32, (2, 16), generator=gen)
+    torch.manual_seed(50)
+    model(idx, targets).backward()  # compiled steps and dropout counts before the copy
+    model.zero_grad()
+
+    twin = copy.deepcopy(model)
+    pairs = list(zip(model.parameters(), twin.parameters(), strict=True))
+    errors["copy has its own values"] = float(any(a.data_ptr() == b.data_ptr() for a, b in pairs))
+    errors["copy shares the group"] = float(
+        twin.transformer.h[0].attn.qkv.comm is not model.transformer.h[0].attn.qkv.comm
+        or twin.transformer.h[0].attn.qkv.weight.placement.comm is not comm)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin)]
+    losses = []
+    for m, opt in zip((model, twin), opts, strict=True):
+        torch.manual_seed(51)
+        loss = m(idx, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    errors["copy: loss of a step"] = float(not torch.equal(losses[0], losses[1]))
+    errors["copy: weights after a step"] = float(not all(torch.equal(a, b) for a, b in pairs))
+    before = [a.detach().clone() for a in model.parameters()]
+    torch.manual_seed(52)
+    twin(idx, targets).backward()
+    opts[1].step()
+    errors["copy steps alone"] = float(
+        not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        or all(torch.equal(a, b) for a, b in pairs))
+
+    # saved and loaded: each rank its own file
+    model.zero_grad()
+    path = os.path.join(directory, f"model.rank{comm.rank}.pt")
+    torch.save(model, path)
+    torch.manual_seed(53)
+    train_loss = model(idx, targets)
+    train_loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    model.eval()
+    with torch.no_grad():
+        eval_loss = model(idx, targets)
+    loaded = torch.load(path, weights_only=False)
+    try:
+        loaded(idx, targets)
+        errors["called before attach: not refused"] = 1.0
+    except ConfigError as e:
+        errors["called before attach: the hint"] = float(
+            "coconet.nn.attach(model, comm)" not in str(e))
+    comm.barrier("saved")  # every rank's file is written
+    theirs = torch.load(os.path.join(directory, f"model.rank{1 - comm.rank}.pt"),
+                        weights_only=False)  # fmt: skip
+    try:
+        attach(theirs, comm)
+        errors["another rank's file: not refused"] = 1.0
+    except ConfigError as e:
+        errors["another rank's file: the message"] = float("holds part" not in str(e))
+    attach(loaded, comm)
+    loaded.train()
+    torch.manual_seed(53)
+    got = loaded(idx, targets)
+    got.backward()
+    errors["loaded: train loss"] = float(not torch.equal(got, train_loss))
+    errors["loaded: grad norm"] = float(
+        not torch.equal(torch.nn.utils.clip_grad_norm_(loaded.parameters(), 1e9), norm))
+    loaded.eval()
+    with torch.no_grad():
+        errors["loaded: eval loss"] = float(not torch.equal(loaded(idx, targets), eval_loss))
+    errors["loaded: to_full"] = _err(loaded.transformer.h[1].attn.to_full()[0].weight,
+                                     model.transformer.h[1].attn.to_full()[0].weight)
+    return errors

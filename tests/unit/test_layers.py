@@ -20,10 +20,11 @@ _spec = importlib.util.spec_from_file_location("import_graph", _TOOL)
 import_graph = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(import_graph)
 
-BASE = {"errors", "version"}  # leaves every layer may use
+BASE = {"errors", "version", "progress"}  # leaves every layer may use
 # layer -> the layers it may import (besides itself and BASE)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "progress": set(),
     "version": set(),
     "random": set(),
     "cache": set(),
@@ -50,8 +51,11 @@ ALLOWED: dict[str, set[str]] = {
         "options",
     },
     "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options", "tune"},
-    # tensor-parallel layers: DSL programs, their gradients, compiled steps
-    "nn": {"ir", "dsl", "autodiff", "schedule", "compiler", "runtime", "options", "tune"},
+    # tensor-parallel layers: DSL programs, their gradients, compiled steps, and the
+    # counter-based dropout masks and seeds of the attention they write out (random)
+    "nn": {
+        "ir", "dsl", "autodiff", "schedule", "compiler", "runtime", "options", "tune", "random",
+    },
     "coconet": {
         "ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting", "optim", "autodiff",
     },

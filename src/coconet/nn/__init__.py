@@ -2,12 +2,13 @@
 
 Each layer is an ``nn.Module`` with plain shard ``Parameter``s whose forward and backward are
 compiled coconet steps (the backward derived by ``coconet.grad``) inside one
-``torch.autograd.Function``; see ``coconet.nn.layers``.
+``torch.autograd.Function``; see ``coconet.nn.layers``. ``parallelize`` swaps a model's modules
+for them by name; ``attach`` gives a model saved with ``torch.save`` and loaded again its group.
 """
 
 from coconet.nn.attention import KVCache, ParallelMLP, ParallelSelfAttention
 from coconet.nn.layers import ColumnParallelLinear, RowParallelLinear
-from coconet.nn.parallelize import Style, parallelize
+from coconet.nn.parallelize import Style, attach, parallelize
 
 __all__ = [
     "ColumnParallelLinear",
@@ -16,5 +17,6 @@ __all__ = [
     "ParallelSelfAttention",
     "RowParallelLinear",
     "Style",
+    "attach",
     "parallelize",
 ]

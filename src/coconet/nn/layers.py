@@ -30,6 +30,7 @@ length runs the same step).
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -49,7 +50,7 @@ from coconet.runtime.comm import Communicator
 from coconet.runtime.shards import Placement, ShardedParameter
 from coconet.schedule import Schedule, paper
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "layer_group", "probability"]
 
 
 class _Key(NamedTuple):
@@ -132,7 +133,7 @@ def _schedule_of(schedule: Any, who: str, sequence_parallel: bool) -> _Named | s
         if named.sequence_parallel != sequence_parallel:
             fitting = [k for k, v in SCHEDULES.items() if v.sequence_parallel == sequence_parallel]
             raise ConfigError(
-                f"{who}: schedule={schedule!r} is for a layer "
+                f"schedule={schedule!r} is for a layer "
                 f"{'with' if named.sequence_parallel else 'without'} sequence parallelism; this "
                 f"one has sequence_parallel={sequence_parallel}",
                 op=who,
@@ -140,11 +141,31 @@ def _schedule_of(schedule: Any, who: str, sequence_parallel: bool) -> _Named | s
             )
         return named
     raise ConfigError(
-        f"{who}: schedule={schedule!r} is not a layer schedule",
+        f"schedule={schedule!r} is not a layer schedule",
         op=who,
         hint="one of " + ", ".join(repr(k) for k in SCHEDULES) + ", 'auto' (the tuner's choice "
         "per input shape), a function Program -> Schedule, or None (the program as written)",
     )
+
+
+def probability(value: Any, who: str, what: str) -> float:
+    """A dropout probability in [0, 1) as a float, or a ConfigError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ConfigError(
+            f"{what} must be a probability in [0, 1), got {value!r}",
+            op=who,
+            hint=f"{what}=0.1 zeroes one element in ten while training",
+        )
+    return float(value)
+
+
+def layer_group(comm: Communicator, axis: str | None) -> Communicator:
+    """The communicator a layer over mesh ``axis`` runs on: of a larger mesh (tp of pp x tp,
+    of dp x tp), its group alone, so that its steps do not agree or wait with ranks that never
+    call them; else ``comm`` itself."""
+    if axis is not None and axis in comm.mesh.names and comm.mesh.axis_size(axis) < comm.world:
+        return comm.along(axis)
+    return comm
 
 
 def _compiled(target: Any, comm: Communicator, fused: bool):
@@ -249,23 +270,22 @@ class _ParallelLinear(nn.Module):
         self.schedule = _schedule_of(schedule, type(self).__name__, bool(sequence_parallel))
         if not isinstance(comm, Communicator):
             raise ConfigError(
-                f"{type(self).__name__} needs the communicator of its ranks, got {comm!r}",
+                f"comm must be the communicator of the layer's ranks, got {comm!r}",
                 op=type(self).__name__,
                 hint="comm = coconet.runtime.init(); layer = ColumnParallelLinear(..., comm=comm)",
             )
         for what, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(
-                    f"{type(self).__name__}: {what} must be a positive int, got {v!r}",
+                    f"{what} must be a positive int, got {v!r}",
                     op=type(self).__name__,
                     hint="the sizes of the whole layer, as nn.Linear(in_features, out_features)",
                 )
         self.in_features, self.out_features = in_features, out_features
-        if axis is not None and axis in comm.mesh.names and comm.mesh.axis_size(axis) < comm.world:
-            # A layer over one axis of a larger mesh (tp of pp x tp, of dp x tp) runs with its
-            # group alone: its steps must not agree or wait with ranks that never call them.
-            comm = comm.along(axis)
-        self.comm, self.axis = comm, axis
+        self._schedule_given = schedule  # what a pickled layer rebuilds its schedule from
+        comm = layer_group(comm, axis)
+        self.comm: Communicator | None = comm  # None once unpickled, until coconet.nn.attach
+        self.axis = axis
         self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), sequence_dim
         self.fused_kernels = fused_kernels
         self.parts = comm.mesh.axis_size(axis)
@@ -286,6 +306,75 @@ class _ParallelLinear(nn.Module):
                          else nn.Parameter(b))  # fmt: skip
         self._programs: dict[_Key, _Steps] = {}
         self.reset_parameters()
+
+    # -- copies, pickles and the group --------------------------------------------------------
+
+    def __deepcopy__(self, memo: dict) -> _ParallelLinear:
+        # A copy (an EMA model, a best-model snapshot) runs over the same group: it shares the
+        # communicator (sockets and shared memory: not a value to copy) and copies the values
+        # (ShardedParameter.__deepcopy__ keeps their placement's group). The compiled steps are
+        # shared too, in a cache of the copy's own: each is code for this configuration bound
+        # to the group, to which every call passes its own weights, so the copy need not compile
+        # them again, and what either compiles later stays its own.
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            if key == "comm":
+                copied.__dict__[key] = value
+            elif key == "_programs":
+                copied.__dict__[key] = dict(value)
+            else:
+                copied.__dict__[key] = copy.deepcopy(value, memo)
+        return copied
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (torch.save(model)) without its group and compiled steps: neither can be
+        # saved, and the loading process has a group of its own, which coconet.nn.attach gives
+        # the layer (its steps are compiled again at its first call). The schedule is rebuilt
+        # from what the user gave (the named ones hold functions that do not pickle).
+        state = super().__getstate__()
+        state["comm"] = None
+        state["_programs"] = {}
+        del state["schedule"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.schedule = _schedule_of(self._schedule_given, type(self).__name__,
+                                     self.sequence_parallel)  # fmt: skip
+
+    def _group(self) -> Communicator:
+        """The layer's communicator; a ConfigError for a layer unpickled and not attached."""
+        if self.comm is None:
+            raise ConfigError(
+                "this layer was loaded (torch.load, pickle) without its group of ranks: a "
+                "communicator is not saved with it",
+                op=type(self).__name__,
+                details=[f"it is part {self.index} of {self.parts} along axis {self.axis!r}"],
+                hint="give the loaded model its group first: coconet.nn.attach(model, comm)",
+            )
+        return self.comm
+
+    def _attach(self, comm: Communicator, name: str) -> None:
+        """Run over ``comm``'s group (``coconet.nn.attach``): it must hold this layer's part
+        at this rank, as the group it was saved from did."""
+        group = layer_group(comm, self.axis)
+        parts, index = group.mesh.axis_size(self.axis), group.mesh.index_in(group.rank, self.axis)
+        if (parts, index) != (self.parts, self.index):
+            raise ConfigError(
+                f"{name or 'the model'} holds part {self.index} of {self.parts} of its weights, "
+                f"but this rank's part of the group is {index} of {parts}",
+                op="coconet.nn.attach",
+                details=[f"the layer: {type(self).__name__}({self.extra_repr()})",
+                         f"this rank: {comm.rank} of {comm.world}, mesh {comm.mesh}"],
+                hint="load, on each rank, the file that rank saved, into a job of the same mesh "
+                "(or save the whole weights with to_full() and convert them again)",
+            )  # fmt: skip
+        self.comm = group
+        self._programs = {}  # steps compiled for another group (none, once unpickled)
+        for p in self.parameters(recurse=False):
+            if isinstance(p, ShardedParameter):
+                p.placement = p.placement._replace(comm=group)
 
     def _parameter(self, data: torch.Tensor, dim: int, whole: tuple[int, ...]) -> nn.Parameter:
         """This rank's part of a tensor of shape ``whole`` split along ``dim``: a
@@ -320,7 +409,7 @@ class _ParallelLinear(nn.Module):
         """This rank's part of ``linear`` (the same nn.Linear on every rank)."""
         if not isinstance(linear, nn.Linear):
             raise ConfigError(
-                f"{cls.__name__}.from_linear takes an nn.Linear, got {type(linear).__name__}",
+                f"the module to convert must be an nn.Linear, got {type(linear).__name__}",
                 op=f"{cls.__name__}.from_linear",
                 hint="convert each nn.Linear of the model; coconet.nn.parallelize does it by name",
             )
@@ -344,10 +433,11 @@ class _ParallelLinear(nn.Module):
         return full
 
     def _gather(self, part: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        comm = self._group()
         shape = [size if d == dim else s for d, s in enumerate(part.shape)]
         t = cc.Tensor("part", DType.from_torch(part.dtype), shape, Sliced(dim, self.axis))
         program = Program("gather_parts", [t], {"whole": cc.all_gather(t, axis=self.axis)})
-        step = cc_compile(program, comm=self.comm, fused_kernels=False)
+        step = cc_compile(program, comm=comm, fused_kernels=False)
         return step(part=part.detach().contiguous())["whole"]
 
     # -- forward ------------------------------------------------------------------------------
@@ -357,9 +447,10 @@ class _ParallelLinear(nn.Module):
     # trace; it runs as a graph break, the rest of the model is compiled around it
     @torch.compiler.disable
     def _call(self, x: torch.Tensor, residual: torch.Tensor | None, scalars: dict[str, Any]):
+        comm = self._group()
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self._x_features():
             raise ConfigError(
-                f"{type(self).__name__}: the input's last dim must be {self._x_features()}, got "
+                f"the input's last dim must be {self._x_features()}, got "
                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
                 op=type(self).__name__,
                 hint="this rank's part of the features when the input is parallel, else all",
@@ -382,8 +473,8 @@ class _ParallelLinear(nn.Module):
                 dim = self._seq_layout(x.dim()).dim
                 mine = int(x.shape[dim])
                 sizes[self._dims(x.dim())[dim].name] = sum(
-                    self.comm.exchange(mine, f"{type(self).__name__}: the sequence's length"))
-            steps = self._programs[key] = _Steps(program, self.comm, self.fused_kernels,
+                    comm.exchange(mine, f"{type(self).__name__}: the sequence's length"))
+            steps = self._programs[key] = _Steps(program, comm, self.fused_kernels,
                                                  self.schedule, sizes, dict(scalars))  # fmt: skip
         if not (torch.is_grad_enabled() and needs):
             # nothing to differentiate (inference, no_grad, frozen weights): the forward step
@@ -482,16 +573,8 @@ class RowParallelLinear(_ParallelLinear):
                  sequence_dim: int = 0, fused_kernels: bool = False,
                  schedule: LayerSchedule = None, dtype: torch.dtype = torch.float32,
                  device: Any = None) -> None:  # fmt: skip
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not (
-            0.0 <= dropout < 1.0
-        ):
-            raise ConfigError(
-                f"RowParallelLinear: dropout must be a probability in [0, 1), got {dropout!r}",
-                op="RowParallelLinear",
-                hint="dropout=0.1 zeroes one element in ten while training",
-            )
         self.input_is_parallel = bool(input_is_parallel)
-        self.p = float(dropout)
+        self.p = probability(dropout, "RowParallelLinear", "dropout")
         self.seed = int(seed)
         self.calls = 0  # the dropout mask's step: one per training forward
         super().__init__(in_features, out_features, bias, comm=comm, axis=axis,
