@@ -25,13 +25,15 @@ EXPECT = {
     "load: a parameter missing": ["3 parameters in the state dict, 4 here"],
     "load: state of an unknown parameter": ["parameter(s) [9]"],
     "load: a bad tensor on rank 1 only": ["refused on rank 1", "parameter 2 (shape (3, 4))"],
-    "p.data replaced (every rank)": ["on every rank: param group 0, parameter 0", ".data"],
-    "p.data replaced (rank 1)": ["on rank 1: param group 0, parameter 0", ".data"],
-    "re-initialised by assignment": ["param group 0, parameter 2", ".data"],
+    # (the same .data on every rank is taken in again: tests/dist/test_dist_optim_contracts.py)
+    "p.data replaced (rank 1)": ["on rank 1 param group 0, parameter 0", ".data was replaced",
+                                 "on rank 0 it did not change"],
+    "re-initialised by assignment, differently": ["changed their parameters differently",
+                                     "param group 0, parameter 2"],
     "requires_grad off (rank 0)": [
         "parameter 1 (shape (4,)) does not require grad on rank(s) [0] but does on rank(s) [1]"],
     "requires_grad off on every rank (accepted)": None,  # torch's case: skipped
-    "requires_grad on, a frozen parameter": ["shape (3,)", "requires grad now"],
+    # (a frozen parameter unfrozen on every rank is stepped as torch steps it: ditto)
     "model.double() after construction": ["parameter 0", "cast to torch.float64"],
     "add_param_group on rank 1 only": [
         "rank 1 called add_param_group (after 2 steps) while rank 0 called step"],

@@ -181,7 +181,9 @@ def _reassign_data(model):
 
 
 def _reinit(model):
-    model[1].weight.data = torch.randn(3, 4)
+    # each rank draws its own values (a seed that depends on the rank): the ranks differ
+    rank = torch.distributed.get_rank()
+    model[1].weight.data = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
 
 
 def _grad_off(model):
@@ -202,17 +204,6 @@ def _frozen_everywhere(comm):
     err, s = _timed(comm, lambda: _train(opt, model, comm))
     same = torch.equal(model[0].bias, bias) and opt._buckets[0].steps[1] == steps[1]
     return err, s, same and opt._buckets[0].steps[0] == steps[0] + 1
-
-
-def _frozen_on(comm):
-    model = _model()
-    model[1].bias.requires_grad_(False)
-    opt = _opt(comm, model.parameters())
-    _train(opt, model, comm)
-    before = _snapshot(opt)
-    model[1].bias.requires_grad_(True)
-    err, s = _timed(comm, lambda: _train(opt, model, comm))
-    return err, s, _same(before, _snapshot(opt))
 
 
 def _add_group(shapes_by_rank, ranks=(0, 1)):
@@ -313,11 +304,9 @@ CASES: dict[str, Callable] = {
     "load: a parameter missing": _load_edit(_missing_param),
     "load: state of an unknown parameter": _load_edit(_unknown_param),
     "load: a bad tensor on rank 1 only": _load_edit(_transpose, ranks=(1,)),
-    "p.data replaced (every rank)": _edit_param_case(_reassign_data),
     "p.data replaced (rank 1)": _edit_param_case(_reassign_data, ranks=(1,)),
-    "re-initialised by assignment": _edit_param_case(_reinit),
+    "re-initialised by assignment, differently": _edit_param_case(_reinit),
     "requires_grad off (rank 0)": _edit_param_case(_grad_off, ranks=(0,)),
-    "requires_grad on, a frozen parameter": _frozen_on,
     "model.double() after construction": _edit_param_case(_to_double),
     "requires_grad off on every rank (accepted)": _frozen_everywhere,
     "add_param_group on rank 1 only": _add_group([(2,), (2,)], ranks=(1,)),

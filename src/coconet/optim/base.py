@@ -85,7 +85,7 @@ import numbers
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,8 @@ class _Bucket:
     # all over one group; None: whole tensors (the same on the ranks of such a group). Their
     # squares count over that group in the global norm (max_grad_norm=).
     placement: Placement | None = None
+    # the gradients arrive averaged (a DDP wrapper reduced them): the step communicates nothing
+    averaged: bool = False
 
     # per parameter: its shape when it was packed (what its view of the bucket has)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
@@ -281,6 +283,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the global norm of the averaged gradient at the last step (max_grad_norm=), as
         # torch.nn.utils.clip_grad_norm_ returns it
         self.last_grad_norm: torch.Tensor | None = None
+        # the factor the averaged gradient was multiplied by at the last step (None: not
+        # clipped, or clipped inside a bucket's own step)
+        self.last_clip_coef: torch.Tensor | None = None
         # the compiled norm passes, by the ids of the buckets each runs over (every bucket's;
         # all but a speculative lead's), made again when the buckets change
         self._norm_passes: dict[tuple[int, ...], Any] = {}
@@ -290,6 +295,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._lead: _Bucket | None = None
         self._norm_rest: torch.Tensor | None = None
         self._warned_edit = False  # LocalGradientEditWarning given (once per optimizer)
+        # Who averages the gradients before the step, when not the step itself: a
+        # DistributedDataParallel wrapper the optimizer found around its parameters (HF Trainer,
+        # accelerate), whose all_reduce is then the one reduction (_take_wrapper); None: the
+        # step reduces them. Looked for once, when a gradient is first written after backward()
+        self.gradients_averaged_by: str | None = None
+        self._wrapper_looked = False
         self._comm = _default_comm(comm, type(self).__name__)
         self._storage = _param_storage(param_storage, type(self).__name__, ddp)
         self._schedule = schedule
@@ -303,6 +314,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._where_key: tuple[int, ...] = ()
         self._where: dict[int, tuple[_Bucket, int]] = {}
         self._ddp = ddp
+        # how this optimizer's steps are named in the calls its rank made (Communicator.progress:
+        # what a rank that leaves the job tells its peers)
+        self._progress_key = f"coconet.optim.{type(self).__name__}.step"
+        while self._progress_key in self._comm.progress:
+            self._progress_key += "'"  # another optimizer of the same kind on this communicator
+        self._comm.progress[self._progress_key] = 0
         # What the ranks agree on before each collective call (coconet.optim.identity): the
         # steps done, and the digest of the param groups (recomputed when they change).
         self._steps_done = 0
@@ -361,6 +378,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The step number each parameter of ``b`` is at in this step (1-based): its own count,
         as torch keeps it per parameter (LAMB: its group's)."""
         return [s + 1 for s in b.steps]
+
+    def after_bucket(self, b: _Bucket, outputs: dict[str, torch.Tensor], stepped: list[int]
+                     ) -> None:  # fmt: skip
+        """Called with a bucket step's outputs and the parameters it stepped (LAMB keeps its
+        per-tensor diagnostics from them)."""
 
     def after_step(self) -> None:
         """Called after every bucket was stepped (LAMB counts its groups' steps here)."""
@@ -788,15 +810,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return bucket
 
     def _step_fn(self, group: dict[str, Any], dtype: torch.dtype, total: int, clip: Clip,
-                 row: int = 0) -> Any:  # fmt: skip
+                 row: int = 0, averaged: bool | None = None) -> Any:  # fmt: skip
         """The compiled step of a bucket of ``total`` elements of ``group`` (collective);
         ``row``: of equal-sized tensors of ``row`` elements, one per row (``_tensor_buckets``;
-        0: flat)."""
+        0: flat); ``averaged``: of gradients averaged before the step (``_take_wrapper``: the
+        program as written, which communicates nothing; None: as the optimizer is now)."""
+        if averaged is None:
+            averaged = self.gradients_averaged_by is not None
         extra: dict[str, Any] = {"rows": True} if row else {}
+        if averaged:
+            extra["averaged"] = True
         base = self.program(group, _DTYPES[dtype], **extra)
         program = base if clip is Clip.OFF else self.program(group, _DTYPES[dtype], clip=clip,
                                                              **extra)  # fmt: skip
-        target = self._scheduled(program, tuple(self.state_names(group)), total, row, base)
+        target = program if averaged else self._scheduled(
+            program, tuple(self.state_names(group)), total, row, base)
         step_fn = coconet_compile(target, comm=self._comm, options=self._options)
         step_fn.input_sources = {**self.SCALAR_SOURCES, **_CLIP_SOURCES}
         return step_fn
@@ -903,16 +931,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._ddp is not None:
             return loss
+        changed = self._changed_params()
+        if changed:
+            self._take_in(changed)
+        if not self._wrapper_looked and self._comm.world > 1 and self._ddp is None:
+            self._look_for_wrapper(bool(changed))
         self._warn_local_edits()
         problems: list[str] = []
         masks = [self._local_grads(b, problems) for b in self._buckets]
         for p in self._frozen:
-            if p.requires_grad and not problems:
-                problems.append(
-                    f"a parameter of shape {tuple(p.shape)} that did not require grad when the "
-                    f"optimizer was built (so it was not packed) requires grad now: "
-                    f"{identity.DETACHED}"
-                )
             if p.grad is not None and not problems:
                 problems.append(
                     f"a parameter of shape {tuple(p.shape)} did not require grad when the "
@@ -922,14 +949,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # bucket, the step counts): coconet.runtime.interrupts
         outcome = [f"coconet.optim.{type(self).__name__}: the step was not applied on any rank"]
         with interrupts.span(lambda: outcome[0]):
-            if self._comm.world == 1 or not self._buckets:
-                # nobody to agree with (no bucket: no collective either, so a refusal stays
-                # local)
-                self._refuse(problems, problems)
-                self._step_buckets(masks, None)
-            else:
-                self._step_agreeing(masks, problems)
+            try:
+                if self._comm.world == 1 or not self._buckets:
+                    # nobody to agree with (no bucket: no collective either, so a refusal stays
+                    # local)
+                    self._refuse(problems, problems)
+                    self._step_buckets(masks, None)
+                else:
+                    self._step_agreeing(masks, problems)
+            except RuntimeFault as fault:
+                # which call of this rank's met the peer's failure or departure (the peer's
+                # own words say where it stopped)
+                fault.details = (*fault.details, f"this rank was making its {self._progress_key} "
+                                 f"number {self._steps_done + 1}")  # fmt: skip
+                raise
             self._steps_done += 1
+            self._comm.progress[self._progress_key] = self._steps_done
             for b in self._buckets:
                 b.seen[:] = [b.grad._version, False]
             self.after_step()
@@ -937,13 +972,147 @@ class DistributedOptimizer(torch.optim.Optimizer):
                           "rank before this was raised: do not repeat it")
         return loss
 
+    def _look_for_wrapper(self, repointed: bool) -> None:
+        """Look, once, for a ``DistributedDataParallel`` wrapper the optimizer was not told of,
+        when there are signs of one: the parameters re-pointed (accelerate's ``prepare``), a
+        gradient written after ``backward()`` accumulated it (DDP writes the average), or a
+        gradient that is not the bucket's view (DDP's own buffer). The look walks the live
+        objects (~0.2 s): not made without a sign."""
+        signs = repointed or any(b.seen[1] and b.grad._version != b.seen[0]
+                                 for b in self._buckets)  # fmt: skip
+        for b in self._buckets:
+            g = b.params[0].grad if b.params else None
+            if g is not None and g.data_ptr() != b.grad.data_ptr():
+                signs = True
+        if not signs:
+            return
+        self._wrapper_looked = True
+        wrapper = _ddp_wrapping([p for b in self._buckets for p in b.params])
+        if wrapper is not None:
+            self._take_wrapper(wrapper)
+
+    def _take_wrapper(self, wrapper: torch.nn.Module) -> None:
+        """The parameters are wrapped by ``DistributedDataParallel`` (made by code the user
+        does not see: HF Trainer's, accelerate's ``prepare``), which all-reduces the gradients
+        in ``backward()``; a step that reduced them again would move every gradient twice. From
+        now on the gradients are taken as averaged: each bucket's program is its ``averaged``
+        form (no collective: every rank updates the whole bucket, its state whole, as torch's
+        optimizer behind DDP does) and DDP's all_reduce is the one reduction. A ``clip_grad_
+        norm_`` between ``backward()`` and ``step()`` (Trainer's) then clips the average, as
+        under DDP. Collective: every rank must have found its wrapper (else the same
+        ConfigError on every rank). Kept as it was (the gradients reduced twice, the same
+        values) where a program has no averaged form (a user's ``program`` without
+        ``averaged=``) or the parameters are host-shared (one copy per host: the ranks of a
+        host would all write it)."""
+        content = f"gradients averaged by {type(wrapper).__name__} before the step"
+        if self._agrees():
+            self._agree_call(CallKind.WRAPPED, content)
+        if self._storage is ParamStorage.HOST_SHARED:
+            return
+        try:
+            forms = [self._step_fn(self.param_groups[b.group], b.params[0].dtype, b.size,
+                                   b.clip, b.row, averaged=True) for b in self._buckets]
+        except TypeError:  # a subclass's program() without averaged=
+            return
+        for b, step_fn in zip(self._buckets, forms, strict=True):
+            whole = {name: self._whole(b, name) for name in b.names}  # (collective)
+            b.step_fn, b.clip_steps, b.bounds, b.averaged = step_fn, {}, (0, b.size), True
+            b.state = whole
+        self._norm_passes.clear()
+        self.gradients_averaged_by = type(wrapper).__name__
+
+    def _changed_params(self) -> list[tuple[str, tuple]]:
+        """The parameters changed since the last step, as this rank sees them: one whose
+        ``.data`` was replaced (``p.data = ...``: a wrapper that re-points the storage, a
+        re-initialisation by assignment, a cast), and one that did not require grad when it
+        was added and does now (gradual unfreezing). Each as (the line the ranks compare, what
+        to do). A few microseconds per bucket: the pointers compared."""
+        out: list[tuple[str, tuple]] = []
+        for b in self._buckets:
+            for i in sorted(b.detached()):
+                why = b.detachment(i) or "its .data was replaced"
+                out.append((f"{self._param_label(b, i)}: {why}", ("detached", b, i)))
+        for p in self._frozen:
+            if p.requires_grad:
+                j = next(j for j, g in enumerate(self.param_groups)
+                         if any(p is q for q in g["params"]))
+                out.append((f"param group {j}, a parameter of shape {tuple(p.shape)} requires "
+                            "grad now (it did not when it was added)", ("trainable", j, p)))
+        return out
+
+    def _take_in(self, changed: list[tuple[str, tuple]]) -> None:
+        """Take changed parameters in again (collective: every rank must have changed the same
+        parameters to the same values, compared by checksum, else the same ConfigError on every
+        rank names the first that differs, and nothing changes). A replaced ``.data`` is copied
+        into the parameter's place in its bucket and the parameter becomes its view again (its
+        state is kept: the new values continue it); a parameter that requires grad now is
+        packed into a bucket of its own group and stepped from its first gradient, as torch
+        steps it. A cast (``model.double()``) or a move cannot be taken in: refused."""
+        lines, refusal = [], None
+        for line, (kind, *where) in changed:
+            p = where[0].params[where[1]] if kind == "detached" else where[1]
+            lines.append(f"{line} (values {identity.values_checksum(p)})")
+            if refusal is not None:
+                continue
+            try:
+                if kind == "detached":
+                    b, i = where
+                    if p.dtype != b.flat.dtype or p.device != b.flat.device or (
+                        tuple(p.shape) != b.shapes[i]
+                    ):
+                        raise ConfigError(
+                            f"{line}: it can be taken in again only with the dtype, device and "
+                            f"shape it was added with ({b.flat.dtype}, {b.flat.device}, "
+                            f"{b.shapes[i]})",
+                            op=f"coconet.optim.{type(self).__name__}.step",
+                            hint=identity.DETACHED_HINT,
+                        )
+                else:
+                    self._check_param(p, where[0])
+            except CoconetError as e:
+                refusal = e
+        if self._agrees():
+            self._agree_call(CallKind.ATTACH, json.dumps(lines), refusal)
+        elif refusal is not None:
+            raise refusal
+        adopted: dict[tuple, list[torch.nn.Parameter]] = {}
+        for _, (kind, *where) in changed:
+            if kind == "detached":
+                self._reattach(*where)
+            else:
+                j, p = where
+                placement = placement_of(p)
+                adopted.setdefault((j, p.dtype, placement.key if placement else ()), []).append(p)
+        for (j, dtype, _), params in adopted.items():
+            self._frozen = [q for q in self._frozen if all(q is not p for p in params)]
+            group = self.param_groups[j]
+            makes = self._tensor_buckets(params) if self.bucket_per_parameter else [params]
+            for members in makes:
+                self._buckets.append(self._bucket(j, group, dtype, members))
+        if adopted:
+            self._settle_clip()
+        self._refresh_identity()
+
+    @torch.no_grad()
+    def _reattach(self, b: _Bucket, i: int) -> None:
+        """Parameter ``i`` of ``b`` (its ``.data`` replaced, alike on every rank) a view of its
+        place in the bucket again, holding its new values."""
+        p = b.params[i]
+        start, stop = b.span(i)
+        view = b.flat[start:stop].view_as(p)
+        if b.replica is None or self._comm.rank == 0:  # host-shared: one writer per host
+            view.copy_(p.detach())
+        p.data = view
+        if b.replica is not None:
+            self._comm.control.barrier("coconet.optim: a parameter taken in again")
+
     def _warn_local_edits(self) -> None:
         """Warn (once per optimizer) when a bucket's gradient was written in place after the
         last ``backward()`` into it: on several ranks a ``clip_grad_norm_`` there clips this
         rank's local gradient before the step averages it, which nothing else can see. One
         integer compared per bucket per step; a world of one is left alone (its local
         gradient is the average: clipping it is right)."""
-        if self._warned_edit or self._comm.world == 1:
+        if self._warned_edit or self._comm.world == 1 or self.gradients_averaged_by is not None:
             return
         edited = [b for b in self._buckets if b.seen[1] and b.grad._version != b.seen[0]]
         if not edited:
@@ -1071,6 +1240,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     # holds zeros): the norm is the others'
                     self.last_grad_norm = self._norm_rest
                     self._clip_now = {"clip_coef": self.clip_factor(self._norm_rest)}
+            # the factor the gradient was clipped by (None: not clipped), for after_step
+            self.last_clip_coef = self._clip_now.get("clip_coef")
         except CoconetError:
             raise  # a compiled step's own: it told the peers already, or they all refused
         except BaseException as e:
@@ -1124,8 +1295,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[b.group]
         steps = self.next_steps(b)
         if all(mask) and steps.count(steps[0]) == len(steps):  # the common case: one fused step
-            self._run(b, self.scalars(group, steps[0]), agree)
+            out = self._run(b, self.scalars(group, steps[0]), agree)
             b.steps[:] = [s + 1 for s in b.steps]
+            self.after_bucket(b, out, list(range(len(b.params))))
             return
         # parameters grouped by the scalars of their step (SGD's are the same after the first)
         plan: dict[tuple, tuple[dict[str, float], list[int]]] = {}
@@ -1146,20 +1318,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._run_some(b, [(self.scalars(group, steps[0]), [])], agree)
             return
         if len(plan) == 1 and all(mask):  # one step count's scalars after all (SGD)
-            self._run(b, next(iter(plan.values()))[0], agree)
+            out = self._run(b, next(iter(plan.values()))[0], agree)
+            self.after_bucket(b, out, list(range(len(b.params))))
         else:
             self._run_some(b, list(plan.values()), agree)
         for _, stepped in plan.values():
             for i in stepped:
                 b.steps[i] += 1
 
-    def _run(self, b: _Bucket, scalars: dict[str, float], agree: dict[str, str] | None) -> None:
+    def _run(self, b: _Bucket, scalars: dict[str, float], agree: dict[str, str] | None
+             ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """One step of ``b`` (clipped as its clip mode says); the outputs of the step that
+        committed."""
         if b.clip is not Clip.SPECULATIVE:
-            self._keep_norm(self._run_step(b, b.step_fn, {**scalars, **self._clip_now}, agree))
-            return
+            out = self._run_step(b, b.step_fn, {**scalars, **self._clip_now}, agree)
+            self._keep_norm(out)
+            return out
         if len(self._buckets) > 1:
             self._run_lead(b, scalars, agree)
-            return
+            return {}
         if b.clipped_last:
             # the last step clipped, so this one likely does: the norm first, then the clipped
             # update, in one step (two passes; a speculative pass would likely be wasted)
@@ -1167,7 +1344,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             out = self._run_step(b, step_fn, {**scalars, "max_norm": self._max_grad_norm}, agree)
             b.clipped_last = bool(self.clip_factor(out["grad_norm"]) != 1.0)
             self._keep_norm(out)
-            return
+            return out
         verdict: dict[str, torch.Tensor] = {}
 
         def unclipped(outputs: dict[str, torch.Tensor]) -> bool:
@@ -1181,7 +1358,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if b.clipped_last:
             # declined on every rank, nothing written: the step again, with the factor
             step_fn = self._clip_step(b, Clip.GIVEN)
-            self._run_step(b, step_fn, {**scalars, "clip_coef": verdict["coef"]}, None)
+            out = self._run_step(b, step_fn, {**scalars, "clip_coef": verdict["coef"]}, None)
+        return out
 
     def _run_lead(self, b: _Bucket, scalars: dict[str, float],
                   agree: dict[str, str] | None) -> None:  # fmt: skip
@@ -1228,6 +1406,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                   agree: dict[str, str] | None, commit_if: Any = None) -> dict[str, torch.Tensor]:
         """One run of ``step_fn`` over ``b``: its outputs (the updates committed, or declined
         by ``commit_if``)."""
+        if b.averaged and "grad_scale" in scalars:  # (the average's sign only: +1, or -1)
+            scalars = {**scalars, "grad_scale": scalars["grad_scale"] * self._comm.world}
         if b.replica is None:
             # `flat` is passed as a view: the commit writes a view's values in place rather
             # than handing it new storage, so the parameters (views of it) see the update.
@@ -1271,7 +1451,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     b.flat.copy_(saved_p)
                     for name, x in b.state.items():
                         x.copy_(saved[name])
-                self._run(b, scalars, agree if k == 0 else None)
+                self.after_bucket(b, self._run(b, scalars, agree if k == 0 else None), stepped)
                 for i in stepped:
                     part = slice(*b.span(i))
                     out_p[part] = b.flat[part]
@@ -1305,7 +1485,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     b.flat[lo:hi].copy_(saved_p)
                     for name, x in b.state.items():
                         x.copy_(saved[name])
-                self._run(b, scalars, agree if k == 0 else None)
+                self.after_bucket(b, self._run(b, scalars, agree if k == 0 else None), stepped)
                 for i in stepped:
                     start, stop = b.span(i)
                     a, z = max(start, lo), min(stop, hi)
@@ -1376,6 +1556,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         a, z = max(start, lo), min(stop, hi)
         return (a - start, z - start) if a < z else (0, 0)
 
+    def _write_state(self, b: _Bucket, i: int, name: str, value: Any) -> None:
+        """``opt.state[p][key] = value`` for a state tensor: ``value`` shaped like the parameter
+        (this rank keeps its part) or like the part this rank holds; the parameter then has
+        state (as torch's, once a key is set)."""
+        p = b.params[i]
+        here = b.local(name, i)
+        size = 0 if here is None else here.stop - here.start
+        key = b.names[name]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or (
+            value.numel() not in (p.numel(), size)
+        ):
+            raise ConfigError(
+                f"opt.state[p][{key!r}] for {self._param_label(b, i)} must be a floating-point "
+                f"tensor of the parameter's shape {tuple(p.shape)} (or of the {size} elements "
+                f"this rank holds), got {type(value).__name__} "
+                f"{tuple(getattr(value, 'shape', ()))}",
+                op=f"coconet.optim.{type(self).__name__}.state",
+                hint="write a tensor like the parameter: opt.state[p][key] = torch.zeros_like(p)",
+            )
+        flat = value.detach().reshape(-1)
+        if value.numel() == p.numel() and size != p.numel():
+            start, stop = self.state_range(p)
+            flat = flat[start:stop]
+        if here is not None:
+            b.state[name][here].copy_(flat)
+        if not b.steps[i]:
+            b.steps[i] = 1  # it has state now (a step count given later replaces this)
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     def _packed_groups(self) -> tuple[list[dict[str, Any]], dict[int, int]]:
@@ -1407,19 +1615,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         groups, index = self._packed_groups()
-        state: dict[int, dict[str, Any]] = {}
+        state: dict[Any, dict[str, Any]] = {}
+        view = self.state
         for b in self._buckets:
-            if not any(b.steps):
-                continue  # as torch: no state before a parameter's first step
-            whole = {name: self._whole(b, name) for name in b.names}
+            # (the steps are the same on every rank: every rank gathers the same buckets)
+            whole = {name: self._whole(b, name) for name in b.names} if any(b.steps) else {}
             for i, p in enumerate(b.params):
-                if not b.steps[i]:
-                    continue
-                start, stop = b.span(i)
-                entry: dict[str, Any] = self.step_state(b.steps[i])
-                for name, key in b.names.items():
-                    entry[key] = whole[name][start:stop].view_as(p).clone()
-                state[index[id(p)]] = entry
+                extra = view._extra.get(id(p), {})
+                if not b.steps[i] and not extra:
+                    continue  # as torch: no state before a parameter's first step
+                entry: dict[str, Any] = {}
+                if b.steps[i]:
+                    start, stop = b.span(i)
+                    entry = self.step_state(b.steps[i])
+                    for name, key in b.names.items():
+                        entry[key] = whole[name][start:stop].view_as(p).clone()
+                state[index[id(p)]] = {**entry, **extra}
+        for p in (q for g in self.param_groups for q in g["params"]):
+            if id(p) not in self._located() and view._extra.get(id(p)):
+                state[index[id(p)]] = dict(view._extra[id(p)])  # never stepped: kept as given
+        state.update(view._other)  # keys that are not parameters, as torch saves them
         state_dict: dict[str, Any] = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -1473,7 +1688,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _checked_torch_format(self, state_dict: dict[str, Any]) -> tuple[list, list]:
+    def _checked_torch_format(self, state_dict: dict[str, Any]) -> tuple[list, list, dict]:
         """What loading torch's format changes (the merged groups, each bucket's saved state and
         steps), every tensor's shape and every parameter checked first: a ``ConfigError`` and
         nothing changed when anything does not fit."""
@@ -1517,7 +1732,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"the state dict's 'state' is a {type(entries).__name__}",
                               op=where, hint="load a checkpoint saved by state_dict()")
         held = set(saved_ids)
-        unknown = [k for k in entries if k not in held]
+        # keys that are not parameter indices (a hook's mark) are kept as given, as torch keeps
+        # them; an index no param group holds is refused
+        others = {k: v for k, v in entries.items()
+                  if not isinstance(k, int) or isinstance(k, bool)}
+        unknown = [k for k in entries if k not in held and k not in others]
         if unknown:
             raise ConfigError(
                 f"the state dict has state for parameter(s) {unknown[:4]} that none of its param "
@@ -1535,6 +1754,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         f"the state dict's entry for {self._param_label(b, i)} is a "
                         f"{type(e).__name__}", op=where,
                         hint="load a checkpoint saved by state_dict()")
+                missing = [] if e is None else [k for k in self.required_state(b.names)
+                                                    if k not in e]
+                if missing:
+                    raise ConfigError(
+                        f"the state dict's entry for {self._param_label(b, i)} has no "
+                        f"{', '.join(map(repr, missing))} (it has {sorted(map(str, e))})",
+                        op=where,
+                        hint="load a complete checkpoint saved by state_dict(); a parameter "
+                        "without any entry starts from zero state, as torch's",
+                    )
                 for key in b.names.values():
                     x = None if e is None else e.get(key)
                     # the exact shape (torch's format keeps each tensor shaped as its
@@ -1558,14 +1787,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ConfigError(f"the state dict's step counts cannot be read: {exc}",
                                   op=where, hint="load a checkpoint saved by state_dict()") from exc
             loads.append((b, saved, steps))
-        return merged, loads
+        return merged, loads, others
 
-    def _apply_torch_format(self, merged: list, loads: list) -> None:
+    def required_state(self, names: dict[str, str]) -> list[str]:
+        """The keys a saved parameter's entry must have (torch's own optimizer fails on an
+        entry without them): every state tensor and the step count, where kept."""
+        return [*names.values(), *self.step_state(1)]
+
+    def _apply_torch_format(self, merged: list, loads: list, others: dict) -> None:
         """Load what ``_checked_torch_format`` checked (nothing here can refuse)."""
         for mine, new in zip(self.param_groups, merged, strict=True):
             mine.update(new)
+        view = self.state
+        view._other = dict(others)
+        view._extra = {}
         for b, saved, steps in loads:
             b.steps[:] = steps
+            # the entries' other keys (a Lamb checkpoint's diagnostics, a hook's marks)
+            kept = {*b.names.values(), *self.step_state(1)}
+            for p, e in zip(b.params, saved, strict=True):
+                extra = {k: v for k, v in (e or {}).items() if k not in kept}
+                if extra:
+                    view._extra[id(p)] = extra
             lo, hi = b.bounds
             for name, key in b.names.items():
                 target = b.state[name]
@@ -1592,9 +1835,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.__reduce_ex__(4)
 
 
-class _StateView(Mapping):
+class _StateView(MutableMapping):
     """``opt.state``: each parameter's state in torch's keys, read from the buckets at each
-    access (a step hands the state new storage: read ``opt.state[p]`` again after a step).
+    access (a step hands the state new storage: read ``opt.state[p]`` again after a step), and
+    written through to them (a state-dict hook, a user's edit: ``opt.state[p]["exp_avg"] = t``).
 
     On a world of one, and with a schedule that keeps the state whole on every rank (``AR_C``),
     the tensors are shaped like the parameter. On more ranks with the state sliced (the
@@ -1602,48 +1846,160 @@ class _StateView(Mapping):
     part of the parameter's flattened state: 1-D, possibly empty, its elements ``[start, stop)``
     of ``p.reshape(-1)`` with ``(start, stop) = opt.state_range(p)``. Whole tensors need every
     rank: ``opt.state_dict()`` gathers them. The tensors are views: writing into them in place
-    writes the state. As torch's, a parameter has no state (``{}``) before its first step."""
+    writes the state. As torch's, a parameter has no state (``{}``) before its first step.
+
+    Written: a state tensor takes a tensor shaped like the parameter (this rank keeps its part)
+    or like this rank's part; a step count (``step``, where the optimizer keeps one per
+    parameter) sets the parameter's; any other key (a hook's mark, LAMB's diagnostics) is kept
+    as given, saved in ``state_dict()`` and loaded back, as torch keeps it. Keys that are not
+    parameters (``opt.state["ran_hook"] = True``) are kept too, as torch's ``defaultdict``
+    keeps them. ``del opt.state[p]`` drops the parameter's state (it starts again from zero)."""
 
     def __init__(self, opt: DistributedOptimizer) -> None:
         self._opt = opt
+        self._other: dict[Any, Any] = {}  # keys that are not parameters, as torch keeps them
+        self._extra: dict[int, dict[str, Any]] = {}  # id(param) -> its keys besides the state
 
-    def __getitem__(self, p: Any) -> dict[str, Any]:
-        found = self._opt._located().get(id(p)) if isinstance(p, torch.Tensor) else None
-        if found is None:
-            if isinstance(p, torch.Tensor) and any(
-                p is q for g in self._opt.param_groups for q in g["params"]
-            ):
-                return {}  # a parameter that is never stepped (it did not require grad)
-            raise KeyError(p)
-        b, i = found
-        if not b.steps[i]:
-            return {}
-        entry = self._opt.step_state(b.steps[i])
-        for name, key in b.names.items():
-            here = b.local(name, i)
-            x = b.state[name]
-            if x.numel() == b.size:
-                entry[key] = x[here].view_as(b.params[i])
-            else:
-                entry[key] = x[here] if here is not None else x[:0]
-        return entry
+    def _param(self, key: Any) -> bool:
+        return isinstance(key, torch.Tensor) and any(
+            key is q for g in self._opt.param_groups for q in g["params"])
 
-    def _stepped(self) -> list[torch.Tensor]:
-        return [p for b in self._opt._buckets for p, s in zip(b.params, b.steps, strict=True)
-                if s]
+    def __getitem__(self, key: Any) -> Any:
+        found = self._opt._located().get(id(key)) if isinstance(key, torch.Tensor) else None
+        if found is not None or self._param(key):
+            return _Entry(self, key, found)
+        if key not in self._other:
+            self._other[key] = {}  # torch's state is a defaultdict(dict)
+        return self._other[key]
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __setitem__(self, key: Any, value: Any) -> None:
+        found = self._opt._located().get(id(key)) if isinstance(key, torch.Tensor) else None
+        if found is None and not self._param(key):
+            self._other[key] = value
+            return
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"opt.state[p] takes a mapping of the parameter's state, got "
+                f"{type(value).__name__}",
+                op=f"coconet.optim.{type(self._opt).__name__}.state",
+                hint="opt.state[p] = {'step': torch.tensor(3.0), 'exp_avg': ..., ...}",
+            )
+        entry = _Entry(self, key, found)
+        entry.reset()
+        for k, v in value.items():
+            entry[k] = v
+
+    def __delitem__(self, key: Any) -> None:
+        found = self._opt._located().get(id(key)) if isinstance(key, torch.Tensor) else None
+        if found is None and not self._param(key):
+            del self._other[key]
+            return
+        _Entry(self, key, found).reset()
+
+    def _stepped(self) -> list[Any]:
+        params = [p for b in self._opt._buckets for p, s in zip(b.params, b.steps, strict=True)
+                  if s or self._extra.get(id(p))]
+        known = {id(p) for p in params}
+        params += [p for g in self._opt.param_groups for p in g["params"]
+                   if id(p) not in known and self._extra.get(id(p))]
+        return [*params, *self._other]
+
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._stepped())
 
     def __len__(self) -> int:
         return len(self._stepped())
 
-    def __contains__(self, p: object) -> bool:
-        found = self._opt._located().get(id(p))
-        return found is not None and bool(found[0].steps[found[1]])
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, torch.Tensor):
+            return any(key is p for p in self._stepped())
+        return key in self._other
 
     def __repr__(self) -> str:
         return f"<coconet.optim state of {len(self)} parameters>"
+
+
+class _Entry(MutableMapping):
+    """``opt.state[p]``: one parameter's state, read from and written to its bucket."""
+
+    def __init__(self, view: _StateView, p: torch.Tensor, found: tuple[_Bucket, int] | None
+                 ) -> None:  # fmt: skip
+        self._view, self._p, self._found = view, p, found
+        self._opt = view._opt
+
+    def _extra(self, create: bool = False) -> dict[str, Any]:
+        extra = self._view._extra.get(id(self._p))
+        if extra is None:
+            extra = {}
+            if create:
+                self._view._extra[id(self._p)] = extra
+        return extra
+
+    def _read(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {}
+        if self._found is not None:
+            b, i = self._found
+            if b.steps[i]:
+                entry = self._opt.step_state(b.steps[i])
+                for name, key in b.names.items():
+                    here = b.local(name, i)
+                    x = b.state[name]
+                    if x.numel() == b.size:
+                        entry[key] = x[here].view_as(b.params[i])
+                    else:
+                        entry[key] = x[here] if here is not None else x[:0]
+        entry.update(self._extra())
+        return entry
+
+    def __getitem__(self, key: str) -> Any:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return repr(self._read())
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if self._found is None:  # a parameter the optimizer never steps: kept as given
+            self._extra(create=True)[key] = value
+            return
+        b, i = self._found
+        names = {v: k for k, v in b.names.items()}
+        if key in names:
+            self._opt._write_state(b, i, names[key], value)
+        elif key in self._opt.step_state(1):  # the parameter's step count
+            b.steps[i] = self._opt.step_of({key: value})
+        else:
+            self._extra(create=True)[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        extra = self._extra()
+        if key in extra:
+            del extra[key]
+            return
+        if key in self._read():
+            raise ConfigError(
+                f"opt.state[p][{key!r}] cannot be removed alone: the optimizer's step reads it",
+                op=f"coconet.optim.{type(self._opt).__name__}.state",
+                hint="del opt.state[p] drops the parameter's whole state (it starts again from "
+                "zero), or write new values: opt.state[p][key] = tensor",
+            )
+        raise KeyError(key)
+
+    def reset(self) -> None:
+        """No state: zeros, no step, no other keys (as before the parameter's first step)."""
+        self._view._extra.pop(id(self._p), None)
+        if self._found is not None:
+            b, i = self._found
+            for name in b.names:
+                here = b.local(name, i)
+                if here is not None:
+                    b.state[name][here].zero_()
+            b.steps[i] = 0
 
 
 def _same_recipe(program: Program, state: tuple[str, ...], chosen: Any, name: str
@@ -1817,6 +2173,23 @@ class LocalGradientEditWarning(UserWarning):
     averaged it. Global-norm clipping of the average is ``max_grad_norm=``. A linear change
     (``GradScaler.unscale_``, a division for gradient accumulation) is harmless: filter this
     warning (``warnings.filterwarnings("ignore", category=LocalGradientEditWarning)``)."""
+
+
+def _ddp_wrapping(params: list[torch.Tensor]) -> torch.nn.Module | None:
+    """The ``DistributedDataParallel`` module that holds any of ``params``, if one is alive
+    (found among the live objects: a wrapper made by code the optimizer is not shown)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for p in params}
+    for obj in gc.get_objects():
+        # (by its type: isinstance would call into weak proxies, some of them dead)
+        if issubclass(type(obj), DistributedDataParallel) and any(
+            id(p) in ids for p in getattr(obj, "_module_parameters", ())
+        ):
+            return obj
+    return None
 
 
 def _remove_hooks(handles: list[Any]) -> None:

@@ -55,6 +55,11 @@ class CallKind(enum.Enum):
     STATE_DICT = "state_dict"
     LOAD_STATE_DICT = "load_state_dict"
     ADD_PARAM_GROUP = "add_param_group"
+    # before a step: parameters whose .data was replaced, or that require grad since, taken in
+    # again (the same on every rank, values included)
+    ATTACH = "attach"
+    # at a step: the parameters turned out to be wrapped by DDP, which averages the gradients
+    WRAPPED = "wrapped"
 
 
 class Call:
@@ -162,6 +167,30 @@ def mismatch_error(texts: Sequence[str | None], op: str, hint_refusal: str) -> C
     said = [f"rank {r} {c.said()}" if c else f"rank {r} made no optimizer call (a plain step)"
             for r, c in enumerate(calls)]
     kinds = [c.kind if c else None for c in calls]
+    if CallKind.ATTACH in kinds and len(set(kinds)) > 1:
+        # some ranks' parameters changed since their last step and the others' did not
+        r = kinds.index(CallKind.ATTACH)
+        changed = json.loads(calls[r].content)
+        same = [q for q, k in enumerate(kinds) if k != CallKind.ATTACH]
+        return ConfigError(
+            f"the ranks' parameters differ: on rank {r} {changed[0]}, on rank {same[0]} it did "
+            "not change since the last step",
+            op=op,
+            details=[f"rank {r}: {line}" for line in changed[1:4]] + said,
+            hint="change a parameter (assign p.data, cast or move the model, unfreeze it) on "
+            "every rank alike, as a model wrapped or moved by the same code on every rank is; "
+            "nothing was stepped on any rank",
+        )
+    if CallKind.WRAPPED in kinds and len(set(kinds)) > 1:
+        r = kinds.index(CallKind.WRAPPED)
+        q = next(q for q, k in enumerate(kinds) if k != CallKind.WRAPPED)
+        return ConfigError(
+            f"rank {r}'s parameters are wrapped by DistributedDataParallel (it averages the "
+            f"gradients) and rank {q}'s are not",
+            op=op,
+            details=said,
+            hint="wrap the model alike on every rank; nothing was stepped on any rank",
+        )
     if len(set(kinds)) > 1:
         first = next(r for r, k in enumerate(kinds) if k != kinds[0])
         # the usual way to get here: a checkpoint saved the single-process way, on rank 0 only
@@ -207,7 +236,8 @@ def mismatch_error(texts: Sequence[str | None], op: str, hint_refusal: str) -> C
     if len(set(contents)) > 1:
         diff = first_difference([json.loads(c) if c.startswith("[") else [c] for c in contents])
         what = {CallKind.ADD_PARAM_GROUP: "the ranks hold different parameters",
-                CallKind.LOAD_STATE_DICT: "the ranks load different state dicts"}
+                CallKind.LOAD_STATE_DICT: "the ranks load different state dicts",
+                CallKind.ATTACH: "the ranks changed their parameters differently"}
         return ConfigError(
             f"{what.get(kinds[0], f'the ranks differ in {kinds[0].value}')}: {diff[0]}",
             op=op,

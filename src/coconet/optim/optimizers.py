@@ -107,16 +107,14 @@ class _AdamFamily(DistributedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        decoupled_weight_decay: bool | None = None,
+        decoupled_weight_decay: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
-            decoupled_weight_decay=(
-                self._decoupled if decoupled_weight_decay is None else decoupled_weight_decay
-            ),
+            decoupled_weight_decay=bool(decoupled_weight_decay),
         )
         self.check_group(defaults, "")
         super().__init__(
@@ -133,8 +131,9 @@ class _AdamFamily(DistributedOptimizer):
                _f(group["weight_decay"]) >= 0.0)
         _unsupported(name, where, group, "amsgrad", "capturable", "differentiable")
 
-    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
-        return programs.adam(dtype, clip)
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
+                averaged: bool = False) -> Program:  # fmt: skip
+        return programs.adam(dtype, clip, averaged)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"m": "exp_avg", "v": "exp_avg_sq"}
@@ -202,7 +201,11 @@ class AdamW(_AdamFamily):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, **kwargs) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        if "decoupled_weight_decay" in kwargs:  # as torch's AdamW, which has no such argument
+            raise TypeError("AdamW.__init__() got an unexpected keyword argument "
+                            "'decoupled_weight_decay' (AdamW's decay is always decoupled)")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad,
+                         decoupled_weight_decay=True, **kwargs)
 
 
 class SGD(DistributedOptimizer):
@@ -262,10 +265,11 @@ class SGD(DistributedOptimizer):
             )
         _unsupported("SGD", where, group, "differentiable")
 
-    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF) -> Program:
+    def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
+                averaged: bool = False) -> Program:  # fmt: skip
         if group["momentum"]:
-            return programs.sgd_momentum(dtype, clip)
-        return programs.sgd(dtype, clip)
+            return programs.sgd_momentum(dtype, clip, averaged)
+        return programs.sgd(dtype, clip, averaged)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"buf": "momentum_buffer"} if group["momentum"] else {}
@@ -298,6 +302,9 @@ class SGD(DistributedOptimizer):
         # torch keeps no step count for SGD: a saved buffer means "started" (a None buffer, as
         # torch saves without momentum, does not)
         return 1 if entry.get("momentum_buffer") is not None else 0
+
+    def required_state(self, names: dict[str, str]) -> list[str]:
+        return []  # torch's SGD reads its buffer with state.get: a missing one starts afresh
 
 
 class LAMB(_AdamFamily):
@@ -392,8 +399,8 @@ class LAMB(_AdamFamily):
             )
 
     def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
-                rows: bool = False) -> Program:  # fmt: skip
-        return programs.lamb(dtype, clip, rows)
+                rows: bool = False, averaged: bool = False) -> Program:  # fmt: skip
+        return programs.lamb(dtype, clip, rows, averaged)
 
     SCALAR_SOURCES = {
         "grad_scale": "maximize (and the world size)",
@@ -426,9 +433,38 @@ class LAMB(_AdamFamily):
     def next_steps(self, b: _Bucket) -> list[int]:
         return [int(self.param_groups[b.group].get("step", 0)) + 1] * len(b.params)
 
+    def after_bucket(self, b: _Bucket, outputs: dict[str, torch.Tensor], stepped: list[int]
+                     ) -> None:  # fmt: skip
+        # Lamb's per-tensor diagnostics in each stepped parameter's state, as Lamb keeps them:
+        # 0-d tensors (a bucket of rows: one row per parameter)
+        if "weight_norm" not in outputs:
+            return
+        view = self.state
+        for i in stepped:
+            kept = view._extra.setdefault(id(b.params[i]), {})
+            for key in ("weight_norm", "adam_norm", "trust_ratio"):
+                value = outputs[key]
+                kept[key] = (value[i, 0] if b.row else value.reshape(())).clone()
+
     def after_step(self) -> None:
         for group in self.param_groups:
             group["step"] = int(group.get("step", 0)) + 1
+        # Lamb's own effect on the gradients: it scales each gradient in place by the global
+        # factor (pre_norm) and negates it (maximize), so that a gradient accumulated into
+        # without zero_grad() afterwards starts from those values. The same here, on this
+        # rank's gradient (what backward() accumulates into: linear, so averaged as under DDP).
+        coef = self.last_clip_coef if self.pre_norm else None
+        for b in self._buckets:
+            sign = -1.0 if self.param_groups[b.group]["maximize"] else 1.0
+            if coef is None and sign == 1.0:
+                continue
+            factor = coef * sign if coef is not None else torch.tensor(sign)
+            if all(b.has_grad):
+                b.grad.mul_(factor)
+                continue
+            for i, has in enumerate(b.has_grad):  # (a parameter without a gradient: None in
+                if has:                          # Lamb, untouched)
+                    b.grad[slice(*b.span(i))].mul_(factor)
 
     def step_state(self, steps: int) -> dict[str, Any]:
         return {}  # Lamb's state has no per-parameter step

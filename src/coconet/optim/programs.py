@@ -76,8 +76,17 @@ def _averaged(g_sum: cc.Tensor, grad_scale: cc.Tensor, clip: Clip
     return _clipped((g_sum * grad_scale).named("grad"), clip)
 
 
-def _name(base: str, clip: Clip) -> str:
+def _name(base: str, clip: Clip, averaged: bool = False) -> str:
+    base = f"{base}_averaged" if averaged else base
     return base if clip is Clip.OFF else f"{base}_clip_{clip.name.lower()}"
+
+
+def _summed(g: cc.Tensor, averaged: bool) -> cc.Tensor:
+    """The ranks' gradients summed (all_reduce), or ``g`` itself when a wrapper (DDP) averaged
+    them already: then the optimizer's ``grad_scale`` is 1 (-1 for maximize), not 1 / world,
+    and the step communicates nothing (every rank updates the whole bucket, as torch's
+    optimizer behind DDP does)."""
+    return g if averaged else cc.all_reduce(g, name="g_sum")
 
 
 def _outputs(updates: list, extra: dict) -> list | dict:
@@ -88,15 +97,16 @@ def _outputs(updates: list, extra: dict) -> list | dict:
     return {**extra, **{f"update_{i}": u for i, u in enumerate(updates)}}
 
 
-def _bucket(dtype: DType, state: tuple[str, ...], rows: bool = False):
-    # rows: a bucket of K parameter tensors of N elements each, one per row ([K, N])
+def _bucket(dtype: DType, state: tuple[str, ...], rows: bool = False, averaged: bool = False):
+    # rows: a bucket of K parameter tensors of N elements each, one per row ([K, N]);
+    # averaged: the gradient arrives averaged already (the same on every rank: Replicated)
     dims = [Dim("K"), Dim("N")] if rows else [Dim("N")]
-    g = cc.Tensor("g", dtype, dims, Local)
+    g = cc.Tensor("g", dtype, dims, Replicated if averaged else Local)
     p = cc.Tensor("p", dtype, dims, Replicated)
     return g, p, [cc.Tensor(name, dtype, dims, Replicated) for name in state]
 
 
-def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
+def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = False) -> Program:
     """torch.optim.Adam and AdamW (``amsgrad=False``), one program for both:
 
     ``d = avg(g) + weight_decay * p`` (Adam's L2; AdamW passes 0),
@@ -106,13 +116,13 @@ def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     and ``bc2_sqrt = sqrt(1 - beta2 ** t)``. ``clip``: ``avg(g)`` clipped by its norm first
     (see ``Clip``).
     """
-    g, p, (m, v) = _bucket(dtype, ("m", "v"))
+    g, p, (m, v) = _bucket(dtype, ("m", "v"), averaged=averaged)
     names = (
         "grad_scale", "weight_decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2",
         "eps", "step_size", "bc2_sqrt", "decay",
     )
     s = {name: cc.Scalar(name) for name in names}
-    g_sum = cc.all_reduce(g, name="g_sum")
+    g_sum = _summed(g, averaged)
     grad, extra_in, extra_out = _averaged(g_sum, s["grad_scale"], clip)
     d = (grad + s["weight_decay"] * p).named("d_p")
     m_new = (s["beta1"] * m + s["one_minus_beta1"] * d).named("m_new")
@@ -120,40 +130,41 @@ def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
     denom = (cc.sqrt(v_new) / s["bc2_sqrt"] + s["eps"]).named("denom")
     p_new = (s["decay"] * p - s["step_size"] * (m_new / denom)).named("p_new")
     return Program(
-        _name("adam", clip),
+        _name("adam", clip, averaged),
         [g, p, m, v, *s.values(), *extra_in],
         _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
     )
 
 
-def sgd(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
+def sgd(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = False) -> Program:
     """torch.optim.SGD without momentum: ``p = p - lr * (avg(g) + weight_decay * p)``."""
-    g, p, _ = _bucket(dtype, ())
+    g, p, _ = _bucket(dtype, (), averaged=averaged)
     grad_scale, weight_decay, lr = (cc.Scalar(n) for n in ("grad_scale", "weight_decay", "lr"))
-    g_sum = cc.all_reduce(g, name="g_sum")
+    g_sum = _summed(g, averaged)
     grad, extra_in, extra_out = _averaged(g_sum, grad_scale, clip)
     d = (grad + weight_decay * p).named("d_p")
     p_new = (p - lr * d).named("p_new")
-    return Program(_name("sgd", clip), [g, p, grad_scale, weight_decay, lr, *extra_in],
+    return Program(_name("sgd", clip, averaged), [g, p, grad_scale, weight_decay, lr, *extra_in],
                    _outputs([cc.update(p, p_new)], extra_out))
 
 
-def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program:
+def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF,
+                 averaged: bool = False) -> Program:  # fmt: skip
     """torch.optim.SGD with momentum: ``buf = buf_momentum * buf + buf_damp * d`` (on the first
     step ``buf_momentum = 0, buf_damp = 1``: torch starts the buffer at ``d``; then
     ``momentum, 1 - dampening``), ``p = p - lr * (a d + b buf)`` with ``(a, b) = (1, momentum)``
     for Nesterov and ``(0, 1)`` otherwise."""
-    g, p, (buf,) = _bucket(dtype, ("buf",))
+    g, p, (buf,) = _bucket(dtype, ("buf",), averaged=averaged)
     names = ("grad_scale", "weight_decay", "buf_momentum", "buf_damp", "a", "b", "lr")
     s = {name: cc.Scalar(name) for name in names}
-    g_sum = cc.all_reduce(g, name="g_sum")
+    g_sum = _summed(g, averaged)
     grad, extra_in, extra_out = _averaged(g_sum, s["grad_scale"], clip)
     d = (grad + s["weight_decay"] * p).named("d_p")
     buf_new = (s["buf_momentum"] * buf + s["buf_damp"] * d).named("buf_new")
     direction = (s["a"] * d + s["b"] * buf_new).named("direction")
     p_new = (p - s["lr"] * direction).named("p_new")
     return Program(
-        _name("sgd_momentum", clip),
+        _name("sgd_momentum", clip, averaged),
         [g, p, buf, *s.values(), *extra_in],
         _outputs([cc.update(p, p_new), cc.update(buf, buf_new)], extra_out),
     )
@@ -163,7 +174,8 @@ def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF) -> Program
 LAMB_WEIGHT_NORM_CLAMP = 10.0
 
 
-def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False) -> Program:
+def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False,
+         averaged: bool = False) -> Program:  # fmt: skip
     """``pytorch_optimizer.Lamb`` (4.x; its defaults ``weight_decouple=True``, ``rectify=False``,
     ``adam=False``, ``pre_norm=False``) over **one parameter tensor**: its trust ratio is that
     tensor's (layer-wise), so ``coconet.optim.LAMB`` runs it per tensor (or ``rows=True``,
@@ -183,7 +195,7 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
     collective: the step is one pass over shared memory (the flat program's norms over a
     sliced tensor are partial sums and an all_reduce each, which cut it in two).
     """
-    g, p, (m, v) = _bucket(dtype, ("m", "v"), rows)
+    g, p, (m, v) = _bucket(dtype, ("m", "v"), rows, averaged)
     # the per-tensor norms: whole (flat), or each row's, kept as a column to scale its row
     over = {"dim": 1, "keepdim": True} if rows else {}
     names = (
@@ -191,7 +203,7 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
         "step_size", "use_trust",
     )
     s = {name: cc.Scalar(name) for name in names}
-    g_sum = cc.all_reduce(g, name="g_sum")
+    g_sum = _summed(g, averaged)
     grad = (g_sum * s["grad_scale"]).named("grad")
     grad, extra_in, extra_out = _clipped(grad, clip)
     m_new = (s["beta1"] * m + s["beta3"] * grad).named("m_new")
@@ -204,13 +216,18 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
     weight_norm = cc.where(p_norm > LAMB_WEIGHT_NORM_CLAMP, LAMB_WEIGHT_NORM_CLAMP, p_norm)
     u_norm = cc.norm(update, **over).named("u_norm")
     ratio = cc.where(u_norm > 0, weight_norm / (u_norm + s["eps"]), 1.0)
-    trust = cc.where(weight_norm > 0, ratio, 1.0)
-    trust = (s["use_trust"] * trust + (1 - s["use_trust"])).named("trust_ratio")
+    ratio = cc.where(weight_norm > 0, ratio, 1.0).named("trust_ratio")
+    trust = (s["use_trust"] * ratio + (1 - s["use_trust"])).named("trust")
     p_new = (p_d - s["step_size"] * (trust * update)).named("p_new")
+    # Lamb's per-tensor diagnostics, which it keeps in each parameter's state (users log them):
+    # the clamped weight norm, the update's norm and the trust ratio (before adam=True drops it)
+    diagnostics = {"weight_norm": weight_norm.named("weight_norm"), "adam_norm": u_norm,
+                   "trust_ratio": ratio}  # fmt: skip
     return Program(
-        _name("lamb_rows" if rows else "lamb", clip),
+        _name("lamb_rows" if rows else "lamb", clip, averaged),
         [g, p, m, v, *s.values(), *extra_in],
-        _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
+        _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)],
+                 {**extra_out, **diagnostics}),
     )
 
 

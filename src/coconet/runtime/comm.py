@@ -53,7 +53,7 @@ from coconet.runtime.routing import (
     route_groups,
     wants_levels,
 )
-from coconet.runtime.shmem import SharedMemoryTransport
+from coconet.runtime.shmem import CONTROL_WORDS, SharedMemoryTransport
 from coconet.runtime.symmem import host_identity
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import Group, Pending, Transport, ready
@@ -169,6 +169,11 @@ class Communicator:
             process_group,
             members[0],
         )
+        self.guard.explain = self.control.peer_reason
+        # The calls this rank made, by kind (an optimizer's steps, each compiled program's
+        # calls): what a rank that leaves tells the peers (``depart``), so that one that made a
+        # call more learns which rank stopped where
+        self.progress: dict[str, int] = {}
         self.torch = TorchDistributedTransport()
         self.shm = SharedMemoryTransport()
         self.hier = HierarchicalTransport(self.shm, self.torch)
@@ -645,15 +650,23 @@ class Communicator:
         """Every rank's ``values`` (float64, the same count on every rank), exactly, in rank
         order: one control-channel round (a few microseconds over shared memory), so a caller
         that reduces them in rank order gets the same bits on every rank."""
-        k = len(values)
         if self.world == 1:
             return [[float(v) for v in values]]
-        words = [_LEAST_WORD] * (self.world * k)
-        mine = torch.tensor([float(v) for v in values], dtype=torch.float64).view(torch.int64)
-        words[self.rank * k : (self.rank + 1) * k] = mine.tolist()
-        got = self.control.agree_max(words, label, op="gather")
-        every = torch.tensor(got, dtype=torch.int64).view(torch.float64).view(self.world, k)
-        return every.tolist()
+        # a control round carries at most CONTROL_WORDS words (or one per rank): a few values
+        # of every rank per round
+        per_round = max(1, max(CONTROL_WORDS, self.world) // self.world)
+        every: list[list[float]] = [[] for _ in range(self.world)]
+        for start in range(0, len(values), per_round):
+            chunk = [float(v) for v in values[start : start + per_round]]
+            k = len(chunk)
+            words = [_LEAST_WORD] * (self.world * k)
+            mine = torch.tensor(chunk, dtype=torch.float64).view(torch.int64)
+            words[self.rank * k : (self.rank + 1) * k] = mine.tolist()
+            got = self.control.agree_max(words, label, op="gather")
+            rows = torch.tensor(got, dtype=torch.int64).view(torch.float64).view(self.world, k)
+            for r, row in enumerate(rows.tolist()):
+                every[r].extend(row)
+        return every
 
     def barrier(self, label: str = "barrier") -> None:
         self.control.barrier(label)
@@ -671,6 +684,17 @@ class Communicator:
     def abort(self, reason: str) -> None:
         """Mark the communicator broken and tell every peer at once (``ControlChannel.abort``)."""
         self.control.abort(reason)
+
+    def depart(self) -> None:
+        """This rank leaves the job (``coconet.runtime.shutdown``, spawn's end, interpreter
+        exit): a peer still waiting for it fails at once, told the calls this rank made
+        (``progress``), here and on every sub-communicator (``ControlChannel.depart``)."""
+        if self.world == 1 or self.broken is not None:
+            return
+        for sub in self._subs.values():
+            sub.depart()
+        made = ", ".join(f"{n} x {what}" for what, n in self.progress.items()) or "no calls"
+        self.control.depart(f"after {made}")
 
     def close(self) -> None:
         """Hand back this communicator's shared memory (every group's segments): when it is

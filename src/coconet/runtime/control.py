@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from coconet.errors import RuntimeFault
 from coconet.ir.ops import ReduceOp
-from coconet.runtime.faults import FaultGuard
+from coconet.runtime.faults import LEFT, LEFT_HINT, FaultGuard
 from coconet.runtime.shmem import CONTROL_WORDS, RoundKind, SharedMemoryTransport
+from coconet.runtime.symmem import DEPARTED
 from coconet.runtime.transport import Group, WholeWait
 
 __all__ = ["ControlChannel"]
@@ -322,7 +323,7 @@ class ControlChannel:
                 pass  # the store is gone (its host died): the peers learn from that
 
     def check_peers(self) -> None:
-        """A ``RuntimeFault`` if a peer aborted (see ``abort``)."""
+        """A ``RuntimeFault`` if a peer aborted (see ``abort``) or left the job (``depart``)."""
         if self._store is None:
             return
         try:
@@ -332,13 +333,85 @@ class ControlChannel:
             reason = f"the job's store is unreachable (rank 0 died?): {exc}"
         if reason is not None:
             self._guard.broken = f"a peer aborted: {reason}"
+            left = LEFT in reason
             raise RuntimeFault(
+                "a peer rank left the job while this rank waits for it: the ranks made "
+                "different calls" if left else
                 "a peer rank aborted its step (it failed or was interrupted)",
                 op="communicator",
                 details=[f"on rank {self.rank} of {self.world}", f"the peer said: {reason}"],
-                hint="look at that rank's output for its failure; this job cannot continue: "
-                "end it (coconet.runtime.shutdown) and restart it",
+                hint=LEFT_HINT if left else "look at that rank's output for its failure; this "
+                "job cannot continue: end it (coconet.runtime.shutdown) and restart it",
             )
+
+    def peer_reason(self) -> str | None:
+        """What a peer that aborted or left said (``abort``, ``depart``), None if none did."""
+        if self._store is None:
+            return None
+        try:
+            if self._store.check([self._abort_key]):
+                return self._store.get(self._abort_key).decode()
+        except (RuntimeError, OSError):
+            pass
+        return None
+
+    def depart(self, note: str) -> None:
+        """This rank leaves the job: it makes no more calls on this communicator but the way
+        out (``coconet.runtime.shutdown``'s barrier, through the store). A peer still waiting
+        for it (it made one call more: a data loader one batch longer on that rank) fails at
+        once, told which calls this rank made (``note``), not at its timeout. Unlike ``abort``
+        this communicator is not marked broken, and a peer that is not waiting for this rank
+        (every rank made the same calls) never notices."""
+        for group in self._aborts:
+            group.handle.abort(DEPARTED)
+        if self._shm_group is not None:
+            self._shm_group.handle.abort(DEPARTED)
+        if self._store is not None:
+            try:
+                self._store.set(self._abort_key, f"rank {self.rank} {LEFT} {note}")
+            except (RuntimeError, OSError):
+                pass  # the store is gone (rank 0 left first): nobody is left to tell
+
+    def store_barrier(self, label: str, deadline_s: float) -> None:
+        """A barrier through the job's store only: what ranks that have left (``depart``) meet
+        at, which their abort words cannot trip. A peer gone or late past ``deadline_s`` is a
+        ``RuntimeFault``."""
+        if self._store is None:
+            return
+        key = f"{self._abort_key}/{label}"
+        everyone = [f"{key}/{r}" for r in range(self.world)]
+        give_up = time.monotonic() + deadline_s
+        pause = 0.001
+        try:
+            self._store.set(f"{key}/{self.rank}", "1")
+            # polled, not store.wait: a peer that aborted instead of coming (it failed, or it
+            # made a call this rank did not) ends the wait at once
+            while not self._store.check(everyone):
+                reason = self.peer_reason()
+                if reason is not None and LEFT not in reason:
+                    raise RuntimeFault(
+                        f"a peer rank aborted instead of reaching {label!r}",
+                        op="store barrier",
+                        details=[f"on rank {self.rank} of {self.world}",
+                                 f"the peer said: {reason}"],
+                        hint="look at that rank's output",
+                    )
+                if time.monotonic() > give_up:
+                    raise RuntimeFault(
+                        f"not every rank reached {label!r} within {deadline_s:g} s",
+                        op="store barrier",
+                        details=[f"on rank {self.rank} of {self.world}"],
+                        hint="look at the other ranks' output",
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+        except (RuntimeError, OSError) as exc:
+            raise RuntimeFault(
+                f"the job's store went away before every rank reached {label!r} (rank 0 left?)",
+                op="store barrier",
+                details=[f"on rank {self.rank} of {self.world}", str(exc).splitlines()[0][:200]],
+                hint="look at the other ranks' output",
+            ) from exc
 
     def wait_work(self, work) -> None:
         """``work.wait()`` in slices, looking between them whether a peer aborted its step (a

@@ -21,7 +21,13 @@ import torch.distributed as dist
 
 from coconet.errors import RuntimeFault
 
-__all__ = ["FaultGuard", "is_peer_failure"]
+__all__ = ["LEFT", "LEFT_HINT", "FaultGuard", "is_peer_failure"]
+
+# How a rank that left the job says so (``ControlChannel.depart``), and what to do about it.
+LEFT = "left the job"
+LEFT_HINT = ("every rank must make the same calls (the same number of optimizer steps, layer "
+             "calls, collectives): give every rank the same number of batches (drop_last=True, a "
+             "DistributedSampler), or stop every rank at the same step")
 
 # What torch.distributed's backends and stores write when the job, not the caller, failed.
 _TRANSPORT_WORDS = (
@@ -66,18 +72,36 @@ class FaultGuard:
         self.rank, self.world, self.backend, self.timeout = rank, world, backend, timeout
         self._ranks_of = ranks_of  # the ranks of this rank's group along an axis
         self.broken: str | None = None  # why the communicator refuses further work
+        # what a peer that aborted or left said (the control channel reads it from the store),
+        # added to a shared-memory wait's fault, which sees only the peer's abort word
+        self.explain: Callable[[], str | None] | None = None
 
     def __call__(self, op: str, label: str, axis: str | None, fn: Callable, /, *args, **kwargs):
         """``fn(*args, **kwargs)``; a failure of the job is a ``RuntimeFault`` (see the module)."""
         self.check(op, label)
         try:
             return fn(*args, **kwargs)
-        except RuntimeFault:
+        except RuntimeFault as fault:
+            self._add_reason(fault)
             raise
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise  # a bug raises as a bug
             raise self.fault(op, label, axis, exc) from exc
+
+    def _add_reason(self, fault: RuntimeFault) -> None:
+        """A peer's own words (its abort reason, or which calls it made before it left) on a
+        fault that saw only its abort word."""
+        if self.explain is None or fault.op != "shared memory" or getattr(fault, "explained",
+                                                                           False):  # fmt: skip
+            return
+        reason = self.explain()
+        fault.explained = True
+        if reason is None:
+            return
+        fault.details = (*fault.details, f"the peer said: {reason}")
+        if LEFT in reason:
+            fault.hint = LEFT_HINT
 
     def check(self, op: str = "communicator", label: str = "") -> None:
         """A ``RuntimeFault`` when an earlier failure broke the communicator."""

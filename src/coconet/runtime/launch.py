@@ -145,7 +145,12 @@ def shutdown(comm: Communicator | None = None, *, exit_code: int | None = None) 
     comm = comm or _current
     try:
         if comm is not None and comm.broken is None:
-            comm.barrier("shutdown")
+            # Told first, so that a peer still waiting for a call this rank will not make fails
+            # at once, naming the calls this rank made; then a barrier through the store alone,
+            # which the departure does not trip (every rank that made the same calls meets
+            # there)
+            comm.depart()
+            comm.control.store_barrier("shutdown", comm.options.timeout)
     except RuntimeFault:
         pass  # a peer is gone: there is nothing left to synchronize with
     finally:

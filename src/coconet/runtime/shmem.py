@@ -38,7 +38,7 @@ from coconet.options import Algorithm, TransportKind
 from coconet.runtime import symmem
 from coconet.runtime.native import OneShotArgs
 from coconet.runtime.replica import HostReplica, replica_bytes
-from coconet.runtime.symmem import Phase, SymmetricMemory
+from coconet.runtime.symmem import ABORTED, Phase, SymmetricMemory
 from coconet.runtime.transport import (
     Group,
     Pending,
@@ -308,11 +308,12 @@ class ShmGroup:
         self.mem, self.area = mem, area
         self._areas, self._pointers, self._views = {}, {}, {}  # they viewed the old segment
 
-    def abort(self) -> None:
-        """Tell the peers that this rank's step failed: their waits on it fail at once."""
+    def abort(self, code: int = ABORTED) -> None:
+        """Tell the peers that this rank's step failed (or that it left the job: ``code``):
+        their waits on it fail at once."""
         for mem in (self.mem, *(m for m, _, _ in self.registered.values()), *self._uneven):
             if mem is not None:
-                mem.abort()
+                mem.abort(code)
 
     def close(self) -> None:
         if self.mem is not None:

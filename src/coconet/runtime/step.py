@@ -283,6 +283,8 @@ class CompiledStep:
             self._ordinal = ordinal
             _steps_seen(comm)[h] = ordinal + 1
         self.calls += 1
+        # (what this rank tells its peers when it leaves the job: Communicator.depart)
+        comm.progress[self.program.name] = comm.progress.get(self.program.name, 0) + 1
         try:
             try:
                 if self.calls == 1 and self._compiles_kernels(comm):

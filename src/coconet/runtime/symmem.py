@@ -84,9 +84,18 @@ def available_memory() -> int | None:
     return None
 
 
-def wait_cause(why: int, timeout: float, peer: str = "a peer rank") -> str:
-    """Why ``cn_wait_all`` gave up, in words (``why``: 3 the peer aborted, 2 it died, else the
-    deadline passed)."""
+# What a rank's abort word says (0: nothing): its step failed or was interrupted, or it left
+# the job (it will make no more calls: ``ControlChannel.depart``).
+ABORTED = 1
+DEPARTED = 2
+
+
+def wait_cause(why: int, timeout: float, peer: str = "a peer rank", code: int = ABORTED) -> str:
+    """Why ``cn_wait_all`` gave up, in words (``why``: 3 the peer aborted, or left the job when
+    its abort word is ``DEPARTED``; 2 it died; else the deadline passed)."""
+    if why == 3 and code == DEPARTED:
+        return (f"{peer} left the job (its work returned, or its process is ending) while this "
+                "rank waits for it: the ranks made different calls")
     if why == 3:
         return f"{peer} aborted its step (it failed or was interrupted)"
     if why == 2:
@@ -302,8 +311,9 @@ class SymmetricMemory:
 
     def _fail(self, peer: int, phase: Phase, epoch: int, why: int) -> None:
         """The ``RuntimeFault`` of a wait that gave up on ``peer`` (``why``: cn_wait_all's)."""
+        code = int(self.lib.cn_load_acquire(self._base[peer] + _ABORT_OFFSET)) if why == 3 else 0
         raise RuntimeFault(
-            wait_cause(why, self.timeout),
+            wait_cause(why, self.timeout, code=code),
             op="shared memory",
             details=[
                 f"waiting for group rank {peer} (pid {self.pids[peer]}) to reach "
@@ -313,11 +323,12 @@ class SymmetricMemory:
             "continue: end it (coconet.runtime.shutdown) and restart it",
         )
 
-    def abort(self) -> None:
+    def abort(self, code: int = ABORTED) -> None:
         """Tell every peer waiting on this rank that it will not post again (its step failed or
-        was interrupted): their waits fail at once instead of at the deadline. Final."""
+        was interrupted, ``ABORTED``; it left the job, ``DEPARTED``): their waits fail at once
+        instead of at the deadline. Final."""
         if self._base:
-            self.lib.cn_store_release(self._base[self.index] + _ABORT_OFFSET, 1)
+            self.lib.cn_store_release(self._base[self.index] + _ABORT_OFFSET, code)
 
     def close(self) -> None:
         """Drop this rank's mappings (the memory goes when every rank dropped them)."""
