@@ -68,3 +68,20 @@ def test_transformers_trainer_with_coconet_adamw_follows_torch_adamw():
     assert len(losses["torch"]) == len(losses["coconet"]) == 6
     for a, b in zip(losses["coconet"], losses["torch"], strict=True):
         assert abs(a - b) <= TOL * abs(b), losses
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["shared memory", "torch.distributed"])
+def test_a_rank_with_one_step_more_is_told_who_stopped_where(transport):
+    """Item 7: before, the longer rank got "peer died" at its timeout and the other exited
+    without a word. The rank that leaves tells its peers the calls it made."""
+    options = CommOptions(timeout=30, transport=transport)
+    longer, shorter = spawn(contract_workers.one_step_more, 2, options=options, timeout=160)
+    assert shorter == {"error": None, "step": 4}
+    assert longer["step"] == 5, longer
+    text = longer["error"]
+    assert "left the job" in text and "rank 1 left the job after 4 x coconet.optim.AdamW.step" \
+        in text, text  # fmt: skip
+    assert "this rank was making its coconet.optim.AdamW.step number 5" in text, text
+    assert "the same number of batches" in text, text
+    assert longer["seconds"] < 10.0, longer  # told, not timed out (30 s)

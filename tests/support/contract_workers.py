@@ -103,3 +103,25 @@ def ddp_wrapped(comm) -> dict:
              if spec(n.op).has(Prop.COMMUNICATES)]  # fmt: skip
     return {"errors": errors, "averaged_by": opt.gradients_averaged_by, "rounds": rounds,
             "moves": moves}
+
+
+def one_step_more(comm) -> dict:
+    """Rank 0 steps once more than rank 1 (a data loader one batch longer there): rank 1's
+    work returns and it leaves; rank 0's extra step must fail at once, naming the rank that
+    left and the calls it made, and its own step."""
+    import time
+
+    from coconet.errors import RuntimeFault
+
+    model = _model()
+    opt = coconet.optim.AdamW(model.parameters(), lr=1e-2, comm=comm)
+    steps = 5 if comm.rank == 0 else 4
+    for k in range(steps):
+        opt.zero_grad()
+        model(_batch(k, comm.rank)).square().mean().backward()
+        t0 = time.monotonic()
+        try:
+            opt.step()
+        except RuntimeFault as e:
+            return {"error": str(e), "seconds": time.monotonic() - t0, "step": k + 1}
+    return {"error": None, "step": steps}
