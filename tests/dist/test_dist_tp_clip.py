@@ -32,12 +32,14 @@ def _check(results: list[dict], groups: list[list[int]]) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nproc, plan, transport", [
-    (2, "block", "shared memory"), (2, "mlp", "torch.distributed"), (4, "block", "shared memory"),
+@pytest.mark.parametrize("nproc, plan, transport, foreach", [
+    (2, "block", "shared memory", None), (2, "mlp", "torch.distributed", None),
+    (4, "block", "shared memory", None), (2, "block", "shared memory", True),
 ])  # fmt: skip
-def test_torch_clip_grad_norm_on_a_parallelized_model_is_the_global_norm(nproc, plan, transport):
+def test_torch_clip_grad_norm_on_a_parallelized_model_is_the_global_norm(nproc, plan, transport,
+                                                                          foreach):
     options = CommOptions(timeout=60, transport=transport)
-    results = spawn(tp_clip_workers.torch_clip_on_a_parallelized_model, nproc, plan,
+    results = spawn(tp_clip_workers.torch_clip_on_a_parallelized_model, nproc, plan, foreach,
                     options=options, timeout=220)  # fmt: skip
     _check(results, [list(range(nproc))])
 
@@ -60,3 +62,19 @@ def test_an_optimizer_over_the_parts_groups_or_needing_whole_norms_is_refused():
         assert "would average different parts of one tensor" in r["whole world"], r
         assert "comm.along('dp')" in r["whole world"], r
         assert "its part's norms are not the tensor's" in r["lamb"], r
+
+
+@pytest.mark.timeout(180)
+def test_a_replicated_parameter_that_drifts_apart_is_named():
+    """The check DESIGN section 13 asks for: a parameter every rank of the group holds whole
+    (here a LayerNorm weight changed on one rank) is an error at the next training forward,
+    naming it, on every rank (a sample of each such parameter rides in the first layer call's
+    agreement: no collective of its own)."""
+    results = spawn(tp_clip_workers.replicated_drift, 2, options=CommOptions(timeout=60),
+                    timeout=160)  # fmt: skip
+    for r in results:
+        assert r["checks before"] == 1, r  # the training forward, not the eval one
+        assert r["error"] is not None, r
+        assert "'transformer.h.1.ln_2.weight'" in r["error"], r["error"]
+        assert "differs between the ranks of the group" in r["error"], r["error"]
+    assert len({r["error"] for r in results}) == 1

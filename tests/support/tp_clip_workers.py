@@ -59,7 +59,8 @@ def _whole(model, reference) -> dict[str, float]:
     return errors
 
 
-def torch_clip_on_a_parallelized_model(comm, plan_name: str, steps: int = 5) -> dict:
+def torch_clip_on_a_parallelized_model(comm, plan_name: str, foreach: bool | None = None,
+                                       steps: int = 5) -> dict:  # fmt: skip
     """nanoGPT's own lines on a parallelized model: ``clip_grad_norm_(model.parameters(), c)``
     then ``torch.optim.AdamW``. The norm each rank gets, the weights and the replicated
     parameters (LayerNorms, embeddings) against one process; the replicated parameters'
@@ -75,7 +76,8 @@ def torch_clip_on_a_parallelized_model(comm, plan_name: str, steps: int = 5) -> 
         for m, o in ((model, opt), (reference, ref_opt)):
             o.zero_grad()
             m(idx, targets).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        # foreach=True: torch's _foreach_norm over every gradient at once (one round per group)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=foreach)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
         clipped += bool(ref_norm > MAX_NORM)
         errors[f"norm step {step}"] = _err(norm, ref_norm)
@@ -143,4 +145,29 @@ def refusals(comm) -> dict[str, str]:
             out[name] = "accepted"
         except ConfigError as e:
             out[name] = str(e)
+    return out
+
+
+def replicated_drift(comm) -> dict:
+    """A replicated parameter (a LayerNorm's weight) changed on rank 1 only: the next training
+    forward fails on every rank with a ConfigError naming it; eval-mode forwards are not
+    checked; the training forwards before the drift were (one check each)."""
+    model, _ = _models(comm, BLOCK_PLAN)
+    idx, targets = _batch(0, 2)
+    out: dict = {}
+    model(idx, targets).backward()  # checked: the same everywhere
+    model.eval()
+    with torch.no_grad():
+        model(idx, targets)
+    model.train()
+    check = model.transformer.h[0].mlp.c_fc._replicas
+    out["checks before"] = check.checks
+    if comm.rank == 1:
+        with torch.no_grad():
+            model.transformer.h[1].ln_2.weight.mul_(1.001)
+    try:
+        model(idx, targets)
+        out["error"] = None
+    except ConfigError as e:
+        out["error"] = str(e)
     return out

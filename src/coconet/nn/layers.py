@@ -41,7 +41,7 @@ from torch import nn
 from coconet import dsl as cc
 from coconet.autodiff import grad
 from coconet.compiler import compile as cc_compile
-from coconet.errors import ConfigError
+from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Layout, Replicated, Sliced, slice_bounds
@@ -225,9 +225,9 @@ class _Apply(torch.autograd.Function):
     """Runs a layer's compiled forward step; its backward runs the compiled gradient step."""
 
     @staticmethod
-    def forward(ctx, steps, scalars, names, *tensors):
+    def forward(ctx, steps, scalars, agree, names, *tensors):
         inputs = dict(zip(names, (t.detach() for t in tensors), strict=True))
-        out = steps.forward(**inputs, **scalars)["y"]
+        out = steps.forward.run({**inputs, **scalars}, agree=agree)["y"]
         ctx.steps, ctx.scalars, ctx.names = steps, scalars, names
         ctx.save_for_backward(*tensors)
         return out
@@ -235,14 +235,14 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_y):
         tensors = ctx.saved_tensors
-        needs = tuple(n for n, need in zip(ctx.names, ctx.needs_input_grad[3:], strict=True)
+        needs = tuple(n for n, need in zip(ctx.names, ctx.needs_input_grad[4:], strict=True)
                       if need)  # fmt: skip
         if not needs:
-            return (None,) * (3 + len(tensors))
+            return (None,) * (4 + len(tensors))
         step = ctx.steps.backward_step(needs)
         inputs = dict(zip(ctx.names, (t.detach() for t in tensors), strict=True))
         grads = step(**inputs, **ctx.scalars, d_y=d_y.contiguous())
-        return (None, None, None, *(grads.get(f"d_{n}") for n in ctx.names))
+        return (None, None, None, None, *(grads.get(f"d_{n}") for n in ctx.names))
 
 
 class _ParallelLinear(nn.Module):
@@ -305,6 +305,8 @@ class _ParallelLinear(nn.Module):
             self.bias = (self._parameter(b, 0, (out_features,)) if self._weight_dim == 0
                          else nn.Parameter(b))  # fmt: skip
         self._programs: dict[_Key, _Steps] = {}
+        # the check of the model's replicated parameters that parallelize installs (or None)
+        self._replicas: Any = None
         self.reset_parameters()
 
     # -- copies, pickles and the group --------------------------------------------------------
@@ -476,12 +478,25 @@ class _ParallelLinear(nn.Module):
                     comm.exchange(mine, f"{type(self).__name__}: the sequence's length"))
             steps = self._programs[key] = _Steps(program, comm, self.fused_kernels,
                                                  self.schedule, sizes, dict(scalars))  # fmt: skip
-        if not (torch.is_grad_enabled() and needs):
-            # nothing to differentiate (inference, no_grad, frozen weights): the forward step
-            # alone, without the autograd Function around it (~12 us a call at decode sizes)
-            return steps.forward(**tensors, **scalars)["y"]  # (the step detaches its inputs)
-        names = tuple(tensors)
-        return _Apply.apply(steps, scalars, names, *tensors.values())
+        # the model's replicated parameters, checked at its training forwards (nn.replicas)
+        # (by a call that agrees at once: one that communicates, so that a difference is this
+        # call's fault and not another's)
+        agree = (self._replicas.take() if self._replicas is not None
+                 and steps.forward.agrees_at_once else None)  # fmt: skip
+        try:
+            if not (torch.is_grad_enabled() and needs):
+                # nothing to differentiate (inference, no_grad, frozen weights): the forward
+                # step alone, without the autograd Function around it (~12 us a call at
+                # decode sizes; the step detaches its inputs)
+                return steps.forward.run({**tensors, **scalars}, agree=agree)["y"]
+            names = tuple(tensors)
+            return _Apply.apply(steps, scalars, agree, names, *tensors.values())
+        except RuntimeFault as fault:
+            drift = (self._replicas.explain(fault, type(self).__name__)
+                     if agree is not None else None)  # fmt: skip
+            if drift is None:
+                raise
+            raise drift from None
 
     @property
     def tuning(self) -> list[Any]:

@@ -54,8 +54,10 @@ from torch.nn.modules.dropout import _DropoutNd
 from coconet.errors import ConfigError
 from coconet.nn.attention import ParallelSelfAttention
 from coconet.nn.layers import ColumnParallelLinear, RowParallelLinear, _ParallelLinear, layer_group
+from coconet.nn.replicas import ReplicaCheck
 from coconet.random import derive_seed
 from coconet.runtime.comm import Communicator
+from coconet.runtime.shards import placement_of
 
 __all__ = ["Style", "attach", "parallelize"]
 
@@ -179,7 +181,22 @@ def parallelize(
             new = _convert(linears[name], style, comm, axis, options, own_seed)
             new.train(linears[name].training)
         setattr(parent, child, new)
+    _watch_replicas(model, layer_group(comm, axis))
     return model
+
+
+def _watch_replicas(model: nn.Module, group: Communicator) -> None:
+    """Check, at each training forward, that the parameters every rank of ``group`` holds
+    whole still agree (``coconet.nn.replicas``): a forward pre-hook arms the check, the first
+    layer call carries it in its agreement."""
+    if group.world == 1:
+        return
+    replicated = [(n, p) for n, p in model.named_parameters() if placement_of(p) is None]
+    check = ReplicaCheck(group, replicated)
+    model.register_forward_pre_hook(check.arm)
+    for m in model.modules():
+        if isinstance(m, _ParallelLinear):
+            m._replicas = check
 
 
 def attach(model: nn.Module, comm: Communicator) -> nn.Module:

@@ -134,6 +134,13 @@ class CompiledStep:
     # -- what it is -----------------------------------------------------------------------------
 
     @property
+    def agrees_at_once(self) -> bool:
+        """Whether a call's agreement settles in the call itself (False: a step that moves no
+        data and updates nothing, whose calls are agreed at the communicator's next round, so
+        a difference is reported by whatever step makes that round)."""
+        return not self._local
+
+    @property
     def kernels(self) -> KernelSet:
         """The fused kernels (compiled on their first call unless fused_kernels=False)."""
         if self._kernels is None:
