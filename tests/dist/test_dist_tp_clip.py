@@ -45,12 +45,16 @@ def test_torch_clip_grad_norm_on_a_parallelized_model_is_the_global_norm(nproc, 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport", ["shared memory", "torch.distributed"])
-def test_max_grad_norm_over_dp_of_a_dp_x_tp_mesh_is_the_global_norm(transport):
-    mesh = Mesh(dp=2, tp=2)
+@pytest.mark.parametrize("dp, transport", [(2, "shared memory"), (2, "torch.distributed"),
+                                           (1, "shared memory")])
+def test_max_grad_norm_over_dp_of_a_dp_x_tp_mesh_is_the_global_norm(dp, transport):
+    """4 ranks (dp 2 x tp 2), and 2 (dp 1 x tp 2: the optimizer's world is one rank, the
+    norm's parts still summed over tp)."""
+    mesh = Mesh(dp=dp, tp=2)
     results = spawn(tp_clip_workers.dp_x_tp_max_grad_norm, mesh,
                     options=CommOptions(timeout=60, transport=transport), timeout=220)
-    tp_groups = [[r for r in range(4) if mesh.index_in(r, "dp") == d] for d in range(2)]
+    tp_groups = [[r for r in range(mesh.size) if mesh.index_in(r, "dp") == d]
+                 for d in range(dp)]  # fmt: skip
     _check(results, tp_groups)
 
 

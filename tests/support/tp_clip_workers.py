@@ -108,7 +108,8 @@ def dp_x_tp_max_grad_norm(comm, steps: int = 4) -> dict:
     clipped = 0
     for step in range(steps):
         idx, targets = _batch(step, 4)
-        mine = slice(2 * replica, 2 * replica + 2)
+        share = 4 // comm.mesh.axis_size("dp")
+        mine = slice(share * replica, share * (replica + 1))
         opt.zero_grad()
         loss = model(idx[mine], targets[mine])
         loss.backward()
