@@ -45,6 +45,8 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_gpt  # noqa: E402 - the model, data and reference run of the data-parallel example
 
+from coconet.progress import phase, say  # noqa: E402
+
 
 class Embed(nn.Module):
     """The first stage's front: token and position embeddings of a batch of byte indices."""
@@ -122,6 +124,7 @@ def ranks(comm, run: Run) -> dict:
         ends = tuple(slice_bounds(len(net.blocks), run.pp, s)[1] - 1 for s in range(run.pp - 1))
         net = train_gpt_tp.tensor_parallel(net, comm, axis="tp",
                                            scatter_after=ends if fused else ())  # fmt: skip
+    # --8<-- [start:pipeline]
     stage = stage_of(net, index, run.pp)
     pipe = Pipeline(stage, comm, micro_batches=run.micro, schedule=run.schedule, axis="pp",
                     activation_shape=(cfg.batch // run.micro, cfg.seq, cfg.d_model),
@@ -138,6 +141,7 @@ def ranks(comm, run: Run) -> dict:
         ms.append((time.perf_counter() - t0) * 1e3)
         if loss is not None:
             losses.append(loss.item())
+    # --8<-- [end:pipeline]
     from coconet.pipeline import format_table, peak_activations
 
     return {"loss": losses, "ms": ms, "stage": index, "peak": peak_activations(pipe.steps),
@@ -184,18 +188,23 @@ def main(argv: list[str] | None = None) -> int:
               tp=args.tp)))  # fmt: skip
     t0 = time.perf_counter()
     mesh = Mesh(pp=args.pp, tp=args.tp)
-    out = spawn(ranks, mesh, run, options=CommOptions(timeout=300), timeout=1800)
+    with phase(f"training on {mesh.size} ranks: each schedule is proven before it runs, the "
+               "first step compiles"):  # fmt: skip
+        out = spawn(ranks, mesh, run, options=CommOptions(timeout=300), timeout=1800)
     print(f"\nrank 0's view of the schedule (every rank's compute steps, in order):\n"
           f"{out[0]['table']}\n")
     last = next(o for o in out if o["loss"])
-    ref = train_gpt.single(cfg)
+    with phase(f"the reference: one process, the whole model and batch, {cfg.steps} steps"):
+        ref = train_gpt.single(cfg)
     drift = max(abs(a - b) / abs(b) for a, b in zip(last["loss"], ref, strict=True))
     stages = sorted({o["stage"]: o for o in out}.values(), key=lambda o: o["stage"])
     for o in stages:
         print(f"stage {o['stage']}: {o['parameters']:,} parameters per rank, at most "
               f"{o['peak']} micro-batches' activations held, median step "
               f"{statistics.median(o['ms'][1:] or o['ms']):.1f} ms")
-    print(f"\n{'step':>4} {'single':>10} {'pipeline':>10}")
+    say("\nlosses per step ('1 process': one process training the whole model on the whole "
+        "batch, the reference)")
+    print(f"\n{'step':>4} {'1 process':>10} {'pipeline':>10}")
     for k in range(cfg.steps):
         print(f"{k + 1:>4} {ref[k]:>10.5f} {last['loss'][k]:>10.5f}")
     print(f"\nlosses vs one process (max relative): {drift:.1e} (tolerance {args.tolerance:g}); "
@@ -207,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
              "pp": args.pp, "tp": args.tp, "schedule": args.schedule},
             indent=1) + "\n")  # fmt: skip
     ok = all(math.isfinite(x) for x in last["loss"]) and drift <= args.tolerance
+    say(f"ok: the pipeline's losses follow one process ({drift:.1e} <= {args.tolerance:g})"
+        if ok else f"FAIL: the losses left one process's by {drift:.1e} relative (tolerance "
+        f"{args.tolerance:g}), or are not finite")
     return 0 if ok else 1
 
 

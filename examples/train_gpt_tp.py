@@ -35,6 +35,8 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_gpt  # noqa: E402 - the model, data and reference run of the data-parallel example
 
+from coconet.progress import phase, say  # noqa: E402
+
 
 class TPBlock(nn.Module):
     """``train_gpt.Block`` with its attention and MLP split over the ranks of ``comm``.
@@ -134,14 +136,19 @@ def main(argv: list[str] | None = None) -> int:
           + (f" x {args.dp} data-parallel replicas (coconet.optim.AdamW over dp)"
              if args.dp > 1 else "") + f"; {cfg.steps} steps")  # fmt: skip
     t0 = time.perf_counter()
-    out = spawn(ranks, Mesh(dp=args.dp, tp=cfg.world), cfg, options=CommOptions(timeout=300),
-                timeout=1800)  # fmt: skip
-    ref = train_gpt.single(cfg)
+    with phase(f"training on {args.dp * cfg.world} ranks (the first step compiles each "
+               "layer's forward and backward steps)"):  # fmt: skip
+        out = spawn(ranks, Mesh(dp=args.dp, tp=cfg.world), cfg,
+                    options=CommOptions(timeout=300), timeout=1800)  # fmt: skip
+    with phase(f"the reference: one process, the same batches, {cfg.steps} steps"):
+        ref = train_gpt.single(cfg)
     # the whole batch's loss: the mean of the replicas' (equal shares) losses
     per_replica = {o["replica"]: o["loss"] for o in out}
     res = dict(out[0], loss=[sum(v) / args.dp for v in zip(*per_replica.values(), strict=True)])
     drift = max(abs(a - b) / abs(b) for a, b in zip(res["loss"], ref, strict=True))
-    print(f"\n{'step':>4} {'single':>10} {'tp':>10} {'tp ms':>8}")
+    say("\nlosses per step ('1 process': one process training the same model on the same "
+        "batches, the reference)")
+    print(f"\n{'step':>4} {'1 process':>10} {'tp':>10} {'tp ms':>8}")
     for k in range(cfg.steps):
         note = "   <- compiles each layer's forward and backward steps (once)" if k == 0 else ""
         print(f"{k + 1:>4} {ref[k]:>10.5f} {res['loss'][k]:>10.5f} {res['ms'][k]:>8.1f}{note}")
@@ -152,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             {"losses": {"single": ref, "tp": res["loss"]}, "loss_drift": drift,
              "ms": res["ms"], "world": cfg.world}, indent=1) + "\n")  # fmt: skip
     ok = all(math.isfinite(x) for x in res["loss"]) and drift <= args.tolerance
+    say(f"ok: the tensor-parallel losses follow one process ({drift:.1e} <= {args.tolerance:g})"
+        if ok else f"FAIL: the losses left one process's by {drift:.1e} relative (tolerance "
+        f"{args.tolerance:g}), or are not finite")
     return 0 if ok else 1
 
 

@@ -26,8 +26,8 @@ leave DDP's by more than ``--tolerance`` (relative, per iteration)::
     python examples/train_like_nanogpt.py                 # 2 ranks, 40 iterations
     python examples/train_like_nanogpt.py --iters 300 --json run.json
 
-Everything else as in ``train_gpt.py``: its GPT, its corpus (coconet's README as bytes); each
-rank draws its own batches (nanoGPT's ``get_batch``, seeded per rank and iteration).
+Everything else as in ``train_gpt.py``: its GPT, its corpus (``examples/corpus.txt``, bytes);
+each rank draws its own batches (nanoGPT's ``get_batch``, seeded per rank and iteration).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_gpt  # noqa: E402 - the model and corpus
+
+from coconet.progress import phase, say  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"GPT: {cfg.layers} layers, d_model {cfg.d_model}, {params:,} parameters in 2 "
               f"groups; 2 ranks, {run.accum} micro-steps of {run.micro} sequences per rank per "
               f"iteration, clip {run.clip:g}; checkpoint at iteration {run.iters // 2}, resumed")
-        out = spawn(ranks, 2, run, options=CommOptions(timeout=300), timeout=1800)[0]
+        with phase(f"training on 2 ranks: DDP + torch.optim.AdamW, then the coconet port, "
+                   f"then the resume from iteration {run.iters // 2}"):  # fmt: skip
+            out = spawn(ranks, 2, run, options=CommOptions(timeout=300), timeout=1800)[0]
     half = args.iters // 2
     drift = max(abs(a - b) / abs(b) for a, b in zip(out["coconet"], out["ddp"], strict=True))
     resumed = max(abs(a - b) / abs(b)
@@ -207,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
              "drift": drift, "resumed_drift": resumed, "norms": norms},
             indent=1) + "\n")  # fmt: skip
     ok = all(math.isfinite(x) for x in out["coconet"]) and max(drift, resumed) <= args.tolerance
+    worst = max(drift, resumed)
+    say(f"ok: the coconet port and its resume follow DDP ({worst:.1e} <= {args.tolerance:g})"
+        if ok else f"FAIL: the coconet port left DDP's losses by {worst:.1e} relative "
+        f"(tolerance {args.tolerance:g}), or they are not finite")
     return 0 if ok else 1
 
 

@@ -26,9 +26,11 @@ from typing import Any
 from coconet import schedule as schedules
 from coconet.cache import keyed_cache_dir
 from coconet.compiler import compile
+from coconet.errors import CoconetError
 from coconet.ir.mesh import Mesh
 from coconet.ir.program import Program
 from coconet.options import TransportKind
+from coconet.progress import phase
 from coconet.runtime.algorithm_choice import choose_all_locally
 from coconet.runtime.allocator import rank_environment
 from coconet.runtime.launch import run_script
@@ -46,14 +48,28 @@ def _parser() -> argparse.ArgumentParser:
         "computation and communication are both first-class operations.",
     )
     p.add_argument("--version", action="version", version=f"coconet {__version__}")
-    p.set_defaults(func=lambda args: (_parser().print_help(), 0)[1])
+    p.set_defaults(func=_no_command)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    pr = sub.add_parser("print", help="print a program defined in a Python file")
+    pr = sub.add_parser(
+        "print",
+        help="print a program defined in a Python file",
+        description="Print the program NAME of a Python file (or module) in coconet's text form: "
+        "its inputs with their types and layouts, one line per op, its outputs and updates. "
+        "Nothing is compiled or run. Example: coconet print examples/adam.py:program",
+    )
     pr.add_argument("target", help=_TARGET_HELP)
     pr.set_defaults(func=_print)
 
-    sh = sub.add_parser("show", help="print the code generated for a program and schedule")
+    sh = sub.add_parser(
+        "show",
+        help="print the code generated for a program and schedule",
+        description="Print the per-rank Python module that coconet.compile generates for the "
+        "program NAME (with --schedule, for that schedule of it) on --world ranks or a --mesh: "
+        "one line and one comment per DSL op, the collectives' start/wait, the fused kernels' "
+        "members; then the collective algorithms measured on this machine. Nothing runs. "
+        "Example: coconet show examples/adam.py:program --schedule fuse_RS_C_AG --world 2",
+    )
     sh.add_argument("target", help=_TARGET_HELP)
     sh.add_argument(
         "--schedule",
@@ -68,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     world = sh.add_mutually_exclusive_group()
     world.add_argument("--world", type=int, default=2, help="number of ranks (default 2)")
     world.add_argument("--mesh", help="a mesh with named axes, e.g. pp=2,tp=2")
-    sh.add_argument("--cache-dir", help="where measured collective choices are kept")
+    sh.add_argument("--cache-dir", help="where measured collective choices are kept "
+                    f"(default {keyed_cache_dir(None)})")
     sh.add_argument(
         "--transport",
         choices=[t.value for t in TransportKind],
@@ -94,10 +111,22 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     rn.set_defaults(func=_run)
 
-    ca = sub.add_parser("calibrate", help="measure the collective algorithms on this machine")
+    ca = sub.add_parser(
+        "calibrate",
+        help="measure the collective algorithms on this machine",
+        description="Start --nproc local ranks and time each way torch.distributed can run each "
+        "collective (gloo's own reduce_scatter and all_gather, or through all_reduce or "
+        "all_to_all, ...) for every size class, keep the fastest of each, and print the table. "
+        "The runtime otherwise measures a size class the first time a step needs it; this does "
+        "it all up front. The choices are kept per (op, size class, backend, group size) in the "
+        "cache folder; --force measures again what is already known. (The tuner's cost model "
+        "is calibrated by coconet tune itself: see its --recalibrate.)",
+    )
     ca.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     ca.add_argument("--classes", help="size classes, comma separated (default: all)")
-    ca.add_argument("--cache-dir", help="where to keep the choices (default ~/.cache/coconet)")
+    ca.add_argument("--cache-dir", help="where to keep the choices (default "
+                    f"{keyed_cache_dir(None)}: $XDG_CACHE_HOME/coconet, else ~/.cache/coconet, "
+                    "then a folder per torch version and CPU)")
     ca.add_argument("--force", action="store_true", help="measure again what is already known")
     ca.set_defaults(func=_calibrate)
 
@@ -105,9 +134,11 @@ def _parser() -> argparse.ArgumentParser:
         "tune",
         help="choose a program's schedule and transport by prediction and measurement",
         description="Enumerate the legal schedules of the program on every transport the ranks "
-        "can use, predict each with the cost model (calibrated once per machine), measure the "
-        "best predicted and the unscheduled program on --nproc local ranks, and print the "
-        "table with the winner and why. The result is cached; --retune measures again.",
+        "can use, predict each with the cost model (calibrated once per machine and cached), "
+        "measure the best predicted and the unscheduled program on --nproc local ranks, and "
+        "print the table with the winner and why. The result is cached: the same command again "
+        "reads it; --retune measures the candidates again, --recalibrate the cost model too. "
+        "Example: coconet tune examples/adam.py:program --nproc 2 --size N=1048576",
     )
     tu.add_argument("target", help=_TARGET_HELP)
     _size_args(tu)
@@ -125,8 +156,16 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--scalar", action="append", default=[], metavar="NAME=VALUE",
                     help="a scalar's value while measuring (default 0.5 for each)")
     tu.add_argument("--json", help="write the candidates and the winner to this file")
-    tu.add_argument("--retune", action="store_true", help="ignore the cache: measure again")
-    tu.add_argument("--cache-dir", help="where the calibration and results are kept")
+    tu.add_argument("--retune", action="store_true",
+                    help="ignore a cached result for this program, sizes and settings: measure "
+                    "the candidates again (the cost model's calibration is kept: "
+                    "--recalibrate)")
+    tu.add_argument("--recalibrate", action="store_true",
+                    help="calibrate the cost model again on this machine before predicting (it "
+                    "is calibrated once and cached; one taken while other jobs loaded the "
+                    "machine predicts badly on a quiet one, and the reverse); implies --retune")
+    tu.add_argument("--cache-dir", help="where the calibration and results are kept (default "
+                    f"{keyed_cache_dir(None)})")
     tu.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds the whole tuning may take (default 1800)")
     tu.set_defaults(func=_tune)
@@ -134,6 +173,11 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser(
         "plan",
         help="predicted step times at world sizes beyond this machine, from a cluster description",
+        description="Predict each schedule's step time for the program NAME at world sizes this "
+        "machine cannot run, from a cluster description (ranks per node, intra- and inter-node "
+        "bandwidth and latency, memory bandwidth, peak flops): the cost model of coconet tune, "
+        "without measuring anything. Predicted, not measured. Example: coconet plan "
+        "examples/adam.py:program --cluster dgx-a100-ib --size N=334000000 --world 8",
     )
     pl.add_argument("target", help=_TARGET_HELP)
     _size_args(pl)
@@ -170,8 +214,18 @@ def _namespace(target: str) -> tuple[dict[str, Any], str]:
     if not path or not attr:
         raise SystemExit(f"coconet: expected FILE.py:NAME or module:NAME, got {target!r}")
     if path.endswith(".py") or os.path.exists(path):
+        if not os.path.isfile(path):
+            raise SystemExit(
+                f"coconet: no such file: {path} (from {target!r}; expected FILE.py:NAME, e.g. "
+                "examples/adam.py:program)"
+            )
         sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-        namespace = runpy.run_path(path, run_name="coconet_target")
+        try:
+            namespace = runpy.run_path(path, run_name="coconet_target")
+        except (CoconetError, SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's module failed: say where, briefly
+            raise SystemExit(f"coconet: loading {path} raised {_where(e, path)}") from None
     else:
         try:
             namespace = vars(importlib.import_module(path))
@@ -180,6 +234,18 @@ def _namespace(target: str) -> tuple[dict[str, Any], str]:
     if attr not in namespace:
         raise SystemExit(f"coconet: {path} defines no {attr!r}")
     return namespace, attr
+
+
+def _where(exc: BaseException, path: str) -> str:
+    """``exc`` in one line, at the innermost line of ``path`` in its traceback."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if os.path.abspath(f.filename) == os.path.abspath(path)]  # fmt: skip
+    at = f" at {path}:{frames[-1].lineno}" if frames else ""
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        at = f" at {path}:{exc.lineno}"
+    return f"{type(exc).__name__}: {exc}{at}"
 
 
 def _load(target: str):
@@ -205,8 +271,8 @@ def _schedule(program, name: str, namespace: dict[str, Any], state: str | None =
     if found is None:
         known = sorted(table) if isinstance(table, dict) else []
         raise SystemExit(
-            f"coconet: no schedule named {name!r} (module SCHEDULES: {known}; or one of "
-            f"coconet.schedule's: {', '.join(getattr(schedules, '__all__', ()))})"
+            f"coconet: no schedule named {name!r} (the module's SCHEDULES: "
+            f"{', '.join(known) or 'none'}; coconet.schedule's: {', '.join(_library_schedules())})"
         )
     takes_state = library and "state" in inspect.signature(found).parameters
     if state is not None:
@@ -234,6 +300,14 @@ def _schedule(program, name: str, namespace: dict[str, Any], state: str | None =
     return found(program) if callable(found) else found
 
 
+def _library_schedules() -> list[str]:
+    """The names in coconet.schedule that are schedules (functions of a program), not the
+    primitives' check_/apply_ functions or the classes."""
+    names = getattr(schedules, "__all__", ())
+    return [n for n in names if inspect.isfunction(getattr(schedules, n, None))
+            and not n.startswith(("apply_", "check_"))]  # fmt: skip
+
+
 def _mesh(args):
 
     if not args.mesh:
@@ -246,6 +320,13 @@ def _mesh(args):
 
 
 # -- commands -----------------------------------------------------------------------------------
+
+
+def _no_command(args) -> int:
+    _parser().print_help(sys.stderr)
+    print("\ncoconet: error: give a command (print, show, run, calibrate, tune, plan)",
+          file=sys.stderr)  # fmt: skip
+    return 2
 
 
 def _print(args) -> int:
@@ -275,6 +356,20 @@ def _show(args) -> int:
 def _run(args) -> int:
 
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if args.nproc < 1:
+        raise SystemExit(f"coconet run: --nproc must be at least 1, got {args.nproc}")
+    if args.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(args.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise SystemExit(f"coconet run: no module named {args.script!r} (with -m, SCRIPT is "
+                             "a module name on sys.path)")  # fmt: skip
+    elif not os.path.isfile(args.script):
+        raise SystemExit(f"coconet run: no such file: {args.script} (nothing was started)")
     if args.nnodes > 1:
         if not args.rdzv_endpoint:
             raise SystemExit("coconet run: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
@@ -291,14 +386,57 @@ def _run(args) -> int:
             args.script,
             *script_args,
         ]
-        return subprocess.call(cmd, env=rank_environment(os.environ))  # glibc's tcache off
+        print(f"coconet run: node of a {args.nnodes}-node job, {args.nproc} rank(s) here, "
+              f"rendezvous at {args.rdzv_endpoint} (every node runs this command)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return _forward(cmd, rank_environment(os.environ),  # glibc's tcache off
+                        f"the rendezvous at {args.rdzv_endpoint} and the ranks' start")
+    # said at once: the ranks' own first lines come after Python and torch start in each
+    print(f"coconet run: {args.nproc} local rank(s) of {args.script}", file=sys.stderr, flush=True)
     return run_script([args.script, *script_args], args.nproc, module=args.module)
+
+
+def _forward(cmd: list[str], env: dict[str, str], waiting_for: str) -> int:
+    """Run ``cmd`` with its standard output passed on line by line; while it has printed
+    nothing for ``progress.EVERY_S`` seconds, say on stderr what it is waiting for (a rendezvous
+    waits for every node; a silent wait looks like a hang)."""
+    import threading
+
+    from coconet.progress import EVERY_S
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+    began = last = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        nonlocal last
+        while not done.wait(1.0):
+            if time.monotonic() - last >= EVERY_S:
+                last = time.monotonic()
+                print(f"coconet run: ... waiting for {waiting_for}: "
+                      f"{last - began:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        for line in proc.stdout:
+            last = time.monotonic()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        return proc.wait()
+    except KeyboardInterrupt:  # torchrun got the signal too (same process group): let it end
+        return proc.wait()
+    finally:
+        done.set()
 
 
 def _calibrate(args) -> int:
 
     classes = args.classes.split(",") if args.classes else None
-    print(choose_all_locally(args.nproc, classes, args.cache_dir, force=args.force))
+    with phase(f"coconet calibrate: {args.nproc} ranks time every collective algorithm per size "
+               "class", why="1-3 minutes the first time; known classes are read back",
+               file=sys.stderr):  # fmt: skip
+        table = choose_all_locally(args.nproc, classes, args.cache_dir, force=args.force)
+    print(table)
     return 0
 
 
@@ -378,12 +516,16 @@ def _tune(args) -> int:
         "measure_all": args.all,
         "reps": args.reps,
         "rematch_within": args.rematch_within,
-        "retune": args.retune,
+        "retune": args.retune or args.recalibrate,
+        "recalibrate": args.recalibrate,
     }
     options = CommOptions(cache_dir=args.cache_dir)
     began = time.perf_counter()
-    text, doc, seconds = spawn(_tune_worker, args.nproc, args.target, sizes, settings,
-                               options=options, timeout=args.timeout)[0]
+    with phase(f"coconet tune: {args.nproc} ranks tune {args.target} for "
+               + ", ".join(f"{k}={v:,}" for k, v in sizes.items()),
+               why="the ranks report each phase below", file=sys.stderr):  # fmt: skip
+        text, doc, seconds = spawn(_tune_worker, args.nproc, args.target, sizes, settings,
+                                   options=options, timeout=args.timeout)[0]
     print(text)
     # a cached result is read in about a second; the rest is starting the ranks (Python, torch)
     print(f"\n({args.nproc} ranks started, tuned and stopped in "
@@ -425,6 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `coconet show ... | head`: the reader left; that is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except CoconetError as e:  # a clear message, not a traceback: it names the op and the line
+        name = f"coconet {args.command}" if getattr(args, "command", None) else "coconet"
+        print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -388,22 +388,27 @@ def _check_axis(op: str, axis: Any) -> None:
 
 
 def neg(x: Tensor) -> Tensor:
+    """``-x`` elementwise (``torch.neg``); the same as the unary ``-``."""
     return _unary(Op.NEG, x)
 
 
 def sqrt(x: Tensor) -> Tensor:
+    """The square root of each element (``torch.sqrt``; correctly rounded)."""
     return _unary(Op.SQRT, x)
 
 
 def rsqrt(x: Tensor) -> Tensor:
+    """``1 / sqrt(x)`` of each element (``torch.rsqrt``)."""
     return _unary(Op.RSQRT, x)
 
 
 def exp(x: Tensor) -> Tensor:
+    """``e`` to the power of each element (``torch.exp``)."""
     return _unary(Op.EXP, x)
 
 
 def log(x: Tensor) -> Tensor:
+    """The natural logarithm of each element (``torch.log``)."""
     return _unary(Op.LOG, x)
 
 
@@ -412,6 +417,7 @@ def abs(x: Tensor) -> Tensor:  # noqa: A001 - the DSL's name for it
 
 
 def relu(x: Tensor) -> Tensor:
+    """``max(x, 0)`` of each element (``torch.relu``)."""
     return _unary(Op.RELU, x)
 
 
@@ -426,6 +432,7 @@ def sign(x: Tensor) -> Tensor:
 
 
 def tanh(x: Tensor) -> Tensor:
+    """The hyperbolic tangent of each element (``torch.tanh``)."""
     return _unary(Op.TANH, x)
 
 
@@ -435,6 +442,7 @@ def sigmoid(x: Tensor) -> Tensor:
 
 
 def erf(x: Tensor) -> Tensor:
+    """The error function of each element (``torch.erf``)."""
     return _unary(Op.ERF, x)
 
 
@@ -468,6 +476,8 @@ clip = clamp
 
 
 def cast(x: Tensor, dtype: DType) -> Tensor:
+    """``x`` converted to ``dtype`` (``Tensor.to``): mixed precision, e.g. a bfloat16 gradient
+    accumulated in float32."""
     if not isinstance(dtype, DType):
         raise DSLError(
             f"cast takes a coconet DType, got {dtype!r}",
@@ -483,34 +493,44 @@ def pow(x: Any, exponent: Any) -> Tensor:  # noqa: A001
 
 
 def maximum(a: Any, b: Any) -> Tensor:
+    """The larger of ``a`` and ``b``, element by element with broadcasting (``torch.maximum``);
+    either may be a Python number."""
     return _binary(Op.MAXIMUM, a, b)
 
 
 def minimum(a: Any, b: Any) -> Tensor:
+    """The smaller of ``a`` and ``b``, element by element with broadcasting (``torch.minimum``);
+    either may be a Python number."""
     return _binary(Op.MINIMUM, a, b)
 
 
 def lt(a: Any, b: Any) -> Tensor:
+    """``a < b`` element by element: a bool tensor (what ``where`` takes)."""
     return _binary(Op.LT, a, b)
 
 
 def le(a: Any, b: Any) -> Tensor:
+    """``a <= b`` element by element: a bool tensor (what ``where`` takes)."""
     return _binary(Op.LE, a, b)
 
 
 def gt(a: Any, b: Any) -> Tensor:
+    """``a > b`` element by element: a bool tensor (what ``where`` takes)."""
     return _binary(Op.GT, a, b)
 
 
 def ge(a: Any, b: Any) -> Tensor:
+    """``a >= b`` element by element: a bool tensor (what ``where`` takes)."""
     return _binary(Op.GE, a, b)
 
 
 def eq(a: Any, b: Any) -> Tensor:
+    """``a == b`` element by element: a bool tensor (what ``where`` takes)."""
     return _binary(Op.EQ, a, b)
 
 
 def ne(a: Any, b: Any) -> Tensor:
+    """``a != b`` element by element: a bool tensor (what ``where`` takes)."""
     return _binary(Op.NE, a, b)
 
 

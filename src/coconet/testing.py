@@ -25,6 +25,7 @@ from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.program import Program
 from coconet.ir.types import Layout, slice_bounds
+from coconet.progress import phase
 from coconet.runtime.comm import Communicator
 from coconet.runtime.launch import init, shutdown
 from coconet.sim import simulate
@@ -225,12 +226,14 @@ def check_schedules(
             flush=True,
         )
     for i, (name, target) in enumerate(targets.items(), 1):
-        if comm.rank == 0:
-            print(f"  [{i}/{len(targets)}] {name}: compiling and running ...", flush=True)
         try:
-            report = check_distributed(
-                target, inputs, comm=comm, reference=program, verbose=False, **compile_options
-            )
+            # rank 0 says what runs, and keeps saying so while it compiles (no silent wait)
+            with phase(f"  [{i}/{len(targets)}] {name}: compiling and running",
+                       enabled=comm.rank == 0):  # fmt: skip
+                report = check_distributed(
+                    target, inputs, comm=comm, reference=program, verbose=False,
+                    **compile_options,
+                )  # fmt: skip
         except CodegenError as e:
             ok = False
             if comm.rank == 0:
