@@ -331,7 +331,7 @@ class CoconetOptim(Contender):
             f"coconet.optim default (fuse_RS_C_AG, state sliced, commit swap), {storage} "
             f"parameters, {len(self.sizes)} param group(s) of {self.sizes} elements{clipping}"
         )
-        self.fn = self.opt._buckets[0].step_fn
+        self.fn = self.opt.buckets[0].step_fn
 
     def prepare(self, g):
         for p, part in zip(self.ps, g.split(self.sizes), strict=True):

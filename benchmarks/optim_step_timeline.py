@@ -50,7 +50,7 @@ def _steps(comm, n: int, storage: str, steps: int, cold: bool) -> list[dict[str,
     opt = coconet.optim.Adam([p], lr=1e-3, weight_decay=1e-2, comm=comm, param_storage=storage)
     p.grad = torch.zeros(n)
     opt.step()  # compiles, and makes p.grad the bucket's view
-    fn = opt._buckets[0].step_fn
+    fn = opt.buckets[0].step_fn
     marks: list[int] = []
     for kernel in fn.kernels._kernels.values():
         inner = kernel.fn

@@ -22,8 +22,9 @@ and a barrier before each timed step, the slowest rank's time of each step:
   their gradients go over shared memory (``coconet.runtime.p2p``: a ring per direction; checked
   through ``Pipeline.links`` before anything is timed);
 - ``coconet_1f1b_gloo`` / ``coconet_gpipe_gloo``: the same on a communicator forced to gloo
-  (``CommOptions(transport="torch.distributed")``): the messages over torch.distributed
-  ``isend``/``irecv``, as every coconet row was before, side by side in the same run;
+  (``CommOptions(transport="torch.distributed")``): the messages over torch.distributed's pair
+  messages (``isend``/``irecv``, through the communicator), as every coconet row was before,
+  side by side in the same run;
 - ``torch_1f1b`` / ``torch_gpipe``: ``torch.distributed.pipelining``'s ``PipelineStage`` (the
   same stage modules, the micro-batch's input and output shapes declared, so torch runs in its
   STATIC mode with no shape inference at each step) with ``Schedule1F1B`` / ``ScheduleGPipe``
@@ -52,10 +53,11 @@ micro-batch's ``(batch / micro, seq, d_model)`` float32) each way between the tw
 to rank 1 and back (the activation forward, its gradient back), ``MESSAGE_ROUNDS`` round trips
 over each transport, in blocks of ``MESSAGE_BLOCK`` back to back (a barrier before each block,
 not each round trip: a barrier's exit skew between the ranks would be timed too), the
-transports' blocks in alternation after a warm-up block: over the shared-memory channel the
-pipeline uses (``PeerChannels.send`` / ``recv``, its ring of ``--micro`` slots each way), and
-over gloo as the gloo rows send (``dist.isend`` / ``dist.irecv`` and their ``wait``); the
-median over rank 0's blocks of a block's time per round trip.
+transports' blocks in alternation after a warm-up block, each as the pipeline sends its
+messages: through its communicator's point-to-point channels (``comm.p2p``: ``send_start`` /
+``recv_start`` / ``wait``, under the communicator's fault guard), over shared memory (its ring
+of ``--micro`` slots each way) and over gloo (torch.distributed's ``isend`` / ``irecv``, on the
+communicator forced to gloo); the median over rank 0's blocks of a block's time per round trip.
 
 Lower bound (the bubble-aware bound): a probe in the same alternation runs each rank's stage
 alone on the ``--micro`` micro-batches (forward + backward, no communication, a random output
@@ -229,42 +231,34 @@ def coconet_pipeline(cfg, comm, schedule: str, micro: int, x, y, name: str) -> C
 def message_probe(comms: dict, cfg, micro: int) -> dict[str, list[float]]:
     """Round trips of one activation-sized message each way (see the module docstring), per
     transport, in alternation; this rank's times in seconds."""
-    from coconet.pipeline.links import host_group
-    from coconet.runtime.p2p import ChannelSpec, PeerChannels
-
     comm = comms[SHM]
     rank, peer = comm.rank, 1 - comm.rank
     shape = (cfg.batch // micro, cfg.seq, cfg.d_model)
     out_t, in_t = torch.randn(shape), torch.empty(shape)
     nbytes = out_t.numel() * out_t.element_size()
-    host, why = host_group(comm, None)
-    if host is None:
-        raise RuntimeError(f"no shared-memory group for the message probe: {why}")
     # what a pipeline of ``micro`` micro-batches sets up: a ring of ``micro`` slots each way
-    chan = PeerChannels([ChannelSpec(0, 1, micro, nbytes), ChannelSpec(1, 0, micro, nbytes)],
-                        rank, 2, host.shm.gather, timeout=comm.options.timeout,
-                        identity="message probe")  # fmt: skip
-    timeout = comms[GLOO].options.timeout
+    # over shared memory, the same channels over gloo on the communicator forced to it
+    channels = {(0, 1): (micro, nbytes), (1, 0): (micro, nbytes)}
+    links = {name: comms[name].p2p(None, channels, identity="message probe", op="message probe")
+             for name in (SHM, GLOO)}  # fmt: skip
+    for name, p2p in links.items():
+        got = {link.transport.value for link in p2p.links.values()}
+        if got != {name}:
+            raise RuntimeError(f"the message probe's {name} channels run on {got}: "
+                               f"{p2p.links}")  # fmt: skip
 
-    def shm_round() -> None:
-        if rank == 0:
-            chan.send(peer, out_t, (1, 0), "probe")
-            chan.recv(peer, in_t, (2, 0), "probe")
-        else:
-            chan.recv(peer, in_t, (1, 0), "probe")
-            chan.send(peer, out_t, (2, 0), "probe")
+    def round_trip(p2p) -> Callable[[], None]:
+        def one() -> None:
+            if rank == 0:
+                p2p.wait(p2p.send_start(out_t, peer, words=(1, 0), label="probe"))
+                p2p.wait(p2p.recv_start(in_t, peer, words=(2, 0), label="probe"))
+            else:
+                p2p.wait(p2p.recv_start(in_t, peer, words=(1, 0), label="probe"))
+                p2p.wait(p2p.send_start(out_t, peer, words=(2, 0), label="probe"))
 
-    def gloo_round() -> None:
-        import datetime
+        return one
 
-        wait = datetime.timedelta(seconds=timeout)
-        if rank == 0:
-            dist.isend(out_t, peer).wait(wait)
-            dist.irecv(in_t, peer).wait(wait)
-        else:
-            dist.irecv(in_t, peer).wait(wait)
-            dist.isend(out_t, peer).wait(wait)
-
+    shm_round, gloo_round = round_trip(links[SHM]), round_trip(links[GLOO])
     rounds = {SHM: shm_round, GLOO: gloo_round}
     times: dict[str, list[float]] = {k: [] for k in rounds}
     for b in range(1 + MESSAGE_ROUNDS // MESSAGE_BLOCK):  # the first block warms up
@@ -276,7 +270,8 @@ def message_probe(comms: dict, cfg, micro: int) -> dict[str, list[float]]:
             dt = (time.perf_counter() - t0) / MESSAGE_BLOCK
             if b:
                 times[name].append(dt)
-    chan.close()
+    for p2p in links.values():
+        p2p.close()
     return times
 
 

@@ -85,3 +85,13 @@ def test_a_rank_with_one_step_more_is_told_who_stopped_where(transport):
     assert "this rank was making its coconet.optim.AdamW.step number 5" in text, text
     assert "the same number of batches" in text, text
     assert longer["seconds"] < 10.0, longer  # told, not timed out (30 s)
+
+
+@pytest.mark.timeout(180)
+def test_lamb_keeps_lambs_diagnostics_on_two_ranks():
+    """Item 13: a bucket of rows sliced over the ranks computes its rows' diagnostics where
+    they live and gathers them (a flat bucket's come out of its step)."""
+    for rank, errors in enumerate(spawn(contract_workers.lamb_diagnostics, 2, options=OPTIONS,
+                                        timeout=160)):  # fmt: skip
+        bad = {k: v for k, v in errors.items() if not v <= TOL}
+        assert bad == {}, (rank, bad)

@@ -63,7 +63,10 @@ def test_a_rank_killed_mid_schedule(transport, how):
     assert survivor["status"] == "fault", survivor
     assert survivor["links"] == [transport]
     if transport == GLOO:
-        assert "stalled or died" in survivor["message"]
+        # the communicator's fault guard: "a peer rank died: its connection closed" where gloo
+        # saw the connection close, "... a peer rank stalled or died" at the timeout
+        message = survivor["message"]
+        assert "a peer rank died" in message or "stalled or died" in message, message
         assert survivor["seconds"] < 40
     else:  # its life and its abort word are watched: at once, not at the timeout
         cause = "the peer rank died" if how == "kill" else "the peer rank aborted its step"

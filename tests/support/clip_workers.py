@@ -92,19 +92,17 @@ def against_torch(comm: Communicator, name: str, kwargs: dict, second: dict | No
         "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
         "clipped": [n > max_norm for n in ref_norms],
         "same_on_every_rank": bool(torch.equal(flat, rank0)),
-        "buckets": len(ours._buckets),
-        "clip": [b.clip.value for b in ours._buckets],
+        "buckets": len(ours.buckets),
+        "clip": [b.clip.value for b in ours.buckets],
         # the first bucket's calls of each of its steps, by how it clips (a speculative
         # bucket's other steps are compiled at their first use)
-        "runs": {ours._buckets[0].clip.value: ours._buckets[0].step_fn.calls,
-                 **{c.value: s.calls for c, s in ours._buckets[0].clip_steps.items()}},
+        "runs": {c.value: s.calls for c, s in ours.buckets[0].forms.items()},
         # with several buckets: the largest speculates (its calls as "runs" counts them), and
         # how many steps ran a norm pass over the others only, over every bucket
-        "sizes": [b.size for b in ours._buckets],
-        "lead_runs": next(({b.clip.value: b.step_fn.calls,
-                            **{c.value: s.calls for c, s in b.clip_steps.items()}}
-                           for b in ours._buckets if b.clip.value == "speculative"), {}),
-        "norm_passes": sorted(s.calls for s in ours._norm_passes.values()),
+        "sizes": [b.size for b in ours.buckets],
+        "lead_runs": next(({c.value: s.calls for c, s in b.forms.items()}
+                           for b in ours.buckets if b.clip.value == "speculative"), {}),
+        "norm_passes": sorted(s.calls for s in ours.clipper.norm_passes.values()),
     }
 
 
@@ -237,9 +235,9 @@ def victim_after_the_norm_pass(comm: Communicator, victim: int, dies: bool) -> d
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError("injected after the norm pass")
 
-            opt._step_bucket = fail
+            opt.stepper.step_bucket = fail
         before = [p.detach().clone() for p in net.parameters()]
-        state = [{n: x.clone() for n, x in b.state.items()} for b in opt._buckets]
+        state = [{n: x.clone() for n, x in b.state.items()} for b in opt.buckets]
         start = time.monotonic()
         try:
             opt.step()
@@ -248,11 +246,11 @@ def victim_after_the_norm_pass(comm: Communicator, victim: int, dies: bool) -> d
                 "status": type(e).__name__,
                 "message": str(e),
                 "seconds": time.monotonic() - start,
-                "norm_pass_ran": sum(s.calls for s in opt._norm_passes.values()) == 2,
+                "norm_pass_ran": sum(s.calls for s in opt.clipper.norm_passes.values()) == 2,
                 "unchanged": all(torch.equal(a, p) for a, p in
                                  zip(before, net.parameters(), strict=True))
                 and all(torch.equal(s[n], b.state[n]) for s, b in
-                        zip(state, opt._buckets, strict=True) for n in s),
+                        zip(state, opt.buckets, strict=True) for n in s),
             }
     return {"status": "ok"}
 

@@ -139,9 +139,9 @@ def _install(trap: _Trap, step_fn) -> None:
         module.step = inside
         trap._undo.append((module, "step", original))
     elif trap.where == "bucket":
-        from coconet.optim.base import DistributedOptimizer
+        from coconet.optim.stepping import Stepper
 
-        trap.wrap(DistributedOptimizer, "_step_bucket")
+        trap.wrap(Stepper, "step_bucket")
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:

@@ -48,7 +48,7 @@ def _train(comm, edit, steps: int = 5, at: int = 2) -> dict[str, float]:
         ref_opt.step()
     errors = {f"param {i}": _err(p, q)
               for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True))}
-    errors["attached"] = float(any(b.detachment(i) is not None for b in opt._buckets
+    errors["attached"] = float(any(b.detachment(i) is not None for b in opt.buckets
                                    for i in range(len(b.params))))  # fmt: skip
     return errors
 
@@ -99,7 +99,7 @@ def ddp_wrapped(comm) -> dict:
               for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True))}
     from coconet.ir.opspec import Prop, spec
 
-    moves = [n.name for b in opt._buckets for n in b.step_fn.program.nodes
+    moves = [n.name for b in opt.buckets for n in b.step_fn.program.nodes
              if spec(n.op).has(Prop.COMMUNICATES)]  # fmt: skip
     return {"errors": errors, "averaged_by": opt.gradients_averaged_by, "rounds": rounds,
             "moves": moves}
@@ -125,3 +125,37 @@ def one_step_more(comm) -> dict:
         except RuntimeFault as e:
             return {"error": str(e), "seconds": time.monotonic() - t0, "step": k + 1}
     return {"error": None, "step": steps}
+
+
+def lamb_diagnostics(comm) -> dict[str, float]:
+    """LAMB's per-parameter diagnostics (weight_norm, adam_norm, trust_ratio) on 2 ranks: five
+    equal-sized tensors in a bucket of rows, sliced unevenly (3 and 2 rows), and a tensor of
+    its own, against pytorch_optimizer.Lamb on one process stepping the average gradient."""
+    import pytorch_optimizer
+
+    torch.manual_seed(0)
+    small = [torch.nn.Parameter(torch.randn(6)) for _ in range(5)]
+    big = torch.nn.Parameter(torch.randn(40, 10))
+    ours = [*small, big]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = coconet.optim.LAMB(ours, lr=1e-2, weight_decay=1e-2, comm=comm)
+    ref_opt = pytorch_optimizer.Lamb(ref, lr=1e-2, weight_decay=1e-2, foreach=False)
+
+    def loss(params, rank: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(rank)
+        return sum((p * torch.randn(p.shape, generator=g)).sum() ** 2 for p in params)
+
+    for _ in range(2):
+        opt.zero_grad()
+        loss(ours, comm.rank).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(loss(ref, r) for r in range(comm.world)) / comm.world).backward()
+        ref_opt.step()
+    rows = len({id(b) for b in opt.buckets if b.row})
+    errors = {"one bucket of rows": float(rows != 1)}
+    for i, (p, q) in enumerate(zip(ours, ref, strict=True)):
+        for key in ("weight_norm", "adam_norm", "trust_ratio"):
+            errors[f"{key} {i}"] = _err(torch.as_tensor(opt.state[p][key]),
+                                        torch.as_tensor(ref_opt.state[q][key]))  # fmt: skip
+    return errors

@@ -228,7 +228,7 @@ def _refusals(comm: Communicator) -> dict:
     out["usable_after"] = not torch.equal(params[0].detach(), before[0])
     # comm defaults to the runtime's world (the process group spawn started)
     d = coconet.optim.AdamW([P(torch.ones(4))], lr=0.1, options=EAGER)
-    out["default_world"] = d._comm.world
+    out["default_world"] = d.comm.world
     # an unsupported flag in a group is refused on every rank
     try:
         coconet.optim.Adam([{"params": [P(torch.ones(3))], "amsgrad": True}], comm=comm)
@@ -333,8 +333,8 @@ def lamb_rows(comm: Communicator) -> dict:
         out["cases"][label] = _rel(ours, theirs)
         if label == "all":
             where = {id(p): i for i, p in enumerate(ours)}
-            out["buckets"] = [[where[id(p)] for p in b.params] for b in o._buckets]
-            out["rows"] = [b.row for b in o._buckets]
+            out["buckets"] = [[where[id(p)] for p in b.params] for b in o.buckets]
+            out["rows"] = [b.row for b in o.buckets]
             # opt.state[p]: this rank's part of each tensor, as the reference's flattened state
             worst = 0.0
             for a, b in zip(ours, theirs, strict=True):

@@ -44,10 +44,10 @@ def _train(opt, model, comm: Communicator, k: int = 0) -> None:
 def _snapshot(opt) -> tuple:
     return (
         [p.detach().clone() for g in opt.param_groups for p in g["params"]],
-        [list(b.steps) for b in opt._buckets],
+        [list(b.steps) for b in opt.buckets],
         len(opt.param_groups),
         [len(g["params"]) for g in opt.param_groups],
-        [{n: x.clone() for n, x in b.state.items()} for b in opt._buckets],
+        [{n: x.clone() for n, x in b.state.items()} for b in opt.buckets],
     )
 
 
@@ -150,9 +150,9 @@ def _unknown_param(sd):
 def _edit_param_case(edit, ranks=(0, 1)):
     def case(comm):
         model, opt = _with_state(comm)
-        flats = [b.flat.clone() for b in opt._buckets]
-        steps = [list(b.steps) for b in opt._buckets]
-        state = [{n: x.clone() for n, x in b.state.items()} for b in opt._buckets]
+        flats = [b.flat.clone() for b in opt.buckets]
+        steps = [list(b.steps) for b in opt.buckets]
+        state = [{n: x.clone() for n, x in b.state.items()} for b in opt.buckets]
         if comm.rank in ranks:
             edit(model)
 
@@ -165,10 +165,10 @@ def _edit_param_case(edit, ranks=(0, 1)):
 
         err, s = _timed(comm, go)
         same = (
-            [list(b.steps) for b in opt._buckets] == steps
-            and all(torch.equal(b.flat, f) for b, f in zip(opt._buckets, flats, strict=True))
+            [list(b.steps) for b in opt.buckets] == steps
+            and all(torch.equal(b.flat, f) for b, f in zip(opt.buckets, flats, strict=True))
             and all(torch.equal(b.state[n], st[n])
-                    for b, st in zip(opt._buckets, state, strict=True) for n in st)
+                    for b, st in zip(opt.buckets, state, strict=True) for n in st)
         )
         return err, s, same
 
@@ -200,10 +200,10 @@ def _frozen_everywhere(comm):
     model, opt = _with_state(comm)
     model[0].bias.requires_grad_(False)
     bias = model[0].bias.detach().clone()
-    steps = list(opt._buckets[0].steps)
+    steps = list(opt.buckets[0].steps)
     err, s = _timed(comm, lambda: _train(opt, model, comm))
-    same = torch.equal(model[0].bias, bias) and opt._buckets[0].steps[1] == steps[1]
-    return err, s, same and opt._buckets[0].steps[0] == steps[0] + 1
+    same = torch.equal(model[0].bias, bias) and opt.buckets[0].steps[1] == steps[1]
+    return err, s, same and opt.buckets[0].steps[0] == steps[0] + 1
 
 
 def _add_group(shapes_by_rank, ranks=(0, 1)):

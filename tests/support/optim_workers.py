@@ -278,7 +278,7 @@ def ddp_hook(comm: Communicator, name: str, kwargs: dict, steps: int, bucket_cap
         "rel": rel,
         "loss_diff": max(abs(a - b) for a, b in zip(losses["coconet"], losses["torch"],
                                                     strict=True)),
-        "layouts": len(ours._hook_layouts),
+        "layouts": len(ours.ddp_layouts),
         "state_entries": len(sd["state"]),
     }
 
@@ -357,7 +357,7 @@ def auto_schedule(comm: Communicator, name: str, kwargs: dict, steps: int) -> di
         "classes": len(ours.tuning),
         "winners": [str(r.winner) for r in ours.tuning],
         "explained": all("winner:" in r.explain() for r in ours.tuning),
-        "buckets": len(ours._buckets),
+        "buckets": len(ours.buckets),
     }
 
 

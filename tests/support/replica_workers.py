@@ -201,7 +201,7 @@ def optimizer_matches_torch(comm: Communicator, frozen_steps: int) -> dict:
         ((a - b).abs().max() / b.abs().max()).item()
         for a, b in zip(model.parameters(), ref.parameters(), strict=True)
     ]
-    bucket = opt._buckets[0]
+    bucket = opt.buckets[0]
     return {
         "same_start": same_start,
         "max_rel_err": max(errs),

@@ -195,7 +195,7 @@ def _train_both(name, two, steps, max_norm, late_group=False):
         ours = getattr(coconet.optim, name)(list(net.parameters())[:2], options=EAGER,
                                             max_grad_norm=max_norm, **kwargs)
         theirs = getattr(torch.optim, name)(list(ref.parameters())[:2], **kwargs)
-        assert [b.clip for b in ours._buckets] == [Clip.SPECULATIVE]
+        assert [b.clip for b in ours.buckets] == [Clip.SPECULATIVE]
         ours.add_param_group({"params": list(net.parameters())[2:], "lr": 2e-2})
         theirs.add_param_group({"params": list(ref.parameters())[2:], "lr": 2e-2})
     else:
@@ -227,7 +227,7 @@ def test_a_world_of_one_matches_clip_grad_norm_then_torch(name, two):
     assert rel <= TOL and norm_rel <= TOL
     assert any(clipped) and not all(clipped)
     # two buckets: the larger (the first group's 30 elements, against 14) speculates
-    assert [b.clip for b in ours._buckets] == ([Clip.SPECULATIVE, Clip.GIVEN] if two
+    assert [b.clip for b in ours.buckets] == ([Clip.SPECULATIVE, Clip.GIVEN] if two
                                                else [Clip.SPECULATIVE])  # fmt: skip
     assert ours.max_grad_norm == 1.0
 
@@ -239,7 +239,7 @@ def test_a_speculative_bucket_commits_unclipped_steps_and_steps_again_when_it_cl
     # it clips); a step after one that clipped computes the norm first (Clip.IN_STEP)
     ours, rel, norm_rel, clipped = _train_both(name, False, 12, 1.0)
     assert rel <= TOL and norm_rel <= TOL and any(clipped) and not all(clipped)
-    (b,) = ours._buckets
+    (b,) = ours.buckets
     speculative = given_after = in_step = 0
     last = False
     for c in clipped:
@@ -250,19 +250,19 @@ def test_a_speculative_bucket_commits_unclipped_steps_and_steps_again_when_it_cl
             given_after += c
         last = c
     assert b.step_fn.calls == speculative
-    assert b.clip_steps[Clip.GIVEN].calls == given_after > 0
-    assert b.clip_steps[Clip.IN_STEP].calls == in_step > 0
+    assert b.forms[Clip.GIVEN].calls == given_after > 0
+    assert b.forms[Clip.IN_STEP].calls == in_step > 0
 
 
 def test_a_speculative_bucket_that_never_clips_compiles_nothing_else():
     ours, rel, norm_rel, clipped = _train_both("AdamW", False, 6, 1e6)
     assert rel <= TOL and norm_rel <= TOL and not any(clipped)
-    assert ours._buckets[0].clip_steps == {} and ours._buckets[0].step_fn.calls == 6
+    assert set(ours.buckets[0].forms) == {Clip.SPECULATIVE} and ours.buckets[0].step_fn.calls == 6
 
 
 def test_a_group_added_later_keeps_the_larger_bucket_speculating():
     ours, rel, norm_rel, clipped = _train_both("AdamW", False, 10, 1.0, late_group=True)
-    assert [b.clip for b in ours._buckets] == [Clip.SPECULATIVE, Clip.GIVEN]
+    assert [b.clip for b in ours.buckets] == [Clip.SPECULATIVE, Clip.GIVEN]
     assert rel <= TOL and norm_rel <= TOL and any(clipped) and not all(clipped)
 
 
@@ -273,15 +273,15 @@ def test_several_buckets_speculate_on_the_largest(name):
     bucket the factor. The calls of each compiled step follow from which steps clipped."""
     ours, rel, norm_rel, clipped = _train_both(name, True, 12, 1.0)
     assert rel <= TOL and norm_rel <= TOL and any(clipped) and not all(clipped)
-    lead, other = ours._buckets
+    lead, other = ours.buckets
     after_clip = sum(clipped[:-1])
     speculative = len(clipped) - after_clip
     assert lead.step_fn.calls == speculative
     # given: a speculative step that clipped, run again; and every step after one that clipped
-    assert lead.clip_steps[Clip.GIVEN].calls == sum(
+    assert lead.forms[Clip.GIVEN].calls == sum(
         c for k, c in enumerate(clipped) if k == 0 or not clipped[k - 1]) + after_clip
     assert other.step_fn.calls == len(clipped)
-    passes = {len(key): s.calls for key, s in ours._norm_passes.items()}
+    passes = {len(key): s.calls for key, s in ours.clipper.norm_passes.items()}
     assert passes == {1: speculative, 2: after_clip}
 
 
@@ -338,7 +338,7 @@ def test_without_max_grad_norm_nothing_changes():
     net = _model()
     opt = coconet.optim.AdamW(net.parameters(), options=EAGER)
     assert opt.max_grad_norm is None and opt.last_grad_norm is None
-    assert [b.clip for b in opt._buckets] == [Clip.OFF]
+    assert [b.clip for b in opt.buckets] == [Clip.OFF]
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -384,7 +384,7 @@ def test_lamb_keeps_its_own_max_grad_norm_and_a_custom_program_must_say_it_clips
     assert opt.param_groups[0]["max_grad_norm"] == 2.0 and opt.max_grad_norm is None
     off = coconet.optim.LAMB(_model().parameters(), max_grad_norm=0.0, pre_norm=True,
                              options=EAGER)
-    assert off.max_grad_norm is None and all(b.clip is Clip.OFF for b in off._buckets)
+    assert off.max_grad_norm is None and all(b.clip is Clip.OFF for b in off.buckets)
 
     class NoClip(coconet.optim.SGD):
         supports_grad_clip = False
@@ -418,7 +418,7 @@ def test_lamb_pre_norm_is_lambs_global_scaling(two, foreach):
               "eps": 1e-5}
     ours = coconet.optim.LAMB(_groups(net, two), options=EAGER, **kwargs)
     theirs = pytorch_optimizer.Lamb(_groups(ref, two), foreach=foreach, **kwargs)
-    assert all(b.clip is Clip.GIVEN for b in ours._buckets)  # even a single tensor's bucket
+    assert all(b.clip is Clip.GIVEN for b in ours.buckets)  # even a single tensor's bucket
     scaled = []
     for k in range(10):
         gen = torch.Generator().manual_seed(k)
@@ -446,7 +446,8 @@ def test_each_clipping_form_takes_the_tuned_recipe_and_slices_the_state_alike(ma
     # A bucket runs its speculative, given-factor and norm-first steps on one state: whatever
     # recipe the tuner picks for the step without clipping, every form must slice that state
     # as it does (tuned each on its own, two forms once picked layouts that did not fit).
-    from coconet.optim.base import _is_sliced, _same_recipe
+    from coconet.optim.buckets import is_sliced as _is_sliced
+    from coconet.optim.recipes import same_recipe as _same_recipe
     from coconet.options import TransportKind
     from coconet.tune.candidates import CHUNKS, enumerate_candidates
 

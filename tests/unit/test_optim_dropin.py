@@ -316,15 +316,15 @@ def test_a_failed_mixed_step_leaves_the_bucket_as_it_was(comm, monkeypatch):
     params = [p.detach().clone() for p in ours]
     state = {i: {k: v.clone() for k, v in o.state[p].items()} for i, p in enumerate(ours)}
     calls = []
-    real = o._run
+    real = o.stepper.run
 
-    def second_fails(b, scalars, agree):
+    def second_fails(b, scalars, agree, plan):
         calls.append(scalars["step_size"])
         if len(calls) == 2:
             raise RuntimeError("the second step failed")
-        real(b, scalars, agree)
+        return real(b, scalars, agree, plan)
 
-    monkeypatch.setattr(o, "_run", second_fails)
+    monkeypatch.setattr(o.stepper, "run", second_fails)
     with pytest.raises(RuntimeError, match="the second step failed"):
         o.step()
     assert len(calls) == 2 and calls[0] != calls[1]  # two step counts: two steps
@@ -332,7 +332,7 @@ def test_a_failed_mixed_step_leaves_the_bucket_as_it_was(comm, monkeypatch):
     for i, p in enumerate(ours):
         assert set(o.state[p]) == set(state[i])
         assert all(torch.equal(o.state[p][k], v) for k, v in state[i].items())
-    monkeypatch.setattr(o, "_run", real)
+    monkeypatch.setattr(o.stepper, "run", real)
     o.step()  # and it steps as torch once it succeeds
     t.zero_grad()
     for p, q in zip(theirs, ours, strict=True):
@@ -583,7 +583,7 @@ def test_deepcopy_and_pickle_are_refused_clearly(comm):
 def test_comm_defaults_to_the_runtime_world(comm):
     a = P(torch.ones(4))
     o = coconet.optim.AdamW([a], lr=0.1, options=EAGER)  # no comm=
-    assert o._comm is runtime.current()
+    assert o.comm is runtime.current()
     a.sum().backward()
     o.step()
     assert torch.all(a.detach() < 1)
@@ -681,5 +681,5 @@ def test_param_storage_is_checked_and_one_rank_keeps_its_own_copy(comm):
         ref.grad = g.clone()
         opt.step()
         ropt.step()
-    assert opt._buckets[0].replica is None
+    assert opt.buckets[0].replica is None
     torch.testing.assert_close(w.detach(), ref.detach(), rtol=OPTIM_RTOL, atol=0)

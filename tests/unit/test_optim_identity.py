@@ -1,4 +1,4 @@
-"""coconet.optim.identity without processes: the call values the ranks compare and the errors
+"""coconet.optim.agreement without processes: the call values the ranks compare and the errors
 made from them (the same on every rank), and on a world of one the per-step check that a
 parameter is still the view of its bucket, and load_state_dict's checks (every tensor's exact
 shape, every parameter present) before anything changes. The cases across real ranks are in
@@ -15,8 +15,8 @@ import torch
 import coconet.optim
 from coconet import runtime
 from coconet.errors import ConfigError
-from coconet.optim import identity
-from coconet.optim.identity import Call, CallKind
+from coconet.optim import agreement as identity
+from coconet.optim.agreement import Call, CallKind
 from coconet.options import CompileOptions
 from coconet.runtime import CommOptions
 
@@ -98,16 +98,16 @@ def test_a_cast_parameter_is_refused_at_the_next_step(comm):
     (the DSL has no float64): refused, naming the parameter, nothing changed."""
     model, opt = _model_and_opt(comm)
     _train(model, opt)
-    flat = opt._buckets[0].flat.clone()
-    state = {k: v.clone() for k, v in opt._buckets[0].state.items()}
+    flat = opt.buckets[0].flat.clone()
+    state = {k: v.clone() for k, v in opt.buckets[0].state.items()}
     model.double()
     opt.zero_grad()  # no torch error here (it used to be torch's grad-dtype error)
     with pytest.raises(ConfigError, match="param group 0, parameter") as info:
         _train(model, opt)
     assert "cast to torch.float64" in info.value.message
     assert "build a new optimizer" in info.value.hint
-    assert torch.equal(opt._buckets[0].flat, flat) and opt._buckets[0].steps == [1] * 4
-    assert all(torch.equal(opt._buckets[0].state[k], v) for k, v in state.items())
+    assert torch.equal(opt.buckets[0].flat, flat) and opt.buckets[0].steps == [1] * 4
+    assert all(torch.equal(opt.buckets[0].state[k], v) for k, v in state.items())
 
 
 @pytest.mark.parametrize("edit", ["clone", "new values"])
@@ -128,8 +128,8 @@ def test_a_replaced_data_is_taken_in_again_as_torch_steps_it(comm, edit):
             _train(m, o)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-    assert opt._buckets[0].detachment(0) is None  # a view of its bucket again
-    assert opt._buckets[0].steps == [3] * 4
+    assert opt.buckets[0].detachment(0) is None  # a view of its bucket again
+    assert opt.buckets[0].steps == [3] * 4
 
 
 def test_a_parameter_frozen_after_construction_is_skipped_as_torch_skips_it(comm):
@@ -138,7 +138,7 @@ def test_a_parameter_frozen_after_construction_is_skipped_as_torch_skips_it(comm
     model[0].bias.requires_grad_(False)  # no gradient from now on: torch skips it
     bias = model[0].bias.detach().clone()
     _train(model, opt)
-    assert torch.equal(model[0].bias, bias) and opt._buckets[0].steps == [2, 1, 2, 2]
+    assert torch.equal(model[0].bias, bias) and opt.buckets[0].steps == [2, 1, 2, 2]
 
 
 def test_writing_in_place_stays_attached(comm):
@@ -147,14 +147,14 @@ def test_writing_in_place_stays_attached(comm):
         torch.nn.init.normal_(model[0].weight)  # in place: still the bucket's view
         model[1].bias.copy_(torch.ones(3))
     _train(model, opt)
-    assert opt._buckets[0].steps == [1] * 4
+    assert opt.buckets[0].steps == [1] * 4
 
 
 def test_storage_the_optimizer_re_points_stays_attached(comm):
     """The check compares with the bucket the optimizer holds now (a storage mode that moves
     the parameters keeps them attached)."""
     model, opt = _model_and_opt(comm)
-    b = opt._buckets[0]
+    b = opt.buckets[0]
     moved = b.flat.clone()
     b.flat = moved
     for i, p in enumerate(b.params):
@@ -202,13 +202,13 @@ def test_load_state_dict_checks_every_tensor_before_anything_changes(comm, edit,
     _train(model, opt)
     sd = opt.state_dict()
     _train(model, opt)
-    before = {k: v.clone() for k, v in opt._buckets[0].state.items()}
-    steps = list(opt._buckets[0].steps)
+    before = {k: v.clone() for k, v in opt.buckets[0].state.items()}
+    steps = list(opt.buckets[0].steps)
     lr = opt.param_groups[0]["lr"]
     sd["param_groups"][0]["lr"] = 0.5
     edit(sd)
     with pytest.raises(ConfigError, match="load_state_dict") as info:
         opt.load_state_dict(sd)
     assert words in info.value.message
-    assert opt._buckets[0].steps == steps and opt.param_groups[0]["lr"] == lr
-    assert all(torch.equal(opt._buckets[0].state[k], v) for k, v in before.items())
+    assert opt.buckets[0].steps == steps and opt.param_groups[0]["lr"] == lr
+    assert all(torch.equal(opt.buckets[0].state[k], v) for k, v in before.items())

@@ -1,4 +1,5 @@
-"""Which transport carries each pipeline channel (``coconet.pipeline.links``), and the
+"""Which transport carries each pipeline channel (routing's verdict:
+``coconet.runtime.routing.plan_links``, fed the schedule's ``channel_sizes``), and the
 shared-memory channels themselves (``coconet.runtime.p2p.PeerChannels``) between two threads of
 this process standing for two ranks of one host: FIFO order through a ring smaller than the
 stream (the sender waits only while it is full), the header check of a pair out of step, the
@@ -15,8 +16,9 @@ import torch
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.options import TransportKind
 from coconet.pipeline import gpipe, one_f_one_b
-from coconet.pipeline.links import HostGroup, channel_sizes, plan_links
+from coconet.pipeline.schedules import channel_sizes
 from coconet.runtime.p2p import ChannelSpec, PeerChannels, layout
+from coconet.runtime.routing import plan_links
 
 SHM, GLOO = TransportKind.SHARED_MEMORY, TransportKind.TORCH_DISTRIBUTED
 
@@ -35,27 +37,27 @@ def test_channel_sizes_count_one_step_s_messages_per_direction():
 
 
 def test_links_follow_the_host_group():
-    schedule = one_f_one_b(4, 8, (2, 4))
+    channels = channel_sizes(one_f_one_b(4, 8, (2, 4)), 4)
     ranks = (10, 11, 12, 13)  # the job's global ranks of the stages
     # no host group (forced to gloo, or a flat group over hosts): every channel over gloo
-    links, specs = plan_links(schedule, ranks, None, "forced", 4)
+    links, specs = plan_links(channels, ranks, None, "forced", member="stage")
     assert {link.transport for link in links.values()} == {GLOO} and specs == []
     assert {link.why for link in links.values()} == {"forced"}
     # every stage on this host: every channel over shared memory, one ring per direction that
     # holds the step's 8 messages
-    links, specs = plan_links(schedule, ranks, HostGroup(ranks, None), "", 4)
+    links, specs = plan_links(channels, ranks, ranks, "", member="stage")
     assert {link.transport for link in links.values()} == {SHM}
     assert sorted(specs) == [ChannelSpec(0, 1, 8, 32), ChannelSpec(1, 0, 8, 32),
                              ChannelSpec(1, 2, 8, 32), ChannelSpec(2, 1, 8, 32),
                              ChannelSpec(2, 3, 8, 32), ChannelSpec(3, 2, 8, 32)]  # fmt: skip
     # stages 2 and 3 on this host (a hierarchical group): their boundary over shared memory,
     # indexed in the host group; the one to stage 1 over gloo
-    links, specs = plan_links(schedule, ranks, HostGroup((12, 13), None), "", 4)
+    links, specs = plan_links(channels, ranks, (12, 13), "", member="stage")
     assert links[(2, 3)].transport is SHM and links[(3, 2)].transport is SHM
     assert links[(1, 2)] == (GLOO, "stage 1 is on another host")
     assert sorted(specs) == [ChannelSpec(0, 1, 8, 32), ChannelSpec(1, 0, 8, 32)]
     # a ring over the budget goes over gloo, and says why
-    links, specs = plan_links(schedule, ranks, HostGroup(ranks, None), "", 4, ring_bytes=255)
+    links, specs = plan_links(channels, ranks, ranks, "", ring_bytes=255, member="stage")
     assert links[(0, 1)].transport is GLOO and "more than" in links[(0, 1)].why and not specs
 
 
@@ -182,3 +184,92 @@ def test_ranks_set_up_with_different_channels_are_refused_on_each():
     made = _pair(identities=("schedule A", "schedule B"))
     assert all(isinstance(m, ConfigError) for m in made), made
     assert "different channels" in str(made[0])
+
+
+# -- routing's verdict and the communicator's point-to-point channels -------------------------
+
+
+def test_peer_plan_names_why_a_group_has_no_shared_memory():
+    from types import SimpleNamespace
+
+    from coconet.options import CommOptions, TransportPolicy
+    from coconet.runtime.hierarchy import HierGroup
+    from coconet.runtime.routing import Route, peer_plan
+    from coconet.runtime.shmem import ShmGroup
+    from coconet.runtime.transport import Group
+
+    channels = {(0, 1): (2, 64), (1, 0): (2, 64)}
+    cpu = torch.device("cpu")
+
+    def route(kind, handle=None):
+        return Route(SimpleNamespace(kind=kind), Group("pp", (4, 5), 0, handle))
+
+    def why(r, device=cpu, **options):
+        plan = peer_plan(r, channels, CommOptions(**options), device, member="stage")
+        assert plan.specs == [] and plan.host is None
+        assert {link.transport for link in plan.links.values()} == {GLOO}
+        return {link.why for link in plan.links.values()}
+
+    forced = route(GLOO)
+    assert why(forced, transport=TransportPolicy.TORCH_DISTRIBUTED) == {
+        "CommOptions(transport='torch.distributed') forces it"}  # fmt: skip
+    assert why(forced, device=torch.device("meta")) == {"the communicator runs on meta, not CPU"}
+    assert why(forced) == {"the group along 'pp' runs on torch.distributed (its ranks span hosts "
+                           "and it runs flat)"}  # fmt: skip
+    # a hierarchical group whose host holds this rank alone
+    alone = HierGroup(layout=None, plan=None, local=Group("pp", (4,), 0, None), cross=None,
+                      flat=None)  # fmt: skip
+    assert why(route(TransportKind.HIERARCHICAL, alone)) == {
+        "no other stage of the group is on this rank's host"}  # fmt: skip
+    # on shared memory: every channel there, over the group's ShmGroup
+    shm = ShmGroup(0, 2, lambda obj: [obj, obj], timeout=1.0)
+    plan = peer_plan(route(SHM, shm), channels, CommOptions(), cpu, member="stage")
+    assert {link.transport for link in plan.links.values()} == {SHM}
+    assert plan.host.handle is shm and sorted(plan.specs) == [ChannelSpec(0, 1, 2, 64),
+                                                              ChannelSpec(1, 0, 2, 64)]  # fmt: skip
+
+
+def test_peer_links_send_over_the_ring_and_the_guard_sees_every_message():
+    """Two ``PeerLinks`` on threads over one shared-memory plan: a send is in the ring when
+    ``send_start`` returns, a receive lands at ``wait``, every call goes through the guard (a
+    peer out of step is its ``RuntimeFault``), and a channel the plan lacks is refused."""
+    from coconet.runtime.p2p import PeerLinks, PeerPlan
+    from coconet.runtime.shmem import ShmGroup
+    from coconet.runtime.transport import Group
+
+    channels = {(0, 1): (2, 64), (1, 0): (2, 64)}
+    links, specs = plan_links(channels, (7, 8), (7, 8), "")
+    g = _Gather(2)
+    seen: list[tuple[str, str]] = []
+
+    def guard(op, label, axis, fn, /, *args, **kwargs):  # FaultGuard's signature
+        seen.append((op, label))
+        return fn(*args, **kwargs)
+
+    made: list = [None, None]
+
+    def make(i):
+        host = Group("pp", (7, 8), i, ShmGroup(i, 2, g.of(i), timeout=5.0))
+        made[i] = PeerLinks(PeerPlan(links, specs, host), host, guard, timeout=5.0,
+                            identity="same", op="test")  # fmt: skip
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = made
+    assert a.transport(0, 1) is SHM and a.transport(1, 1) is None
+    work = a.send_start(torch.arange(4.0), 1, words=(1, 0), label="act 0")
+    assert torch.equal(a.wait(work), torch.arange(4.0))
+    out = torch.empty(4)
+    got = b.wait(b.recv_start(out, 0, words=(1, 0), label="act 0"))
+    assert got is out and out.tolist() == [0.0, 1.0, 2.0, 3.0]
+    a.send_start(torch.zeros(4), 1, words=(2, 0), label="grad 0")
+    with pytest.raises(RuntimeFault, match="out of step"):
+        b.wait(b.recv_start(torch.empty(4), 0, words=(1, 1), label="act 1"))
+    assert ("test", "act 1") in seen and ("test", "shared-memory channels") in seen
+    with pytest.raises(ConfigError, match="no channel from group rank 0 to 0"):
+        a.send_start(torch.zeros(4), 0, words=(1, 0), label="to itself")
+    a.close()
+    b.close()

@@ -180,16 +180,26 @@ def _fake_comm(world: int, rank: int = 0):
     group along ``pp`` routed to torch.distributed (so no shared memory is set up)."""
     from types import SimpleNamespace
 
+    import torch
+
     from coconet import Mesh
     from coconet.options import TransportKind, TransportPolicy
+    from coconet.runtime.p2p import PeerLinks
+    from coconet.runtime.routing import Route, peer_plan
     from coconet.runtime.transport import Group
 
     group = Group("pp", tuple(range(world)), rank)
+    options = SimpleNamespace(timeout=5.0, transport=TransportPolicy.TORCH_DISTRIBUTED)
+    route = Route(SimpleNamespace(kind=TransportKind.TORCH_DISTRIBUTED), group)
+
+    def p2p(axis, channels, *, identity, op, member):
+        # routing's verdict on the fake route (all gloo: nothing is set up, nothing sent)
+        plan = peer_plan(route, channels, options, torch.device("cpu"), member)
+        return PeerLinks(plan, group, None, timeout=5.0, identity=identity, op=op)
+
     return SimpleNamespace(
-        mesh=Mesh(pp=world), rank=rank,
-        options=SimpleNamespace(timeout=5.0, transport=TransportPolicy.TORCH_DISTRIBUTED),
-        route=lambda axis: (SimpleNamespace(kind=TransportKind.TORCH_DISTRIBUTED), group),
-        group=lambda axis: group,
+        mesh=Mesh(pp=world), rank=rank, options=options,
+        route=lambda axis: route, group=lambda axis: group, p2p=p2p,
     )  # fmt: skip
 
 

@@ -9,16 +9,22 @@ code and the reference cannot drift apart; the form each op takes is its spec's 
 transport operation and arguments their spec names; ``env`` holds this rank's sizes
 (``coconet.codegen.geometry``); ``kernels`` holds the fused kernels, compiled or not
 (``coconet.codegen.kernels``).
+
+This is the default lowering: every unit's steps one after the other, a chunk loop as a software
+pipeline. It knows no transport: a transport whose forms (``coconet.codegen.forms``) write some
+units otherwise overrides them in its ``Emission`` (``coconet.codegen.lowering``), registered in
+``coconet.codegen.emissions.EMISSIONS``; the emitter asks those overrides first.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
-from coconet.codegen.emit_shm import SharedMemoryEmission
-from coconet.codegen.forms import Form, Forms, ReadInPlace, forms
+from coconet.codegen.emissions import EMISSIONS
+from coconet.codegen.forms import Form, Forms, forms
+from coconet.codegen.lowering import ChunkLoopLowering, Emission
 from coconet.codegen.names import Namer
 from coconet.codegen.plan import (
     ChunkLoop,
@@ -42,16 +48,10 @@ from coconet.ir.node import Node
 from coconet.ir.ops import Op
 from coconet.ir.opspec import Arg, Lowering, spec
 from coconet.ir.types import DType
-from coconet.options import TransportKind
 
-__all__ = ["emit"]
+__all__ = ["EMISSIONS", "emit"]
 
-
-# The emission module of each transport that has lowering forms of its own
-# (``coconet.codegen.forms.REGISTRY``); a transport whose units all run plainly needs none.
-EMISSIONS: dict[TransportKind, Callable[[Any], SharedMemoryEmission]] = {
-    TransportKind.SHARED_MEMORY: SharedMemoryEmission,
-}
+_T = TypeVar("_T")
 
 
 def emit(plan: Plan, header: Sequence[str], unit_forms: Forms | None = None) -> str:
@@ -95,13 +95,16 @@ class _Emitter:
         self.work = {s.node.name: namer.claim(f"{self.var[s.node.name]}_work") for s in starts}
         # per kernel: (node, geometry field, parameter name) for the sizes a kernel is passed
         self._geo_cache: dict[str, list[tuple[Node, str, str]]] = {}
-        # the emission of each transport that has forms of its own (coconet.codegen.forms)
-        self._emissions = {kind: make(self) for kind, make in EMISSIONS.items()}
+        # the overrides of each transport that has forms of its own (coconet.codegen.forms)
+        self._emissions: list[Emission] = [make(self) for make in EMISSIONS.values()]
 
-    def emission(self, axis: str | None) -> SharedMemoryEmission:
-        """The emission module of the transport that runs ``axis``'s collectives (asked only
-        for units ``forms`` gave a form of that transport's)."""
-        return self._emissions[self.forms.transport(axis)]
+    def override(self, hook: Callable[[Emission], _T | None]) -> _T | None:
+        """The first transport override's answer for a unit (None: the default lowering)."""
+        for emission in self._emissions:
+            answer = hook(emission)
+            if answer is not None:
+                return answer
+        return None
 
     # -- the module -----------------------------------------------------------------------------
 
@@ -138,15 +141,8 @@ class _Emitter:
         names = ", ".join(repr(n.name) for n in self.program.inputs)
         out.append("# the program's inputs, in the order step() takes them")
         out.append(f"INPUTS = ({names}{',' if len(self.program.inputs) == 1 else ''})")
-        flips = sorted(
-            {t.name for ag in self.forms.published if (t := self.forms.commit_target(
-                self.program.node(ag))) is not None}
-        )
-        if flips:
-            # the inputs a published gather is committed into: a host replica passed as one is
-            # written in its spare buffer and flipped by the commit (coconet.runtime.replica)
-            listed = ", ".join(repr(n) for n in flips)
-            out.append(f"REPLICA_INPUTS = ({listed}{',' if len(flips) == 1 else ''})")
+        for emission in self._emissions:
+            out += emission.declarations()
         rides = self.agreement_rides()
         if rides is not None:
             out += [
@@ -154,24 +150,14 @@ class _Emitter:
                 "# ride with it, one round for both (coconet.runtime.handshake)",
                 f"AGREEMENT = {rides.node.name!r}",
             ]
-        # a one-pass unit's kernel is written in its one-pass form only (the other is never run)
-        one_pass = self.forms.one_pass_kernels
-        in_place = self.forms.kernels_in_place
+        # each kernel in its transport's form where it has one (written in that form only: the
+        # other is never run), else as it is
         names = []
         for k in self.plan.kernels:
-            if k.name in one_pass:
-                out += ["", ""] + self.emission(one_pass[k.name].axis).one_pass_kernel_def(
-                    one_pass[k.name]
-                )
-                names.append((k.name, f"{k.name}_one_pass"))
-            elif k.name in in_place:
-                out += ["", ""] + self.emission(_axis(in_place[k.name])).by_parts_kernel_def(
-                    in_place[k.name]
-                )
-                names.append((k.name, f"{k.name}_by_parts"))
-            else:
-                out += ["", ""] + self.kernel_def(k)
-                names.append((k.name, k.name))
+            own = self.override(lambda emission, k=k: emission.kernel_def(k))
+            fn, lines = own if own is not None else (k.name, self.kernel_def(k))
+            out += ["", "", *lines]
+            names.append((k.name, fn))
         entries = ", ".join(f'"{name}": _kernel_{fn}' for name, fn in names)
         out += ["", "", f"KERNELS = {{{entries}}}", "", ""]
         out += self.step_def()
@@ -244,22 +230,16 @@ class _Emitter:
     def step_lines(self, s: Compute | Kernel | Start | Wait, geo: GeoRef) -> list[str]:
         if isinstance(s, Compute):
             return self.node_lines(s.node, geo)
-        in_place = self.forms.in_place
+        own = self.override(lambda emission: emission.step_lines(s, geo))
+        if own is not None:
+            return own
         if isinstance(s, Kernel):
-            read = self.forms.kernels_in_place.get(s.name)
-            if read is not None:
-                return self.emission(_axis(read)).by_parts_call(read)
             return self.kernel_call(s, geo)
         if isinstance(s, Start):
-            form = self.forms.of(s)
-            if form is Form.READ_IN_PLACE:
-                return self.emission(_axis(s)).reduce_in_place_lines(in_place[s.node.name])
-            if form is Form.CONTROL:
+            if self.forms.of(s) is Form.CONTROL:
                 return self.control_lines(s)
             return self.start_lines(s, geo)
         name = s.node.name
-        if name in in_place:
-            return []  # complete at its start; its kernel reads it where it was reduced
         return [f"{self.var[name]} = comm.wait({self.work[name]})"]
 
     def fused_collective_lines(self, unit: FusedCollective) -> list[str]:
@@ -270,9 +250,9 @@ class _Emitter:
                 parts.append(f"{s.node.op} {s.node.name}")
             elif isinstance(s, Kernel):
                 parts.append(f"kernel {s.name}")
-        op = self.forms.one_pass(unit)
-        if op is not None:
-            return self.emission(op.axis).one_pass_lines(unit, op, parts)
+        own = self.override(lambda emission: emission.fused_collective_lines(unit, parts))
+        if own is not None:
+            return own
         transport = self.forms.transport(unit.collectives[0].attr("axis"))
         lines = _comment_lines(
             f"{unit.name}: {', '.join(parts)} -- one fused collective; {transport.value} runs "
@@ -293,15 +273,12 @@ class _Emitter:
         """
         k, name = loop.chunks, loop.name
         members = ", ".join(loop.group.members)
-        one_pass = self.forms.one_pass(loop)
-        how = (
-            "one after the other, each as one pass over shared memory"
-            if one_pass is not None
-            else f"as a pipeline of {len(loop.stages)} stages"
+        form: ChunkLoopLowering = (
+            self.override(lambda emission: emission.chunk_loop(loop)) or _Pipelined(self, loop)
         )
         lines = _comment_lines(
-            f"overlap({members}, chunks={k}): the chain runs in {k} chunks of rows, {how}; each "
-            f"chunk's values live in {name}[c]",
+            f"overlap({members}, chunks={k}): the chain runs in {k} chunks of rows, {form.how}; "
+            f"each chunk's values live in {name}[c]",
             "# ",
         )
         outer = dict(self.var)
@@ -323,8 +300,7 @@ class _Emitter:
             return f"env.{chunk_field}[{key!r}][c]" if chunk_field else _env_ref(n, field)
 
         stage_names = [self.namer.claim(f"{name}_stage_{i}") for i in range(len(loop.stages))]
-        if one_pass is not None:
-            lines += self.emission(one_pass.axis).loop_channel_lines(loop, one_pass)
+        lines += form.prologue()
         try:
             for i, (stage, fn) in enumerate(zip(loop.stages, stage_names, strict=True)):
                 what = ", ".join(_step_label(s) for s in stage)
@@ -336,25 +312,11 @@ class _Emitter:
                             f"env.chunk_rows[{name + '/' + x.name!r}][c])"
                         )
                 for s in stage:
-                    if one_pass is not None:
-                        emission = self.emission(one_pass.axis)
-                        body += emission.loop_step_lines(loop, s, one_pass, geo)
-                    else:
-                        body += self.step_lines(s, geo)
+                    body += form.step_lines(s, geo)
                 lines += [f"def {fn}(c, v):", *[_INDENT + b for b in body]]
         finally:
             self.var, self.work = saved
-        ticks = k + len(loop.stages) - 1
-        if one_pass is not None:
-            lines += self.emission(one_pass.axis).loop_schedule_lines(loop, one_pass, stage_names)
-        else:
-            lines += [
-                f"{name} = [{{}} for _ in range({k})]",
-                f"for _t in range({ticks}):  # stage s works on chunk _t - s",
-                f"{_INDENT}for _s, _stage in enumerate(({', '.join(stage_names)},)):",
-                f"{_INDENT * 2}if 0 <= _t - _s < {k}:",
-                f"{_INDENT * 3}_stage(_t - _s, {name}[_t - _s])",
-            ]
+        lines += form.schedule(stage_names)
         for n in loop.outputs:
             key = f"{name}/{n.name}"
             lines += _call(
@@ -468,9 +430,30 @@ def _step_label(s) -> str:
     return s.node.name
 
 
-def _axis(x: ReadInPlace | Start) -> str | None:
-    node = x.all_reduce if isinstance(x, ReadInPlace) else x.node
-    return node.attr("axis")
+class _Pipelined:
+    """The default lowering of a chunk loop (``ChunkLoopLowering``): stage s of chunk c runs at
+    tick c + s, so chunk c's communication is in flight while chunk c + 1 computes."""
+
+    def __init__(self, e: _Emitter, loop: ChunkLoop) -> None:
+        self.e, self.loop = e, loop
+        self.how = f"as a pipeline of {len(loop.stages)} stages"
+
+    def prologue(self) -> list[str]:
+        return []
+
+    def step_lines(self, s: Compute | Kernel | Start | Wait, geo: GeoRef) -> list[str]:
+        return self.e.step_lines(s, geo)
+
+    def schedule(self, stage_names: list[str]) -> list[str]:
+        k, name = self.loop.chunks, self.loop.name
+        ticks = k + len(self.loop.stages) - 1
+        return [
+            f"{name} = [{{}} for _ in range({k})]",
+            f"for _t in range({ticks}):  # stage s works on chunk _t - s",
+            f"{_INDENT}for _s, _stage in enumerate(({', '.join(stage_names)},)):",
+            f"{_INDENT * 2}if 0 <= _t - _s < {k}:",
+            f"{_INDENT * 3}_stage(_t - _s, {name}[_t - _s])",
+        ]
 
 
 def _where(n: Node) -> str:

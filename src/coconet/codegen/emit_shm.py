@@ -1,7 +1,8 @@
 """The shared-memory transport's lowering forms, as source (``coconet.codegen.forms``).
 
-The generic emitter (``coconet.codegen.emit``) writes every unit plainly; a unit that
-``forms()`` gives a form of shared memory's is written here:
+The generic emitter (``coconet.codegen.emit``) writes every unit in its default lowering; a unit
+that ``forms()`` gives a form of shared memory's is written here, by the overrides of
+``SharedMemoryEmission`` (``coconet.codegen.lowering.Emission``):
 
 - a fused collective as one pass (``OnePass``): ``chan = comm.one_pass(axis)``, then
   ``chan.begin(x, ...)`` (every peer's rows of this rank's slice of ``x``, and this rank's slot
@@ -10,18 +11,17 @@ The generic emitter (``coconet.codegen.emit``) writes every unit plainly; a unit
   reduce_scatter opens with ``chan.slot(...)``;
 - each chunk of an overlapped chain as such a unit, the chunks one after the other;
 - an all_reduce read in place (``ReadInPlace``): ``chan.reduce_in_place(x, op)`` leaves the
-  result where each slice's owner reduced it, and the consumer kernel runs on it slice by slice.
+  result where each slice's owner reduced it, and the consumer kernel runs on it slice by slice;
+- a published gather's commit target (``Form.PUBLISHED``): ``REPLICA_INPUTS`` names the inputs a
+  host replica may be passed as.
 
 The calls go to ``coconet.runtime.channels.OnePassChannel``, which the communicator hands out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
-
-from coconet.codegen.forms import Forms, OnePass, ReadInPlace
-from coconet.codegen.names import Namer
+from coconet.codegen.forms import OnePass, ReadInPlace
+from coconet.codegen.lowering import ChunkLoopLowering, Emission, Emitter
 from coconet.codegen.plan import ChunkLoop, Compute, FusedCollective, Kernel, Start, Wait
 from coconet.codegen.source import (
     INDENT,
@@ -34,33 +34,18 @@ from coconet.codegen.source import (
     short,
 )
 from coconet.ir.node import Node
-from coconet.ir.program import Program
+from coconet.options import TransportKind
 
 __all__ = ["SharedMemoryEmission"]
 
 
-class Emitter(Protocol):
-    """What an emission module uses of the generic emitter that delegates to it."""
-
-    forms: Forms
-    namer: Namer
-    program: Program
-    var: dict[str, str]  # value name -> its variable in the code being written
-
-    def comment(self, n: Node) -> str: ...
-
-    def node_lines(self, n: Node, geo: Callable[[Node, str], str | None]) -> list[str]: ...
-
-    def step_lines(self, s: Compute | Kernel | Start | Wait, geo: GeoRef) -> list[str]: ...
-
-    def geo_params(self, k: Kernel) -> list[tuple[Node, str, str]]: ...
-
-
-class SharedMemoryEmission:
+class SharedMemoryEmission(Emission):
     """Writes the units of one module that run in a shared-memory form."""
 
+    kind = TransportKind.SHARED_MEMORY
+
     def __init__(self, e: Emitter) -> None:
-        self.e = e
+        super().__init__(e)
         forms = e.forms
         namer = e.namer
         self._parts_var = {
@@ -78,6 +63,60 @@ class SharedMemoryEmission:
         if unit not in self._channels:
             self._channels[unit] = self.e.namer.claim(f"{unit}_channel")
         return self._channels[unit]
+
+    # -- the overrides (``Emission``): which units are in a form of shared memory's -------------
+
+    def declarations(self) -> list[str]:
+        """``REPLICA_INPUTS``: the inputs a published gather is committed into. A host replica
+        passed as one is written in its spare buffer and flipped by the commit
+        (``coconet.runtime.replica``)."""
+        forms, program = self.e.forms, self.e.program
+        gathers = [program.node(name) for name in forms.published]
+        flips = sorted(
+            {t.name for ag in gathers
+             if self.mine(ag.attr("axis")) and (t := forms.commit_target(ag)) is not None}
+        )  # fmt: skip
+        if not flips:
+            return []
+        listed = ", ".join(repr(n) for n in flips)
+        return [f"REPLICA_INPUTS = ({listed}{',' if len(flips) == 1 else ''})"]
+
+    def kernel_def(self, k: Kernel) -> tuple[str, list[str]] | None:
+        """A one-pass unit's kernel in its one-pass form only (the other is never run); an
+        all_reduce's reader in its by-parts form."""
+        op = self.e.forms.one_pass_kernels.get(k.name)
+        if op is not None and self.mine(op.axis):
+            return f"{k.name}_one_pass", self.one_pass_kernel_def(op)
+        read = self.e.forms.kernels_in_place.get(k.name)
+        if read is not None and self.mine(_axis(read)):
+            return f"{k.name}_by_parts", self.by_parts_kernel_def(read)
+        return None
+
+    def step_lines(self, s: Kernel | Start | Wait, geo: GeoRef) -> list[str] | None:
+        """An all_reduce read in place: its start, its reader's call, and no wait (complete at
+        its start; its kernel reads it where it was reduced)."""
+        forms = self.e.forms
+        if isinstance(s, Kernel):
+            read = forms.kernels_in_place.get(s.name)
+            if read is not None and self.mine(_axis(read)):
+                return self.by_parts_call(read)
+            return None
+        read = forms.in_place.get(s.node.name)
+        if read is None or not self.mine(_axis(read)):
+            return None
+        return self.reduce_in_place_lines(read) if isinstance(s, Start) else []
+
+    def fused_collective_lines(self, unit: FusedCollective, parts: list[str]) -> list[str] | None:
+        op = self.e.forms.one_pass(unit)
+        if op is None or not self.mine(op.axis):
+            return None
+        return self.one_pass_lines(unit, op, parts)
+
+    def chunk_loop(self, loop: ChunkLoop) -> ChunkLoopLowering | None:
+        op = self.e.forms.one_pass(loop)
+        if op is None or not self.mine(op.axis):
+            return None
+        return _OnePassLoop(self, loop, op)
 
     # -- an all_reduce read in place by its kernel -----------------------------------------------
 
@@ -347,3 +386,26 @@ class SharedMemoryEmission:
             f"{INDENT}for _stage in ({', '.join(stage_names)},):",
             f"{INDENT * 2}_stage(_c, {name}[_c])",
         ]
+
+
+class _OnePassLoop:
+    """A chunk loop whose chunks each run as one pass (``ChunkLoopLowering``), one after the
+    other."""
+
+    how = "one after the other, each as one pass over shared memory"
+
+    def __init__(self, em: SharedMemoryEmission, loop: ChunkLoop, op: OnePass) -> None:
+        self.em, self.loop, self.op = em, loop, op
+
+    def prologue(self) -> list[str]:
+        return self.em.loop_channel_lines(self.loop, self.op)
+
+    def step_lines(self, s: Compute | Kernel | Start | Wait, geo: GeoRef) -> list[str]:
+        return self.em.loop_step_lines(self.loop, s, self.op, geo)
+
+    def schedule(self, stage_names: list[str]) -> list[str]:
+        return self.em.loop_schedule_lines(self.loop, self.op, stage_names)
+
+
+def _axis(r: ReadInPlace) -> str | None:
+    return r.all_reduce.attr("axis")

@@ -24,8 +24,10 @@ The forms (``Form``):
 
 Each transport registers the matchers of the forms it has (``REGISTRY``); a transport with none
 runs everything plainly. ``missing_transports()`` names a transport the registry lacks (a test
-keeps it empty). Adding a transport: its entry here, its emission module beside
-``coconet.codegen.emit`` (shared memory's is ``coconet.codegen.emit_shm``), its transport class.
+keeps it empty). Adding a transport: its entry here, its overrides of the emitter's default
+lowering (an ``Emission``, ``coconet.codegen.lowering``, registered in
+``coconet.codegen.emissions``; shared memory's is ``coconet.codegen.emit_shm``), its transport
+class.
 """
 
 from __future__ import annotations

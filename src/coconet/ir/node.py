@@ -12,7 +12,7 @@ from typing import Any
 
 from coconet.errors import SourceLoc
 from coconet.ir.ops import Op
-from coconet.ir.rules import infer_type  # rules name Node for typing only: no cycle
+from coconet.ir.rules import infer_type  # (the rules read a Node as an Operand: no cycle)
 from coconet.ir.types import TensorType
 
 __all__ = ["Node", "make_node"]

@@ -21,7 +21,7 @@ operands do not fit. The layout rules are CoCoNet's:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from coconet.errors import DSLError, DTypeError, LayoutError, ShapeError, SourceLoc
 from coconet.ir.ops import BINARY, COMPARISONS, UNARY, Op, ReduceOp
@@ -38,10 +38,21 @@ from coconet.ir.types import (
     format_shape,
 )
 
-if TYPE_CHECKING:
-    from coconet.ir.node import Node
+__all__ = ["RULES", "Operand", "infer_type"]
 
-__all__ = ["RULES", "infer_type"]
+
+class Operand(Protocol):
+    """What a typing rule reads of an operand: a ``Node``'s type, name and op (named here so
+    that the rules do not import the node module that runs them)."""
+
+    @property
+    def type(self) -> TensorType: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def op(self) -> Op: ...
 
 
 class _Violation(Exception):
@@ -54,7 +65,7 @@ class _Violation(Exception):
         self.hint = hint
 
 
-def infer_type(op: Op, inputs: tuple[Node, ...], attrs: dict[str, Any], loc: SourceLoc | None):
+def infer_type(op: Op, inputs: tuple[Operand, ...], attrs: dict[str, Any], loc: SourceLoc | None):
     rule = RULES[op]
     try:
         return rule(inputs, attrs)
@@ -114,11 +125,11 @@ def _norm_dim(dim: int, rank: int, what: str) -> int:
 # dtypes
 
 
-def _is_scalar(n: Node) -> bool:
+def _is_scalar(n: Operand) -> bool:
     return n.type.rank == 0
 
 
-def _pointwise_dtype(inputs: tuple[Node, ...]) -> DType:
+def _pointwise_dtype(inputs: tuple[Operand, ...]) -> DType:
     """Equal dtypes, except a 0-d float operand adopts the float dtype of the tensors (as torch)."""
     tensors = [n for n in inputs if not _is_scalar(n)] or list(inputs)
     dtypes = {n.type.dtype for n in tensors}
@@ -160,9 +171,9 @@ def _merge_replicated(layouts: list[Layout]) -> Layout:
     return Local
 
 
-def pointwise_layout(inputs: tuple[Node, ...], out_shape: Shape) -> Layout:
+def pointwise_layout(inputs: tuple[Operand, ...], out_shape: Shape) -> Layout:
     rank = len(out_shape)
-    sliced: list[tuple[Node, int]] = []
+    sliced: list[tuple[Operand, int]] = []
     for n in inputs:
         lay = n.type.layout
         if lay.is_sliced:
@@ -555,7 +566,7 @@ def _axis_index(inputs, attrs) -> TensorType:
     return TensorType(dtype, (), Local)  # it differs between ranks
 
 
-def _collective_input_local(op: Op, x: Node) -> None:
+def _collective_input_local(op: Op, x: Operand) -> None:
     lay = x.type.layout
     if lay.is_local:
         return
@@ -742,7 +753,7 @@ def _update(inputs, attrs) -> TensorType:
     return tt
 
 
-def _update_layout_fits(target: Node, value: Node) -> bool:
+def _update_layout_fits(target: Operand, value: Operand) -> bool:
     """A Replicated new value fits any target it combines with pointwise into the target's layout:
     a Local one, a Sliced one when it does not span the sliced dim (``update(s, 0.0)``), or one
     replicated over a single axis when the value is replicated over the whole world."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from coconet.errors import ConfigError, RuntimeFault
+from coconet.runtime.handshake import CallRefused
 
 __all__ = ["SAMPLE", "ReplicaCheck"]
 
@@ -86,9 +87,7 @@ class ReplicaCheck:
         """The error every rank raises when the fault of a layer call is this check's (the
         ranks' digests differ), None otherwise: the ranks exchange one digest per parameter
         and name the first that differs (collective: every rank got the same fault)."""
-        reports = getattr(fault, "reports", None) or ()
-        seen = {r.replicated.get(KEY) for r in reports}
-        if len(seen) < 2:
+        if not isinstance(fault, CallRefused) or not fault.differs(KEY):
             return None
         mine = [hashlib.blake2b(v.contiguous().view(torch.uint8).numpy().tobytes(),
                                 digest_size=8).hexdigest() for v in self._samples()]

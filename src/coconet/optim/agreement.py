@@ -1,4 +1,5 @@
-"""What the ranks of a ``coconet.optim`` optimizer agree on, beyond what a compiled step sees.
+"""What the ranks of a ``coconet.optim`` optimizer agree on, beyond what a compiled step sees:
+the call value, its typed mismatch, and ``CallAgreement``, the optimizer's room that makes them.
 
 A compiled step's per-step agreement compares its program, its inputs' shapes and its scalars:
 it cannot see which parameter is which (two ``nn.Linear(4, 4)`` passed in another order have the
@@ -38,13 +39,17 @@ from typing import Any
 
 import torch
 
-from coconet.errors import ConfigError
+from coconet.errors import CoconetError, ConfigError
+from coconet.runtime.handshake import CallRefused
 
-__all__ = ["CALL_KEY", "DETACHED", "DETACHED_HINT", "Call", "CallKind", "describe_group",
-           "detachment", "digest", "first_difference", "mismatch_error", "values_checksum"]
+__all__ = ["CALL_KEY", "DETACHED", "DETACHED_HINT", "GRADIENTS_KEY", "Call", "CallAgreement",
+           "CallKind", "describe_group", "detachment", "digest", "first_difference",
+           "masks_digest", "mismatch_error", "values_checksum"]
 
 # The key under which a call value rides in the step agreement's Replicated values.
 CALL_KEY = "coconet.optim: the optimizer call"
+# the key under which the ranks compare which parameters have a gradient (``masks_digest``)
+GRADIENTS_KEY = "coconet.optim: which parameters have a gradient"
 _SEP = "\x1f"  # between a call value's fields (never in a kind, a number or a digest)
 
 
@@ -276,3 +281,103 @@ def _where(line: str) -> str:
 
 def _what(line: str) -> str:
     return line.split(": ", 1)[1] if ": " in line else line
+
+
+def masks_digest(masks: list[list[bool]], problems: list[str], rank: int,
+                 frozen: Sequence[tuple[int, int]] = ()) -> str:  # fmt: skip
+    """What the ranks compare at a step (``GRADIENTS_KEY``): which parameters have a gradient,
+    the packed parameters frozen since, and a refusal made unique to this rank (so that a
+    refusal always reaches the exchange, even when every rank refuses)."""
+    text = ";".join("".join("1" if x else "0" for x in m) for m in masks)
+    if frozen:
+        text += f"|frozen {list(frozen)}"
+    if problems:
+        text += f"|refused by rank {rank}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def first_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's message, on one line: what a refusing rank tells its peers."""
+    text = exc.message if isinstance(exc, CoconetError) else str(exc)
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class CallAgreement:
+    """An optimizer's side of the call agreement (the module docstring): how many steps it has
+    done, its param groups' description and digest (recomputed when they change, not per
+    step), and the collective calls it makes. ``name``: the optimizer's, for errors."""
+
+    def __init__(self, comm: Any, name: str, enabled: bool) -> None:
+        self.comm, self.name = comm, name
+        # a world of one has nobody to disagree with; with ddp= DDP's hook runs the steps
+        self.enabled = enabled and comm.world > 1
+        self.steps_done = 0
+        self.lines: list[str] = []
+        self.digest = digest("")
+
+    def refresh(self, param_groups: Sequence[dict[str, Any]]) -> None:
+        """The param groups changed (a group added, a state dict loaded, a parameter taken in
+        again): their description and digest, carried by every call from now on."""
+        self.lines = [line for j, g in enumerate(param_groups)
+                      for line in describe_group(g, j, values=False)]  # fmt: skip
+        self.digest = digest("\n".join(self.lines))
+
+    def text(self, kind: CallKind, content: str = "", refusal: BaseException | None = None
+             ) -> str:  # fmt: skip
+        """This rank's call value, as it rides in an agreement."""
+        why = "" if refusal is None else first_line(refusal)
+        return Call(kind, self.steps_done, self.digest, content, why).text()
+
+    def agree(self, kind: CallKind, first_step: Any, content: str = "",
+              refusal: BaseException | None = None) -> None:
+        """Every rank makes this same collective call (``kind``, after as many steps, over the
+        same param groups, with the same ``content``) and none refused it (``refusal``: this
+        rank's reason), else the same ``ConfigError`` on every rank naming the difference.
+        Through ``first_step``'s own agreement (the first bucket's compiled step: it pairs with
+        a peer's ``step()``), or an exchange when there is no bucket. Raises ``refusal`` itself
+        when every rank refused alike."""
+        if not self.enabled:
+            if refusal is not None:
+                raise refusal
+            return
+        text = self.text(kind, content, refusal)
+        if first_step is not None:
+            reports = first_step.agree_call({CALL_KEY: text})
+            texts = None if reports is None else [r.replicated.get(CALL_KEY) for r in reports]
+        else:
+            every = self.comm.exchange(text, CALL_KEY)
+            texts = None if len(set(every)) == 1 else every
+        if texts is not None and len(set(texts)) > 1:
+            self.raise_mismatch(texts, kind, refusal)
+        if refusal is not None:
+            raise refusal
+
+    def raise_mismatch(self, texts: Sequence[str | None], kind: CallKind,
+                       refusal: BaseException | None = None) -> None:  # fmt: skip
+        """The ranks' call values differ: the same error on every rank (each has every rank's
+        values). Only the identity digests differ: the ranks exchange their descriptions (each
+        decided so from the same values) to name the first parameter that differs."""
+        op = f"coconet.optim.{self.name}.{kind.value}"
+        hint = getattr(refusal, "hint", None) or (
+            "fix the call on the rank named; nothing was changed on any rank")
+        error = mismatch_error(texts, op, hint)
+        if error is None:
+            every = self.comm.exchange(self.lines, "coconet.optim: param groups")
+            diff = first_difference(every)
+            error = ConfigError(
+                f"the ranks' optimizers hold different parameters: {diff[0]}",
+                op=op,
+                details=diff[1:],
+                hint="build the same model on every rank and pass its parameters to the "
+                "optimizer in the same order (named_parameters() names them in errors); "
+                "nothing was changed on any rank",
+            )
+        raise error from refusal
+
+    def raise_if_calls_differ(self, refused: CallRefused, kind: CallKind) -> None:
+        """A step refused on every rank: when the ranks made different optimizer calls (or
+        over other parameters), the error that names them (a typed look at the agreed values,
+        never the message)."""
+        if refused.differs(CALL_KEY):
+            self.raise_mismatch(refused.values(CALL_KEY), kind)

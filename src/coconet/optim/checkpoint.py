@@ -14,14 +14,11 @@ Two forms, and when to use which:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from coconet.errors import ConfigError
-
-if TYPE_CHECKING:
-    from coconet.optim.base import DistributedOptimizer
 
 __all__ = ["FORMAT", "apply_shard", "check_shard", "is_shard", "load_shard", "merge_shards",
            "sharded_state_dict"]
@@ -45,10 +42,10 @@ def _per_param(saved: dict[str, Any]) -> tuple[list[int], list[dict[str, Any] | 
     return list(steps), list(extra)
 
 
-def sharded_state_dict(opt: DistributedOptimizer, groups: list[dict], index: dict[int, int]):
-    comm = opt._comm
+def sharded_state_dict(opt: torch.optim.Optimizer, groups: list[dict], index: dict[int, int]):
+    comm = opt.comm
     buckets = []
-    for b in opt._buckets:
+    for b in opt.buckets:
         lo, hi = b.bounds
         state = {}
         for name, key in b.names.items():
@@ -120,15 +117,15 @@ def merge_shards(shards: list[dict[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": by_rank[0]["param_groups"]}
 
 
-def load_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
+def load_shard(opt: torch.optim.Optimizer, shard: dict[str, Any]) -> None:
     """This rank's shard back into the same rank of a job like the one that saved it."""
     check_shard(opt, shard)
     apply_shard(opt, shard)
 
 
-def check_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
+def check_shard(opt: torch.optim.Optimizer, shard: dict[str, Any]) -> None:
     """A ``ConfigError`` when ``shard`` does not fit this rank of ``opt`` (nothing changed)."""
-    comm = opt._comm
+    comm = opt.comm
     name = f"coconet.optim.{type(opt).__name__}.load_state_dict"
     if shard["world"] != comm.world or shard["rank"] != comm.rank:
         raise ConfigError(
@@ -138,17 +135,17 @@ def check_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
             hint="load each rank's own shard, or merge_shards() the set and load the result "
             "(any world size)",
         )
-    if len(shard["buckets"]) != len(opt._buckets) or any(
+    if len(shard["buckets"]) != len(opt.buckets) or any(
         saved["size"] != b.numel or saved["offsets"] != b.offsets
-        for saved, b in zip(shard["buckets"], opt._buckets, strict=False)
+        for saved, b in zip(shard["buckets"], opt.buckets, strict=False)
     ):
         raise ConfigError(
             "the shard's buckets do not match this optimizer's parameters",
             op=name,
             hint="build the optimizer over the same parameters and param groups as when saving",
         )
-    for b in opt._buckets:
-        if any(x.numel() == b.numel for x in b.state.values()) and opt._comm.world > 1:
+    for b in opt.buckets:
+        if any(x.numel() == b.numel for x in b.state.values()) and opt.comm.world > 1:
             # kept whole: the shard has only this rank's slice of it
             raise ConfigError(
                 "this schedule keeps the state whole on every rank: a shard cannot restore it",
@@ -159,7 +156,7 @@ def check_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
         new = {k: v for k, v in mine.items() if k != "params"}
         new.update({k: v for k, v in shard["param_groups"][j].items() if k != "params"})
         opt.check_group(new, f"param group {j} of the shard")
-    for saved, b in zip(shard["buckets"], opt._buckets, strict=True):
+    for saved, b in zip(shard["buckets"], opt.buckets, strict=True):
         for key in b.names.values():
             x = saved["state"].get(key)
             want = b.state[next(n for n, k in b.names.items() if k == key)].shape
@@ -173,13 +170,13 @@ def check_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
                 )
 
 
-def apply_shard(opt: DistributedOptimizer, shard: dict[str, Any]) -> None:
+def apply_shard(opt: torch.optim.Optimizer, shard: dict[str, Any]) -> None:
     """Load a shard ``check_shard`` accepted."""
     for mine, theirs in zip(opt.param_groups, shard["param_groups"], strict=True):
         for k, v in theirs.items():
             if k != "params":
                 mine[k] = v
-    for saved, b in zip(shard["buckets"], opt._buckets, strict=True):
+    for saved, b in zip(shard["buckets"], opt.buckets, strict=True):
         b.steps[:] = _per_param(saved)[0]
         for prog_name, key in b.names.items():
             b.state[prog_name].copy_(saved["state"][key])

@@ -22,21 +22,18 @@ torch's own ``hook_with_zero_step`` refuses to run). The training loop stays the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from coconet.errors import ConfigError
-
-if TYPE_CHECKING:
-    from coconet.optim.base import DistributedOptimizer, _Bucket
+from coconet.optim import state
+from coconet.optim.buckets import Bucket
 
 __all__ = ["check_and_register", "check_group"]
 
 
 def check_and_register(
-    opt: DistributedOptimizer, ddp: DistributedDataParallel, params: list | None = None
+    opt: torch.optim.Optimizer, ddp: DistributedDataParallel, params: list | None = None
 ) -> None:
     name = f"coconet.optim.{type(opt).__name__}"
     if opt.bucket_per_parameter:
@@ -70,17 +67,17 @@ def check_and_register(
             hint="opt = coconet.optim.AdamW(ddp.parameters(), comm=comm, ddp=ddp)",
         )
     world = torch.distributed.get_world_size(ddp.process_group)
-    if world != opt._comm.world:
+    if world != opt.comm.world:
         raise ConfigError(
-            f"the DDP model runs on {world} ranks, the communicator on {opt._comm.world}",
+            f"the DDP model runs on {world} ranks, the communicator on {opt.comm.world}",
             op=name,
             hint="wrap the model in DDP over the whole job (the default process group)",
         )
-    opt._hook_layouts = {}
+    opt.ddp_layouts = {}
     ddp.register_comm_hook(opt, _hook)
 
 
-def check_group(opt: DistributedOptimizer, index: int) -> None:
+def check_group(opt: torch.optim.Optimizer, index: int) -> None:
     name = f"coconet.optim.{type(opt).__name__}"
     if index > 0:
         raise ConfigError(
@@ -90,7 +87,7 @@ def check_group(opt: DistributedOptimizer, index: int) -> None:
             hint="pass ddp.parameters() as one group, or use the optimizer without DDP",
         )
     mine = {id(p) for p in opt.param_groups[0]["params"]}
-    theirs = {id(p) for p in opt._ddp.parameters() if p.requires_grad}
+    theirs = {id(p) for p in opt.ddp.parameters() if p.requires_grad}
     if mine != theirs:
         raise ConfigError(
             f"with ddp=, the optimizer must hold exactly the DDP model's trainable parameters "
@@ -119,12 +116,12 @@ def _hook(opt, bucket):  # no annotations: DDP checks them, and these would be s
     return done
 
 
-def _bucket_for(opt: DistributedOptimizer, params: list[torch.Tensor]) -> _Bucket:
+def _bucket_for(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> Bucket:
     """The compiled step of DDP's bucket ``params`` (its layout: the parameters, in order). A
     new layout takes its parameters' state from the layouts that held them before (collective:
     every rank gets DDP's buckets in the same order)."""
     key = tuple(id(p) for p in params)
-    layouts: dict[tuple[int, ...], _Bucket] = opt._hook_layouts
+    layouts: dict[tuple[int, ...], Bucket] = opt.ddp_layouts
     if key in layouts:
         return layouts[key]
     dtypes = {p.dtype for p in params}
@@ -134,8 +131,7 @@ def _bucket_for(opt: DistributedOptimizer, params: list[torch.Tensor]) -> _Bucke
             op=f"coconet.optim.{type(opt).__name__}",
             hint="keep the model's trainable parameters in one dtype",
         )
-    group = opt.param_groups[0]
-    new = opt._compiled_bucket(0, group, dtypes.pop(), list(params))
+    new = opt.packer.new_bucket(0, dtypes.pop(), list(params))
     where = {id(p): (old, off) for old in layouts.values() for p, off in zip(
         old.params, old.offsets, strict=True)}
     moved = [p for p in params if id(p) in where]
@@ -154,7 +150,7 @@ def _bucket_for(opt: DistributedOptimizer, params: list[torch.Tensor]) -> _Bucke
         for name in new.names:
             whole = torch.zeros(new.size, dtype=new.state[name].dtype)
             for old in olds:
-                full = opt._whole(old, name)
+                full = state.whole(opt.comm, old, name)
                 for p, off in zip(old.params, old.offsets, strict=True):
                     if id(p) in {id(q) for q in params}:
                         at = new.offsets[[id(q) for q in params].index(id(p))]
@@ -164,7 +160,7 @@ def _bucket_for(opt: DistributedOptimizer, params: list[torch.Tensor]) -> _Bucke
         for old in olds:  # a layout all of whose parameters moved is gone
             if all(id(p) in set(key) for p in old.params):
                 del layouts[tuple(id(p) for p in old.params)]
-                opt._buckets.remove(old)
+                opt.buckets.remove(old)
     layouts[key] = new
-    opt._buckets.append(new)
+    opt.buckets.append(new)
     return new

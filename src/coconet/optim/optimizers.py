@@ -32,7 +32,8 @@ from coconet.errors import ConfigError, ConfigValueError
 from coconet.ir.program import Program
 from coconet.ir.types import DType
 from coconet.optim import programs
-from coconet.optim.base import DistributedOptimizer, _Bucket
+from coconet.optim.base import DistributedOptimizer
+from coconet.optim.buckets import Bucket
 from coconet.optim.programs import Clip
 
 __all__ = ["LAMB", "SGD", "Adam", "AdamW"]
@@ -156,7 +157,7 @@ class _AdamFamily(DistributedOptimizer):
         beta1, beta2 = (_f(b) for b in group["betas"])
         decoupled = bool(group.get("decoupled_weight_decay", self._decoupled))
         return {
-            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self._comm.world,
+            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self.comm.world,
             "weight_decay": 0.0 if decoupled else wd,
             "decay": 1.0 - lr * wd if decoupled else 1.0,
             "beta1": beta1,
@@ -286,7 +287,7 @@ class SGD(DistributedOptimizer):
 
     def scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         out = {
-            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self._comm.world,
+            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self.comm.world,
             "weight_decay": _f(group["weight_decay"]),
             "lr": _f(group["lr"]),
         }
@@ -325,9 +326,11 @@ class LAMB(_AdamFamily):
 
     As Lamb, the step count is its param group's (``param_groups[i]["step"]``, counted at every
     ``step()``, also for parameters without a gradient, which are skipped), so checkpoints move
-    to and from ``pytorch_optimizer.Lamb`` either way. Lamb's per-parameter diagnostics
-    ``weight_norm``, ``adam_norm`` and ``trust_ratio`` are not kept (the fused step computes
-    them and does not return them; Lamb never reads them back): a Lamb checkpoint's are ignored.
+    to and from ``pytorch_optimizer.Lamb`` either way. Lamb's per-parameter diagnostics are in
+    each stepped parameter's state as Lamb keeps them (``weight_norm``, ``adam_norm``,
+    ``trust_ratio``: 0-d tensors, outputs of the fused step), saved and loaded with it. As Lamb,
+    the step leaves each gradient scaled in place by the global factor (``pre_norm``) and negated
+    (``maximize``): a gradient accumulated into without ``zero_grad()`` starts from that.
     """
 
     bucket_per_parameter = True
@@ -378,7 +381,7 @@ class LAMB(_AdamFamily):
     def clip_factor(self, norm: torch.Tensor) -> torch.Tensor:
         # Lamb's get_global_gradient_norm: the constructor's max_grad_norm and eps (its
         # defaults, not a group's), clamp(max_grad_norm / (norm + eps), max=1)
-        return torch.clamp(self._max_grad_norm / (norm + _f(self.defaults["eps"])), max=1.0)
+        return torch.clamp(self.max_grad_norm / (norm + _f(self.defaults["eps"])), max=1.0)
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
         _check_lr("LAMB", where, group["lr"])
@@ -418,7 +421,7 @@ class LAMB(_AdamFamily):
         lr, wd = _f(group["lr"]), _f(group["weight_decay"])
         beta1, beta2 = (_f(b) for b in group["betas"])
         return {
-            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self._comm.world,
+            "grad_scale": (-1.0 if group["maximize"] else 1.0) / self.comm.world,
             "beta1": beta1,
             "beta3": 1.0 - beta1 if group["grad_averaging"] else 1.0,
             "beta2": beta2,
@@ -430,21 +433,62 @@ class LAMB(_AdamFamily):
         }
 
     # the step count is the group's, as Lamb keeps it
-    def next_steps(self, b: _Bucket) -> list[int]:
+    def next_steps(self, b: Bucket) -> list[int]:
         return [int(self.param_groups[b.group].get("step", 0)) + 1] * len(b.params)
 
-    def after_bucket(self, b: _Bucket, outputs: dict[str, torch.Tensor], stepped: list[int]
+    def before_bucket(self, b: Bucket) -> None:
+        # a bucket of rows: the norm of each row whose state this rank holds (whole tensors),
+        # before the step writes them (Lamb's weight_norm is the decayed weight's, before the
+        # update)
+        self._row_norms = None
+        if b.row:
+            lo, hi = _held(b)
+            self._row_norms = b.flat[lo:hi].view(-1, b.row).norm(dim=1).double()
+
+    def after_bucket(self, b: Bucket, outputs: dict[str, torch.Tensor], stepped: list[int]
                      ) -> None:  # fmt: skip
-        # Lamb's per-tensor diagnostics in each stepped parameter's state, as Lamb keeps them:
-        # 0-d tensors (a bucket of rows: one row per parameter)
-        if "weight_norm" not in outputs:
+        # Lamb's per-tensor diagnostics in each stepped parameter's state, as Lamb keeps them
+        # (0-d tensors): a flat bucket's are its step's outputs; a bucket of rows' are computed
+        # here from the rows this rank holds whole, then gathered (one control round)
+        if b.row:
+            values = self._row_diagnostics(b)
+        elif "weight_norm" in outputs:
+            values = [[outputs[k].reshape(()).clone()
+                       for k in ("weight_norm", "adam_norm", "trust_ratio")]]  # fmt: skip
+        else:
             return
         view = self.state
         for i in stepped:
-            kept = view._extra.setdefault(id(b.params[i]), {})
-            for key in ("weight_norm", "adam_norm", "trust_ratio"):
-                value = outputs[key]
-                kept[key] = (value[i, 0] if b.row else value.reshape(())).clone()
+            kept = view.extra.setdefault(id(b.params[i]), {})
+            row = values[i] if b.row else values[0]
+            kept.update(zip(("weight_norm", "adam_norm", "trust_ratio"), row, strict=True))
+
+    def _row_diagnostics(self, b: Bucket) -> list[list[torch.Tensor]]:
+        """Each row's (weight_norm, adam_norm, trust_ratio) of a bucket of rows, every rank's
+        rows (gathered): Lamb's arithmetic on the rows this rank stepped."""
+        group = self.param_groups[b.group]
+        lr, wd, eps = _f(group["lr"]), _f(group["weight_decay"]), _f(group["eps"])
+        decay = 1.0 - wd * (1.0 if group["fixed_decay"] else lr)
+        m, v = (b.state[name].view(-1, b.row).double() for name in ("m", "v"))
+        adam = (m / (v.sqrt() + eps)).norm(dim=1)
+        weight = (decay * self._row_norms).clamp(max=programs.LAMB_WEIGHT_NORM_CLAMP)
+        trust = torch.where((weight > 0) & (adam > 0), weight / (adam + eps),
+                            torch.ones_like(weight))  # fmt: skip
+        mine = torch.stack([weight, adam, trust], dim=1).reshape(-1).tolist()
+        if _held(b) == (0, b.size):  # the state whole here (AR_C; gradients averaged by DDP)
+            rows = mine
+        else:
+            # every rank's rows, in rank order (a rank's are contiguous), padded to one count
+            comm = self.comm
+            counts = [(hi - lo) // b.row for lo, hi in (b.bounds_of(r, comm.world)
+                                                        for r in range(comm.world))]  # fmt: skip
+            width = 3 * max(counts)
+            every = comm.gather_floats(mine + [0.0] * (width - len(mine)),
+                                       "coconet.optim.LAMB: the rows' diagnostics")  # fmt: skip
+            rows = [x for r, values in enumerate(every) for x in values[: 3 * counts[r]]]
+        dtype = b.flat.dtype
+        return [[torch.tensor(rows[3 * k + j], dtype=dtype) for j in range(3)]
+                for k in range(len(rows) // 3)]
 
     def after_step(self) -> None:
         for group in self.param_groups:
@@ -454,7 +498,7 @@ class LAMB(_AdamFamily):
         # without zero_grad() afterwards starts from those values. The same here, on this
         # rank's gradient (what backward() accumulates into: linear, so averaged as under DDP).
         coef = self.last_clip_coef if self.pre_norm else None
-        for b in self._buckets:
+        for b in self.buckets:
             sign = -1.0 if self.param_groups[b.group]["maximize"] else 1.0
             if coef is None and sign == 1.0:
                 continue
@@ -477,8 +521,14 @@ class LAMB(_AdamFamily):
 
     def after_load(self) -> None:
         # such an old checkpoint has no group step: its parameters' count is the group's
-        for b in self._buckets:
+        for b in self.buckets:
             group = self.param_groups[b.group]
             if "step" not in group and any(b.steps):
-                group["step"] = max(max(bb.steps) for bb in self._buckets
+                group["step"] = max(max(bb.steps) for bb in self.buckets
                                     if bb.group == b.group)
+
+
+def _held(b: Bucket) -> tuple[int, int]:
+    """The elements of ``b`` whose state this rank holds: its slice, or all of it."""
+    state = next(iter(b.state.values()), None)
+    return (0, b.size) if state is None or state.numel() == b.size else b.bounds

@@ -220,9 +220,12 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
     trust = (s["use_trust"] * ratio + (1 - s["use_trust"])).named("trust")
     p_new = (p_d - s["step_size"] * (trust * update)).named("p_new")
     # Lamb's per-tensor diagnostics, which it keeps in each parameter's state (users log them):
-    # the clamped weight norm, the update's norm and the trust ratio (before adam=True drops it)
-    diagnostics = {"weight_norm": weight_norm.named("weight_norm"), "adam_norm": u_norm,
-                   "trust_ratio": ratio}  # fmt: skip
+    # the clamped weight norm, the update's norm and the trust ratio (before adam=True drops it).
+    # A flat bucket's are scalars the step has anyway (its norms are all-reduced); a bucket of
+    # rows would have to gather them, which would cut its one pass: coconet.optim.LAMB computes
+    # those on the host from the rows each rank holds whole (LAMB.after_bucket)
+    diagnostics = {} if rows else {"weight_norm": weight_norm.named("weight_norm"),
+                                   "adam_norm": u_norm, "trust_ratio": ratio}  # fmt: skip
     return Program(
         _name("lamb_rows" if rows else "lamb", clip, averaged),
         [g, p, m, v, *s.values(), *extra_in],

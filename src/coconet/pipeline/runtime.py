@@ -10,17 +10,24 @@ timeout). Parameter gradients accumulate over the micro-batches as with gradient
 the caller steps its optimizer afterwards.
 
 **Which transport carries the messages** (``Pipeline.links``, one ``Link`` per (source,
-destination) stage pair of the schedule: its ``TransportKind`` and why): between stages whose
-ranks share a host, shared memory (``coconet.runtime.p2p.PeerChannels``: a ring of slots per
-direction in memory both ranks map, FIFO and untagged as gloo's pair messages, so ``check``'s
-proof holds unchanged); otherwise torch.distributed ``isend``/``irecv`` (gloo on CPU). "Share a
-host" is routing's verdict for the pipeline's axis (``coconet.pipeline.links``):
-``CommOptions(transport="torch.distributed")`` forces gloo, ``"shared memory"`` insists on one
-host. Building a Pipeline whose links include shared memory is collective over the host's ranks
-of the axis (they map each other's rings: every one of them builds its Pipeline at the same
-point, with the same schedule, which they compare). A rank whose ``step`` raises (a dead or
-stalled peer, a wrong output, a Ctrl-C) tells its shared-memory peers at once (their waits end
-with a ``RuntimeFault`` instead of at the timeout) and refuses further steps.
+destination) stage pair of the schedule: its ``TransportKind`` and why): the pipeline's messages
+go through its communicator (``comm.p2p(axis, channels)``: ``coconet.runtime.p2p.PeerLinks``),
+like every other communication, and routing decides the transport of each channel
+(``coconet.runtime.routing.peer_plan``, with the host evidence every group is routed by):
+between stages whose ranks share a host, shared memory (``coconet.runtime.p2p.PeerChannels``: a
+ring of slots per direction in memory both ranks map, FIFO and untagged as gloo's pair
+messages, so ``check``'s proof holds unchanged); otherwise torch.distributed's pair messages
+(``isend``/``irecv``, gloo on CPU). ``CommOptions(transport="torch.distributed")`` forces gloo,
+``"shared memory"`` insists on one host. Each ring holds every message one ``step()`` puts on
+its channel (``coconet.pipeline.schedules.channel_sizes``: a send never waits for a message of
+its own step); a ring that would need more than ``routing.RING_BYTES`` goes over gloo instead,
+and ``Link.why`` says so. Building a Pipeline whose links include shared memory is collective
+over the host's ranks of the axis (they map each other's rings: every one of them builds its
+Pipeline at the same point, with the same schedule, which they compare). Every send and receive
+runs under the communicator's fault guard (a dead or stalled peer is a ``RuntimeFault``). A rank
+whose ``step`` raises (a dead or stalled peer, a wrong output, a Ctrl-C) tells its
+shared-memory peers at once (their waits end with a ``RuntimeFault`` instead of at the timeout)
+and refuses further steps.
 
 ``slice_over="tp"`` is the paper's sliced boundary (``RS_P2P_C_AG``'s point-to-point half): the
 ranks of each stage's tp group hold the same activation, so each sends only its contiguous 1/T
@@ -43,21 +50,26 @@ shared-memory rings are sized by them, and an output that differs is refused bef
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.options import TransportKind
-from coconet.pipeline.links import Link, host_group, plan_links
-from coconet.pipeline.schedules import Action, Kind, Step, check, gpipe, one_f_one_b
-from coconet.runtime.p2p import PeerChannels
+from coconet.pipeline.schedules import (
+    Action,
+    Kind,
+    Step,
+    channel_sizes,
+    check,
+    gpipe,
+    one_f_one_b,
+)
+from coconet.runtime.p2p import Link, PeerLinks
 
 __all__ = ["Pipeline"]
 
@@ -140,37 +152,20 @@ class Pipeline:
             self.schedule = _own_schedule(schedule, self.stages, micro_batches)
         check(self.schedule)  # refused here, naming both ranks' actions, never a hang later
         self.steps: list[Step] = self.schedule[self.index]
-        self.timeout = datetime.timedelta(seconds=comm.options.timeout)
         self.broken: str | None = None  # why step() refuses to run (an earlier failure)
-        self.links: dict[tuple[int, int], Link] = {}
-        self._channels: PeerChannels | None = None
-        self._local: dict[int, int] = {}  # stage -> its index in the host's shared-memory group
-        self._connect()
-
-    def _connect(self) -> None:
-        """Decide each channel's transport (``coconet.pipeline.links``) and set the
-        shared-memory ones up: collective over this host's ranks of the axis when any channel
-        among them runs on shared memory (the same on each of them: the schedule decides)."""
-        comm = self.comm
-        host, why_not = host_group(comm, self.axis)
-        # the job's global rank of each stage (what torch.distributed and routing name)
-        self.global_ranks = tuple(comm.group(self.axis).ranks)
+        # The channels of the schedule through the communicator (routing decides each one's
+        # transport): collective over this host's ranks of the axis when any channel among them
+        # runs on shared memory (the same on each of them: the schedule decides). What the
+        # host's ranks must agree on before they map each other's rings: the schedule, the dtype.
         size = torch.empty((), dtype=self.dtype).element_size()
-        links, specs = plan_links(self.schedule, self.global_ranks, host, why_not, size)
-        self.links = {pair: link for pair, link in links.items() if self.index in pair}
-        if not specs:
-            return
-        members = {r: i for i, r in enumerate(host.ranks)}
-        self._local = {s: members[r] for s, r in enumerate(self.global_ranks) if r in members}
-        # what the host's ranks must agree on before they map each other's rings
         identity = hashlib.sha256(repr((self.schedule, str(self.dtype))).encode()).hexdigest()
-        shm = host.shm
-        self._channels = comm.guard(
-            "Pipeline", "shared-memory channels", self.axis, PeerChannels, specs,
-            members[self.global_ranks[self.index]], len(host.ranks), shm.gather,
-            timeout=comm.options.timeout, identity=identity[:16], op="Pipeline.step",
-            cache_dir=shm.cache_dir,
+        self._p2p: PeerLinks | None = comm.p2p(
+            axis, channel_sizes(self.schedule, size), identity=identity[:16], op="Pipeline.step",
+            member="stage",
         )  # fmt: skip
+        self.links: dict[tuple[int, int], Link] = {
+            pair: link for pair, link in self._p2p.links.items() if self.index in pair
+        }
 
     def transport_to(self, peer: int) -> TransportKind | None:
         """What carries this rank's messages to stage ``peer`` (None: the schedule sends it
@@ -182,9 +177,9 @@ class Pipeline:
         """Hand back the shared-memory channels (the pipeline refuses further steps)."""
         if self.broken is None:
             self.broken = "closed"
-        if self._channels is not None:
-            self._channels.close()
-            self._channels = None
+        if self._p2p is not None:
+            self._p2p.close()
+            self._p2p = None
 
     def _slicer(self, slice_over: str | None, axis: str | None):
         """The communicator of this rank's group along ``slice_over`` (None: whole tensors)."""
@@ -234,8 +229,8 @@ class Pipeline:
         except BaseException as exc:
             first = str(exc).splitlines()[0][:200] if str(exc) else ""
             self.broken = f"{type(exc).__name__}: {first}"
-            if self._channels is not None:
-                self._channels.abort()
+            if self._p2p is not None:
+                self._p2p.abort()
             raise
 
     def _run(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
@@ -279,53 +274,29 @@ class Pipeline:
         return list(t.chunk(self.micro_batches))
 
     def _communicate(self, step: Step, received, outputs, grads) -> None:
-        """Post the step's sends and receives together, then wait for all of them: gloo's
-        first (they progress on their own), then the shared-memory sends (each returns once its
-        message is in the ring: a ring holds every message a step() puts on its channel, so
-        none waits here for a message of this step), then the shared-memory receives."""
-        works, landed, shm_sends, shm_recvs = [], [], [], []
+        """Post the step's sends and receives together, then wait for all of them (through the
+        communicator's point-to-point channels: a shared-memory send is done when it is posted,
+        its message in a ring that holds every message a step() puts on its channel, so none
+        waits here for a message of this step)."""
+        p2p = self._p2p
+        works = []
         for a in step:
-            shm = self.links[self._channel_of(a)].transport is TransportKind.SHARED_MEMORY
+            what = self._what(a)
             if a.kind.is_send:
                 if a.kind is Kind.SEND_ACTIVATION:
                     t = self._outgoing(outputs[a.micro_batch], a)
                 else:
                     t = self._outgoing(received.pop(a.micro_batch).grad, a)
-                if shm:
-                    shm_sends.append((a, t))
-                else:
-                    works.append((a, dist.isend(t, self.global_ranks[a.peer])))
+                works.append((a, p2p.send_start(t, a.peer, words=_words(a), label=what)))
             else:
                 buf = torch.empty(a.shape, dtype=self.dtype)
-                if shm:
-                    shm_recvs.append((a, buf))
-                else:
-                    works.append((a, dist.irecv(buf, self.global_ranks[a.peer])))
-                landed.append((a, buf))
-        channels = self._channels
-        for a, t in shm_sends:
-            channels.send(self._local[a.peer], t, _words(a), self._what(a))
-        for a, buf in shm_recvs:
-            channels.recv(self._local[a.peer], buf, _words(a), self._what(a))
-        for a, work in works:
-            try:
-                work.wait(self.timeout)
-            except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a lost peer
-                raise RuntimeFault(
-                    f"{self._what(a)} did not complete: a peer rank stalled or died "
-                    f"({str(e).splitlines()[0][:200]})",
-                    op="Pipeline.step",
-                    hint="every stage must run the same schedule; see the other ranks' errors",
-                ) from None
+                works.append((a, p2p.recv_start(buf, a.peer, words=_words(a), label=what)))
+        landed = [(a, p2p.wait(work)) for a, work in works]
         for a, buf in landed:
             if a.kind is Kind.RECV_ACTIVATION:
                 received[a.micro_batch] = self._whole(buf, a).requires_grad_()
-            else:
+            elif a.kind is Kind.RECV_GRADIENT:
                 grads[a.micro_batch] = self._whole(buf, a)
-
-    def _channel_of(self, a: Action) -> tuple[int, int]:
-        """The (source, destination) stages of a send's or receive's channel."""
-        return (self.index, a.peer) if a.kind.is_send else (a.peer, self.index)
 
     def _what(self, a: Action) -> str:
         return f"pipeline stage {self.index}: {a.describe()}"

@@ -30,6 +30,7 @@ must be posted together). It refuses, naming both ranks' actions:
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ __all__ = [
     "Kind",
     "Shape",
     "Step",
+    "channel_sizes",
     "check",
     "format_table",
     "gpipe",
@@ -207,6 +209,22 @@ def peak_activations(steps: Sequence[Step]) -> int:
         elif a.kind is Kind.BACKWARD:
             live -= 1
     return peak
+
+
+def channel_sizes(schedule: Sequence[Sequence[Step]], element_size: int
+                  ) -> dict[tuple[int, int], tuple[int, int]]:  # fmt: skip
+    """(messages, largest message's bytes) per (source, destination) stage pair of the
+    schedule: what one pass of it puts on each channel (``Communicator.p2p`` sizes a
+    shared-memory ring to hold them all, so a send never waits for a message of its own pass:
+    the ring adds no wait that ``check``'s proof did not allow)."""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for src, steps in enumerate(schedule):
+        for step in steps:
+            for a in step:
+                if a.peer is not None and a.kind.is_send:
+                    count, most = out.get((src, a.peer), (0, 0))
+                    out[(src, a.peer)] = (count + 1, max(most, math.prod(a.shape) * element_size))
+    return out
 
 
 def format_table(schedule: Sequence[Sequence[Step]]) -> str:

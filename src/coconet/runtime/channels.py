@@ -1,11 +1,13 @@
-"""``OnePassChannel``: shared memory's own entry points along one axis, as one object.
+"""``OnePassChannel``: a transport's one-pass entry points along one axis, as one object.
 
-A transport's collectives go through the ``Transport`` protocol (start, then wait). Shared memory
-also runs forms no other transport has (``coconet.codegen.forms``): a fused collective as one
-pass, whose kernel reads the peers' rows of its slice and writes its slot of the gather, and an
-all_reduce whose consumer reads the result where each slice's owner reduced it. Generated code
-reaches them through ``comm.one_pass(axis)``, which returns this channel; every call runs under the
-communicator's fault guard, so a dead or stalled peer is a ``RuntimeFault`` as for any collective.
+A transport's collectives go through the ``Transport`` protocol (start, then wait). A transport
+whose ``one_pass`` is true (shared memory's) also runs forms of its own
+(``coconet.codegen.forms``): a fused collective as one pass, whose kernel reads the peers' rows
+of its slice and writes its slot of the gather, and an all_reduce whose consumer reads the
+result where each slice's owner reduced it (``OnePassTransport``: what the channel calls).
+Generated code reaches them through ``comm.one_pass(axis)``, which returns this channel; every
+call runs under the communicator's fault guard, so a dead or stalled peer is a ``RuntimeFault``
+as for any collective.
 
 One unit's calls, in order::
 
@@ -21,24 +23,64 @@ reduce_scatter). ``channel.reduce_in_place(x, reduce_op, label=)`` is the all_re
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from coconet.ir.ops import ReduceOp
-from coconet.runtime.shmem import SharedMemoryTransport
-from coconet.runtime.transport import Group, Published
+from coconet.runtime.transport import Group, Published, Transport
 
-__all__ = ["OnePassChannel"]
+__all__ = ["OnePassChannel", "OnePassTransport"]
 
 # (op, label, axis, fn, *args) -> fn(*args), a transport failure turned into a RuntimeFault
 Guard = Callable[..., Any]
 
 
-class OnePassChannel:
-    """The one-pass entry points of shared memory on one group (see the module docstring)."""
+class OnePassTransport(Transport, Protocol):
+    """A transport that runs the one-pass forms (``Transport.one_pass``): what its channel
+    calls (``coconet.runtime.shmem.SharedMemoryTransport`` has them)."""
 
-    def __init__(self, transport: SharedMemoryTransport, group: Group, guard: Guard) -> None:
+    def fused_reduce_scatter(
+        self,
+        x: torch.Tensor,
+        group: Group,
+        *,
+        gather_shape: Sequence[int] | None,
+        gather_dtype: torch.dtype | None,
+        gather_parts: Sequence[int] | None,
+        gather_into: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]: ...
+
+    def fused_reduce_scatter_end(self, group: Group) -> None: ...
+
+    def fused_all_gather_begin(
+        self,
+        group: Group,
+        *,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        parts: Sequence[int],
+        into: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+    def fused_all_gather(
+        self,
+        group: Group,
+        *,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        parts: Sequence[int],
+        published: bool,
+    ) -> torch.Tensor | Published: ...
+
+    def all_reduce_parts(self, x: torch.Tensor, group: Group, *, reduce_op: ReduceOp
+                         ) -> Published: ...  # fmt: skip
+
+
+class OnePassChannel:
+    """The one-pass entry points of a transport on one group (see the module docstring)."""
+
+    def __init__(self, transport: OnePassTransport, group: Group, guard: Guard) -> None:
         self._transport, self._group, self._guard = transport, group, guard
 
     @property

@@ -16,16 +16,19 @@ A communicator is three small parts and the calls that use them:
 
 Collectives are in start/wait form: ``work = comm.all_reduce_start(x, ...)`` (one typed entry
 point per communication op, named by its spec's ``transport``) returns with the operation in
-flight, ``comm.wait(work)`` returns the result. On torch.distributed, all_reduce,
-reduce_scatter, all_gather and reduce pick their algorithm per size class (``tuning``), the same
-on every rank. Shared memory's own forms go through ``comm.one_pass(axis)``
+flight, ``comm.wait(work)`` returns the result. Where a group's transport has several
+algorithms for an op (torch.distributed's all_reduce, reduce_scatter, all_gather and reduce),
+the communicator's ``AlgorithmChoice`` picks one per size class (``tuning``), the same on every
+rank. A transport's own forms (shared memory's one pass) go through ``comm.one_pass(axis)``
 (``coconet.runtime.channels``).
+
+The transports are named in construction only (``_build``); after it the communicator asks a
+group's transport what it can do (``coconet.runtime.transport.Transport``), never which it is.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coconet.cache import keyed_cache_dir
 from coconet.errors import ConfigError
-from coconet.ir import semantics
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
 from coconet.options import Algorithm, AlgorithmPolicy, CommOptions, TransportKind
@@ -45,34 +46,23 @@ from coconet.runtime.control import ControlChannel
 from coconet.runtime.faults import FaultGuard
 from coconet.runtime.handshake import Deferred, LocalSteps
 from coconet.runtime.hierarchy import HierarchicalTransport
+from coconet.runtime.p2p import PeerLinks
 from coconet.runtime.replica import HostReplica
 from coconet.runtime.routing import (
     control_group,
     host_levels,
     mesh_groups,
+    peer_plan,
     route_groups,
     wants_levels,
 )
-from coconet.runtime.shmem import CONTROL_WORDS, SharedMemoryTransport
+from coconet.runtime.shmem import SharedMemoryTransport
 from coconet.runtime.symmem import host_identity
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import Group, Pending, Transport, ready
-from coconet.runtime.tuning import (
-    SIZE_CLASSES,
-    AlgorithmTable,
-    Choice,
-    TuningKey,
-    class_bytes,
-    measure_choice,
-    reps_for,
-    size_class,
-)
+from coconet.runtime.tuning import AlgorithmChoice, AlgorithmTable, Choice, TuningKey
 
 __all__ = ["CommOptions", "Communicator", "Work"]
-
-# the least int64: the word a rank leaves in its peers' places of a control-channel gather
-_LEAST_WORD = -(1 << 63)
-_WORD_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -168,15 +158,26 @@ class Communicator:
             abort_key,
             process_group,
             members[0],
+            job_rank=members[rank],
         )
         self.guard.explain = self.control.peer_reason
         # The calls this rank made, by kind (an optimizer's steps, each compiled program's
         # calls): what a rank that leaves tells the peers (``depart``), so that one that made a
         # call more learns which rank stopped where
         self.progress: dict[str, int] = {}
+        # The transports, named here only. torch.distributed's makes every group and runs those
+        # that span hosts flat; it is also the one with algorithms to choose among (``choice``,
+        # and the tuner's calibration: ``torch``). After construction a group's transport is
+        # asked what it can do (``Transport``), never which it is.
         self.torch = TorchDistributedTransport()
-        self.shm = SharedMemoryTransport()
-        self.hier = HierarchicalTransport(self.shm, self.torch)
+        shm = SharedMemoryTransport()
+        hier = HierarchicalTransport(shm, self.torch)
+        # the algorithm of each collective where its transport has several (an ``{op:
+        # algorithm}`` mapping in the options is checked here, before any group is made)
+        self.choice = AlgorithmChoice(
+            self.torch, self.options, rank=rank, backend=self.backend, device=self.device,
+            guard=self.guard, process_group=process_group,
+        )
         self._channels: dict[str | None, OnePassChannel] = {}  # comm.one_pass(axis), made once
         # the agreement of the step now running, put off until its first all_reduce rides with
         # it (``defer_agreement``), and the calls of steps that communicate nothing since the
@@ -186,7 +187,6 @@ class Communicator:
         self._groups = (
             groups if groups is not None else mesh_groups(mesh, rank, self.world, self.torch)
         )
-        self._check_fixed_algorithms()
         # Every rank's host identity (routing) and process id (its peers on the same host
         # watch it while they wait outside any collective: ControlChannel.run_watched).
         evidence = self.exchange((host_identity(), os.getpid()), "host identity")
@@ -204,24 +204,19 @@ class Communicator:
             else {}
         )
         self.routes = route_groups(
-            self._groups, hosts, self.device, self.options, self.torch, self.shm, self.hier,
-            levels,
+            self._groups, hosts, self.device, self.options, self.torch, shm, hier, levels
         )
         # how many hosts each group spans: part of what a measured algorithm is valid for
-        self._hosts = {axis: len({hosts[r] for r in g.ranks}) for axis, g in self._groups.items()}
+        self.choice.hosts = {
+            axis: len({hosts[r] for r in g.ranks}) for axis, g in self._groups.items()
+        }
         self.control.abort_groups(
-            [r.group for r in self.routes.values() if r.transport is self.shm]
-            + [
-                r.group.handle.local
-                for r in self.routes.values()
-                if r.transport is self.hier and r.group.handle.local.handle is not None
-            ]
+            [g for r in self.routes.values() for g in r.transport.signal_groups(r.group)]
         )
         control = control_group(self.routes[None], self.options.timeout)
         if control is not None:
-            self.control.use_shared_memory(self.shm, control)
-        self.table = AlgorithmTable.load(keyed_cache_dir(self.options.cache_dir))
-        self._share_table()
+            self.control.use_shared_memory(shm, control)
+        self.choice.share(self.control.broadcast_object)  # rank 0's table, on every rank
 
     # -- sub-communicators --------------------------------------------------------------------
 
@@ -239,6 +234,15 @@ class Communicator:
         if sub is None:
             sub = self._subs[axis] = self._sub(axis, self.options)
         return sub
+
+    @property
+    def root(self) -> Communicator:
+        """The communicator of the whole job this one was made from (``along``, repeatedly);
+        itself for one made whole."""
+        comm = self
+        while comm._parent is not None:
+            comm = comm._parent[0]
+        return comm
 
     def variant(self, options: CommOptions) -> Communicator:
         """A new communicator of the same ranks and mesh with ``options`` (the tuner's way to
@@ -288,22 +292,6 @@ class Communicator:
         group = self._groups.get(axis)
         return group.ranks if group is not None else ()
 
-    def _check_fixed_algorithms(self) -> None:
-        """An ``{op: algorithm}`` mapping names only algorithms this transport has."""
-        if not isinstance(self.options.algorithms, Mapping):
-            return
-        for op, algorithm in self.options.algorithms.items():
-            have = self.torch.algorithms(op)
-            if algorithm not in have:
-                raise ConfigError(
-                    f"CommOptions(algorithms=...) fixes {op} to {algorithm.value}, which the "
-                    f"{self.torch.kind.value} transport does not have",
-                    op="CommOptions",
-                    hint=f"{op} has {[a.value for a in have]}"
-                    if have
-                    else f"{op} has one way only: leave it out of the mapping",
-                )
-
     def transport_of(self, axis: str | None) -> TransportKind:
         """What runs the collectives of this rank's group along ``axis``."""
         return self.route(axis)[0].kind
@@ -325,12 +313,10 @@ class Communicator:
             )
         return self._groups[axis]
 
-    def _share_table(self) -> None:
-        """Every rank uses rank 0's algorithm table, so that they all choose alike."""
-        if self.world == 1:
-            return
-        entries = self.table.entries if self.rank == 0 else None
-        self.table.entries = dict(self.control.broadcast_object(entries, "algorithm table"))
+    @property
+    def table(self) -> AlgorithmTable:
+        """The measured algorithm choices (rank 0's, on every rank): ``AlgorithmChoice.table``."""
+        return self.choice.table
 
     # -- collectives: start / wait (the generated code's calls; the transport does the work) ---
 
@@ -375,22 +361,9 @@ class Communicator:
             raise ValueError(f"all_reduce_control_start: {label} is not a scalar of <= 8 bytes")
         if self._deferred is not None:
             self.settle_deferred()
-        return Work(Op.ALL_REDUCE.value, label, None, self.guard(
-            Op.ALL_REDUCE.value, label, None, self._control_reduce, x, reduce_op, label))
-
-    def _control_reduce(self, x: torch.Tensor, reduce_op: ReduceOp, label: str) -> Pending:
-        size = x.element_size()
-        bits = int(x.detach().reshape(()).view(_WORD_OF_SIZE[size]).item())
-        # a word per rank: this rank's bits in its own (unsigned below 8 bytes), the least word
-        # elsewhere, so the element-wise MAX of the agreement hands every rank every rank's
-        # bits unchanged
-        words = [_LEAST_WORD] * self.world
-        words[self.rank] = bits if size == 8 else bits & ((1 << 8 * size) - 1)
-        got = self.control.agree_max(words, label, op="all_reduce")
-        raw = torch.tensor(got, dtype=torch.int64).view(torch.uint8).view(self.world, 8)
-        low = slice(0, size) if sys.byteorder == "little" else slice(8 - size, 8)  # its bits
-        values = raw[:, low].contiguous().view(x.dtype).view(self.world, *x.shape)
-        return ready(semantics.reduce_values(reduce_op, list(values.to(x.device).unbind(0))))
+        reduced = self.guard(Op.ALL_REDUCE.value, label, None, self.control.all_reduce_scalar,
+                             x, reduce_op, label)  # fmt: skip
+        return Work(Op.ALL_REDUCE.value, label, None, ready(reduced))
 
     def reduce_scatter_start(
         self,
@@ -483,10 +456,11 @@ class Communicator:
         if self._deferred is not None:
             self.settle_deferred()
         transport, group = self.route(axis)
-        if transport is self.hier and self.options.algorithms is AlgorithmPolicy.EXACT:
-            # rank-ordered sums were asked for after routing: the group's flat forms have them
-            transport, group = self.torch, group.handle.flat
-        if transport is not self.torch or not self.torch.algorithms(op):
+        if self.options.algorithms is AlgorithmPolicy.EXACT:
+            # rank-ordered sums were asked for after routing: where the group's transport does
+            # not sum in rank order, its flat form does (``Transport.rank_ordered``)
+            transport, group = transport.rank_ordered(group)
+        if not transport.algorithms(op):
             # one way only: nothing to choose (the common small-step path: no closure)
             return Work(op.value, label, axis, self.guard(op.value, label, axis, run,
                                                           transport, group, None))
@@ -494,30 +468,33 @@ class Communicator:
         def begin() -> Pending:
             # a group of one has nothing to choose: its collectives move no data
             tuned = group.size > 1
-            algorithm = self._algorithm(op, nbytes, group) if tuned else Algorithm.NATIVE
+            algorithm = (
+                self.choice.choose(op, nbytes, group, self.options) if tuned else Algorithm.NATIVE
+            )
             return run(transport, group, algorithm)
 
         return Work(op.value, label, axis, self.guard(op.value, label, axis, begin))
 
-    # -- shared memory's own forms (coconet.codegen.forms): one channel per axis ---------------
+    # -- a transport's own forms (coconet.codegen.forms): one channel per axis ----------------
 
     def one_pass(self, axis: str | None) -> OnePassChannel:
-        """The shared-memory channel of ``axis``'s group: what generated code calls to run a
-        fused collective as one pass, or an all_reduce read in place (see ``OnePassChannel``).
-        A ``ConfigError`` when that group does not run on shared memory."""
+        """The one-pass channel of ``axis``'s group: what generated code calls to run a fused
+        collective as one pass, or an all_reduce read in place (see ``OnePassChannel``). A
+        ``ConfigError`` when that group's transport has no such forms (``Transport.one_pass``:
+        shared memory has them)."""
         if self._deferred is not None:
             self.settle_deferred()
         channel = self._channels.get(axis)
         if channel is None:
             transport, group = self.route(axis)
-            if transport is not self.shm:
+            if not transport.one_pass:
                 raise ConfigError(
                     f"the step was compiled for shared memory along axis {axis!r}, but this "
                     f"communicator runs it on {transport.kind.value}",
                     op="fused collective",
                     hint="compile the step with the communicator that runs it (comm=...)",
                 )
-            channel = OnePassChannel(self.shm, group, self.guard)
+            channel = OnePassChannel(transport, group, self.guard)
             self._channels[axis] = channel
         return channel
 
@@ -536,13 +513,13 @@ class Communicator:
         finished reading it only when the step's own structure guarantees the peer is done
         (shared memory waits for that)."""
         transport, group = self.route(axis)
-        if transport is not self.shm:
+        if not transport.symmetric_memory:
             return torch.empty(tuple(shape), dtype=dtype, device=self.device)
         return self.guard(
             "symmetric memory",
             f"a {tuple(shape)} {dtype} buffer",
             axis,
-            lambda: self.shm.symmetric_tensor(group, shape, dtype),
+            lambda: transport.symmetric_tensor(group, shape, dtype),
         )
 
     def host_replica(
@@ -553,7 +530,7 @@ class Communicator:
         buffer writes each rank's slice into the spare one and the commit flips them. Collective
         over the group. Needs the group on shared memory (a ``ConfigError`` otherwise)."""
         transport, group = self.route(axis)
-        if transport is not self.shm:
+        if not transport.symmetric_memory:
             raise ConfigError(
                 f"a host replica of {tuple(shape)} {dtype} needs the group along {axis!r} on "
                 f"shared memory; it runs on {transport.kind.value}",
@@ -566,26 +543,45 @@ class Communicator:
             "symmetric memory",
             f"a {tuple(shape)} {dtype} host replica",
             axis,
-            lambda: self.shm.host_replica(group, shape, dtype),
+            lambda: transport.host_replica(group, shape, dtype),
         )
 
-    # -- algorithm choice -----------------------------------------------------------------------
+    # -- point to point (coconet.runtime.p2p): one message to or from one member --------------
 
-    def _algorithm(self, op: Op, nbytes: int, group: Group) -> Algorithm:
-        fixed = self.options.fixed_algorithm(op, self.torch)
-        if fixed is not None:
-            return fixed  # the communicator checked it against its transport at construction
-        key = self.tuning_key(op, size_class(nbytes), group.axis)
-        choice = self.table.get(key)
-        if choice is None:
-            choice = self.measure(op, key.size_class, group.axis)
-        return choice.algorithm
+    def p2p(
+        self,
+        axis: str | None,
+        channels: Mapping[tuple[int, int], tuple[int, int]],
+        *,
+        identity: str,
+        op: str = "point-to-point",
+        member: str = "rank",
+    ) -> PeerLinks:
+        """The point-to-point channels of this rank's group along ``axis``: ``channels`` maps each
+        (source, destination) pair of group indices that will carry messages to (messages, the
+        largest one's bytes) per round (what a shared-memory ring is sized by). Routing decides
+        what carries each (``routing.peer_plan``: shared memory between the ranks of one host,
+        torch.distributed's pair messages otherwise); the returned ``PeerLinks`` sends and
+        receives over them under this communicator's fault guard.
+
+        Collective over the ranks of this rank's host in the group when any channel among them
+        runs on shared memory (they map each other's rings, after comparing ``identity`` and
+        their channels: every one of them calls it at the same point, with the same
+        ``channels``). ``op`` names the caller in errors, ``member`` a member of the group in
+        ``Link.why`` (a pipeline's "stage")."""
+        if self._deferred is not None:
+            self.settle_deferred()
+        route = self.route(axis)
+        plan = peer_plan(route, channels, self.options, self.device, member)
+        return PeerLinks(plan, route.group, self.guard, timeout=self.options.timeout,
+                         identity=identity, op=op)  # fmt: skip
+
+    # -- algorithm choice (``AlgorithmChoice``) ------------------------------------------------
 
     def tuning_key(self, op: Op, cls: str, axis: str | None = None) -> TuningKey:
         """What a choice of ``op``'s algorithm at size class ``cls`` on ``axis``'s group is
         measured for and looked up by."""
-        group = self.group(axis)
-        return TuningKey(op, cls, self.backend, group.size, self._hosts.get(axis, 1))
+        return self.choice.key(op, cls, self.group(axis))
 
     def measure(self, op: Op, cls: str, axis: str | None = None) -> Choice:
         """Measure every algorithm of ``op`` at size class ``cls`` on ``axis``'s group, choose the
@@ -593,50 +589,18 @@ class Communicator:
 
         Collective: every rank of the world must call it at the same point (generated code does:
         every rank runs the same collectives in the same order)."""
-        if not self.torch.algorithms(op) or cls not in (label for _, label, _ in SIZE_CLASSES):
-            raise ConfigError(
-                f"cannot measure {op} at size class {cls!r}",
-                op="Communicator.measure",
-                hint=f"op is one of {[str(o) for o in Op if self.torch.algorithms(o)]}, "
-                f"cls one of {[label for _, label, _ in SIZE_CLASSES]}",
-            )
-        group = self.group(axis)
-        n = group.size
-        numel = max(n, class_bytes(cls) // 4)
-        numel -= numel % n
-
-        def run_once(algorithm: Algorithm) -> None:
-            self.torch.run_for_measurement(op, algorithm, group, numel, self.device)
-
-        def agree(times: list[float]) -> list[float]:
-            t = torch.tensor(times, dtype=torch.float64)
-            # this communicator's whole world: everyone must agree
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-            return t.tolist()
-
-        choice = self.guard(
-            op.value,
-            f"measuring algorithms ({cls})",
-            axis,
-            measure_choice,
-            self.torch.algorithms(op),
-            run_once,
-            agree,
-            reps_for(cls, self.options.measure_reps),
-        )
-        self.table.put(self.tuning_key(op, cls, axis), choice)
-        if self.rank == 0:
-            try:
-                self.table.save()
-            except OSError:
-                pass  # an unwritable cache costs a re-measurement next time, nothing more
-        return choice
+        return self.choice.measure(op, cls, self.group(axis), self.options)
 
     # -- control messages (``ControlChannel``) ----------------------------------------------
 
     def agree_max(self, values: Sequence[int], label: str, op: str = "handshake") -> list[int]:
         """Element-wise MAX over the world of a short int vector (the per-step agreement)."""
         return self.control.agree_max(values, label, op)
+
+    def votes_counted(self, label: str) -> None:
+        """After a vote (``agree_max``): wait until every peer has counted every rank's vote
+        (``ControlChannel.votes_counted``)."""
+        self.control.votes_counted(label)
 
     def max_over_world(self, values: Sequence[float], label: str) -> list[float]:
         """Element-wise MAX over the world of a short float vector (same length everywhere)."""
@@ -649,24 +613,9 @@ class Communicator:
     def gather_floats(self, values: Sequence[float], label: str) -> list[list[float]]:
         """Every rank's ``values`` (float64, the same count on every rank), exactly, in rank
         order: one control-channel round (a few microseconds over shared memory), so a caller
-        that reduces them in rank order gets the same bits on every rank."""
-        if self.world == 1:
-            return [[float(v) for v in values]]
-        # a control round carries at most CONTROL_WORDS words (or one per rank): a few values
-        # of every rank per round
-        per_round = max(1, max(CONTROL_WORDS, self.world) // self.world)
-        every: list[list[float]] = [[] for _ in range(self.world)]
-        for start in range(0, len(values), per_round):
-            chunk = [float(v) for v in values[start : start + per_round]]
-            k = len(chunk)
-            words = [_LEAST_WORD] * (self.world * k)
-            mine = torch.tensor(chunk, dtype=torch.float64).view(torch.int64)
-            words[self.rank * k : (self.rank + 1) * k] = mine.tolist()
-            got = self.control.agree_max(words, label, op="gather")
-            rows = torch.tensor(got, dtype=torch.int64).view(torch.float64).view(self.world, k)
-            for r, row in enumerate(rows.tolist()):
-                every[r].extend(row)
-        return every
+        that reduces them in rank order gets the same bits on every rank
+        (``ControlChannel.gather_floats``)."""
+        return self.control.gather_floats(values, label)
 
     def barrier(self, label: str = "barrier") -> None:
         self.control.barrier(label)
@@ -705,8 +654,7 @@ class Communicator:
         for sub in self._subs.values():
             sub.close()
         for route in self.routes.values():
-            if route.transport is self.shm or route.transport is self.hier:
-                route.group.handle.close()
+            route.transport.close(route.group)
         self.control.close()
 
     def __repr__(self) -> str:

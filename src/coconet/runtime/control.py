@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from coconet.errors import RuntimeFault
+from coconet.ir import semantics
 from coconet.ir.ops import ReduceOp
 from coconet.runtime.faults import LEFT, LEFT_HINT, FaultGuard
 from coconet.runtime.shmem import CONTROL_WORDS, RoundKind, SharedMemoryTransport
@@ -34,6 +36,8 @@ from coconet.runtime.transport import Group, WholeWait
 __all__ = ["ControlChannel"]
 
 _LEAST = -(1 << 63)  # the least int64: the padding of a control round (MAX leaves it alone)
+# the int type of each element size: how a scalar's bits ride in a control word
+_WORD_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ControlChannel:
@@ -49,8 +53,13 @@ class ControlChannel:
         abort_key: str,
         process_group: Any = None,
         root: int = 0,
+        job_rank: int | None = None,
     ) -> None:
         self.rank, self.world, self.device, self.timeout = rank, world, device, timeout
+        # how this rank names itself to its peers (an abort's reason): by the job's rank, and
+        # its group rank where that differs (a communicator along one axis of a mesh)
+        job = rank if job_rank is None else job_rank
+        self._who = f"rank {rank}" if job == rank else f"rank {job} (group rank {rank})"
         self._guard = guard
         # The torch.distributed group of this communicator's world (None: the default group) and
         # the global rank of its first member (what torch names a broadcast's source by).
@@ -137,6 +146,21 @@ class ControlChannel:
             return list(values)
         return self._max_words(RoundKind.WORDS, values, label, op)
 
+    def votes_counted(self, label: str) -> None:
+        """After a vote (``agree_max``), before acting on it: wait until every peer has read every
+        rank's words of that round, not only posted its own. A peer that posted its vote and then
+        gave up waiting for this rank's (its timeout passed: this rank was late) decided not to
+        commit and aborted; counting its vote, this rank would commit alone. Over shared memory
+        each peer's ``CONSUMED`` of the round says it read them all (a ``RuntimeFault`` when it
+        aborted, died or stays silent past the timeout instead). A wait only where the vote was
+        late: a peer posts ``CONSUMED`` as it leaves the round.
+
+        On torch.distributed nothing is waited for: a late rank's all_reduce can still complete
+        against a peer that timed out in it, and only the peer's abort, when seen between the
+        slices of a wait, stops this rank."""
+        if self._shm_group is not None and self.world > 1:
+            self._guard("commit vote", label, None, self._shm.round_read, self._shm_group)
+
     def _max_words(self, kind: RoundKind, values: Sequence[int], label: str, op: str
                    ) -> list[int]:  # fmt: skip
         """A control round on torch.distributed: one MAX all_reduce of a fixed number of words
@@ -167,6 +191,48 @@ class ControlChannel:
                 "have diverged: restart it",
             )
         return got[4 : 4 + n]
+
+    def gather_floats(self, values: Sequence[float], label: str) -> list[list[float]]:
+        """Every rank's ``values`` (float64, the same count on every rank), exactly, in rank
+        order: one control round (a few microseconds over shared memory) per ``CONTROL_WORDS``
+        words, so a caller that reduces them in rank order gets the same bits on every rank.
+        Each value's bits ride in a word of their own, the least word in the other ranks'
+        places, so the element-wise MAX of ``agree_max`` hands every rank every rank's bits."""
+        if self.world == 1:
+            return [[float(v) for v in values]]
+        # a control round carries at most CONTROL_WORDS words (or one per rank): a few values
+        # of every rank per round
+        per_round = max(1, max(CONTROL_WORDS, self.world) // self.world)
+        every: list[list[float]] = [[] for _ in range(self.world)]
+        for start in range(0, len(values), per_round):
+            chunk = [float(v) for v in values[start : start + per_round]]
+            k = len(chunk)
+            words = [_LEAST] * (self.world * k)
+            mine = torch.tensor(chunk, dtype=torch.float64).view(torch.int64)
+            words[self.rank * k : (self.rank + 1) * k] = mine.tolist()
+            got = self.agree_max(words, label, op="gather")
+            rows = torch.tensor(got, dtype=torch.int64).view(torch.float64).view(self.world, k)
+            for r, row in enumerate(rows.tolist()):
+                every[r].extend(row)
+        return every
+
+    def all_reduce_scalar(self, x: torch.Tensor, reduce_op: ReduceOp, label: str
+                          ) -> torch.Tensor:  # fmt: skip
+        """The all_reduce of a scalar of at most 8 bytes over the world, in one control round:
+        every rank's value gathered exactly (its bits, one word per rank) and reduced here in
+        rank order, as the simulator reduces: the same bits on every rank."""
+        size = x.element_size()
+        bits = int(x.detach().reshape(()).view(_WORD_OF_SIZE[size]).item())
+        # a word per rank: this rank's bits in its own (unsigned below 8 bytes), the least word
+        # elsewhere, so the element-wise MAX of the agreement hands every rank every rank's
+        # bits unchanged
+        words = [_LEAST] * self.world
+        words[self.rank] = bits if size == 8 else bits & ((1 << 8 * size) - 1)
+        got = self.agree_max(words, label, op="all_reduce")
+        raw = torch.tensor(got, dtype=torch.int64).view(torch.uint8).view(self.world, 8)
+        low = slice(0, size) if sys.byteorder == "little" else slice(8 - size, 8)  # its bits
+        values = raw[:, low].contiguous().view(x.dtype).view(self.world, *x.shape)
+        return semantics.reduce_values(reduce_op, list(values.to(x.device).unbind(0)))
 
     def max_over_world(self, values: Sequence[float], label: str) -> list[float]:
         """Element-wise MAX over the world of a short float vector (same length everywhere)."""
@@ -318,7 +384,7 @@ class ControlChannel:
             self._shm_group.handle.abort()
         if self._store is not None:
             try:
-                self._store.set(self._abort_key, f"rank {self.rank}: {reason}")
+                self._store.set(self._abort_key, f"{self._who}: {reason}")
             except (RuntimeError, OSError):
                 pass  # the store is gone (its host died): the peers learn from that
 
@@ -368,43 +434,28 @@ class ControlChannel:
             self._shm_group.handle.abort(DEPARTED)
         if self._store is not None:
             try:
-                self._store.set(self._abort_key, f"rank {self.rank} {LEFT} {note}")
+                self._store.set(self._abort_key, f"{self._who} {LEFT} {note}")
             except (RuntimeError, OSError):
                 pass  # the store is gone (rank 0 left first): nobody is left to tell
 
     def store_barrier(self, label: str, deadline_s: float) -> None:
         """A barrier through the job's store only: what ranks that have left (``depart``) meet
-        at, which their abort words cannot trip. A peer gone or late past ``deadline_s`` is a
-        ``RuntimeFault``."""
+        at, which their abort words cannot trip. A peer that aborted instead of coming, died (on
+        this host: its process is gone; elsewhere: its heartbeat stood still for the
+        communicator's timeout) or is late past ``deadline_s`` is a ``RuntimeFault``."""
         if self._store is None:
             return
         key = f"{self._abort_key}/{label}"
-        everyone = [f"{key}/{r}" for r in range(self.world)]
-        give_up = time.monotonic() + deadline_s
-        pause = 0.001
         try:
             self._store.set(f"{key}/{self.rank}", "1")
-            # polled, not store.wait: a peer that aborted instead of coming (it failed, or it
-            # made a call this rank did not) ends the wait at once
-            while not self._store.check(everyone):
-                reason = self.peer_reason()
-                if reason is not None and LEFT not in reason:
-                    raise RuntimeFault(
-                        f"a peer rank aborted instead of reaching {label!r}",
-                        op="store barrier",
-                        details=[f"on rank {self.rank} of {self.world}",
-                                 f"the peer said: {reason}"],
-                        hint="look at that rank's output",
-                    )
-                if time.monotonic() > give_up:
-                    raise RuntimeFault(
-                        f"not every rank reached {label!r} within {deadline_s:g} s",
-                        op="store barrier",
-                        details=[f"on rank {self.rank} of {self.world}"],
-                        hint="look at the other ranks' output",
-                    )
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
+            self._await([f"{key}/{r}" for r in range(self.world)], label, deadline_s)
+            # The job's store lives in rank 0's process: rank 0 leaves last, once every rank
+            # is done with the store (a rank still polling it when rank 0's process ends gets a
+            # reset connection, which torch's C++ logs as a stack dump)
+            self._store.set(f"{key}/done/{self.rank}", "1")
+            if self.rank == 0:
+                self._await([f"{key}/done/{r}" for r in range(self.world)], label,
+                            min(deadline_s, 5.0))  # fmt: skip
         except (RuntimeError, OSError) as exc:
             raise RuntimeFault(
                 f"the job's store went away before every rank reached {label!r} (rank 0 left?)",
@@ -412,6 +463,40 @@ class ControlChannel:
                 details=[f"on rank {self.rank} of {self.world}", str(exc).splitlines()[0][:200]],
                 hint="look at the other ranks' output",
             ) from exc
+
+    def _await(self, keys: list[str], label: str, deadline_s: float) -> None:
+        """Poll the store until every one of ``keys`` (one per rank, in rank order) is set,
+        watching the peers (a departure is not a failure here: the ranks that meet have all
+        left)."""
+        pids = self.peer_pids()
+        started = time.monotonic()
+        beats = _Heartbeats(self._store, self._abort_key, self.rank, self.world, started)
+        pause = 0.001
+        while not self._store.check(keys):
+            beats.beat()
+            now = time.monotonic()
+            reason = self.peer_reason()
+            # a peer gone (or silent) after it set its key is not a failure: it got here and
+            # left (the ranks leave as they pass the barrier)
+            dead = [r for r, pid in pids.items()
+                    if not _alive(pid) and not self._store.check([keys[r]])]  # fmt: skip
+            silent = [] if dead else [r for r in beats.silent_for(self.timeout, now)
+                                      if not self._store.check([keys[r]])]  # fmt: skip
+            if (reason is not None and LEFT not in reason) or dead or silent or (
+                now > started + deadline_s
+            ):
+                cause = (f"a peer rank aborted ({reason})" if reason is not None and LEFT not in
+                         reason else f"rank(s) {dead} died" if dead else
+                         f"rank(s) {silent} gave no sign of life for {self.timeout:g} s" if silent
+                         else f"not every rank came within {deadline_s:g} s")  # fmt: skip
+                raise RuntimeFault(
+                    f"{cause}: {label}",
+                    op="store barrier",
+                    details=[f"on rank {self.rank} of {self.world}"],
+                    hint="look at the other ranks' output",
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     def wait_work(self, work) -> None:
         """``work.wait()`` in slices, looking between them whether a peer aborted its step (a

@@ -49,6 +49,7 @@ from coconet.ir.ops import ReduceOp
 from coconet.ir.program import Program
 
 __all__ = [
+    "CallRefused",
     "Deferred",
     "Disagreement",
     "LocalSteps",
@@ -127,6 +128,28 @@ class Deferred:
     report: RankReport
     identity: int  # identity_hash(report.identity)
     label: str  # the all_reduce it rides with
+
+
+class CallRefused(RuntimeFault):
+    """A call refused on every rank before anything moved: the per-step agreement found the
+    ranks' reports different (``reports``: every rank's, in rank order), or, in a step that
+    communicates nothing, this rank's own inputs were bad (no reports). Nothing was counted and
+    the communicator stays usable. A typed value: a caller that words the difference itself
+    (``coconet.optim``'s call agreement, ``coconet.nn``'s replica check) asks which of its
+    agreed values differ (``values``, ``differs``), never the message."""
+
+    def __init__(self, fault: RuntimeFault, reports: Sequence[RankReport] = ()) -> None:
+        super().__init__(fault.message, op=fault.op, loc=fault.loc, details=fault.details,
+                         hint=fault.hint)  # fmt: skip
+        self.reports: tuple[RankReport, ...] = tuple(reports)
+
+    def values(self, key: str) -> list[str | None]:
+        """Each rank's value of the agreed value ``key`` (None: a rank that did not send it)."""
+        return [r.replicated.get(key) for r in self.reports]
+
+    def differs(self, key: str) -> bool:
+        """Whether the ranks sent ``key`` with different values (or some without it)."""
+        return len(set(self.values(key))) > 1
 
 
 class Disagreement(Exception):  # noqa: N818 - a control-flow signal inside coconet, not an error

@@ -54,7 +54,7 @@ ranks follow the previous host's, in 32-bit types: host A 0, 1 and host B 2 adds
 ``(x0 + x1) + x2``): equal within rounding (``coconet.sim.exactness``). So
 ``CommOptions(algorithms="exact")`` never runs here: routing keeps such a group flat on
 torch.distributed's rank-ordered forms, and a communicator whose policy is switched to exact
-afterwards runs the group's collectives flat too (``Communicator._start``). ``reduce_order``
+afterwards runs the group's collectives flat too (``rank_ordered``). ``reduce_order``
 computes the order, for tests and users.
 
 The rooted and point-to-point ops (broadcast, reduce, send) run flat on the group's
@@ -84,7 +84,14 @@ from coconet.options import Algorithm, TransportKind
 from coconet.runtime import algorithms as algos
 from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup
 from coconet.runtime.torchdist import TorchDistributedTransport
-from coconet.runtime.transport import Group, Pending, WholeWait, ready, wait_work
+from coconet.runtime.transport import (
+    Group,
+    Pending,
+    Transport,
+    WholeWait,
+    ready,
+    wait_work,
+)
 
 __all__ = ["CrossHost", "HierGroup", "HierarchicalTransport", "HostLayout", "reduce_order"]
 
@@ -289,7 +296,7 @@ def _in_order(rows: Sequence[tuple[int, int]], total: int) -> bool:
     return at == total
 
 
-class HierarchicalTransport:
+class HierarchicalTransport(Transport):
     """Collectives of groups that span hosts: in two levels by local index on homogeneous
     hosts, through one leader per host on the others (``CrossHost``; module docstring). Its
     work is done when a collective starts, as shared memory's: on a CPU the copying and the
@@ -548,6 +555,25 @@ class HierarchicalTransport:
                 ],
                 hint=e.hint,
             ) from e
+
+    # -- what it can do beside the ops (``Transport``) ------------------------------------------
+
+    def rank_ordered(self, group: Group) -> tuple[Transport, Group]:
+        """The group's flat form on torch.distributed: its sums here are over hosts of each
+        host's sum, not in rank order (the module docstring), so a communicator switched to
+        ``CommOptions(algorithms="exact")`` after routing runs the group flat."""
+        h: HierGroup = group.handle
+        return self.flat, h.flat
+
+    def signal_groups(self, group: Group) -> list[Group]:
+        """This rank's host group over shared memory (none for a host of one)."""
+        h: HierGroup = group.handle
+        return [h.local] if h.local.handle is not None else []
+
+    def close(self, group: Group) -> None:
+        """Hand back the host group's shared memory."""
+        h: HierGroup = group.handle
+        h.close()
 
     # -- one tensor between two places: the flat group ----------------------------------------
 

@@ -33,11 +33,19 @@ unless the ring is full), a receive once its message is copied out. A caller tha
 sends before its receives and sizes each ring to hold every message one round of its schedule
 puts on that channel (the pipeline does) never has a send wait on a message of the same round,
 so the channels add no wait that a proof over rendezvous channels did not already allow.
+
+**``PeerLinks``** is what a caller gets from ``Communicator.p2p(axis, channels)``: every
+(source, destination) channel of one group with routing's verdict on it (``Link``: shared memory
+through ``PeerChannels`` among the ranks of this rank's host, or the torch.distributed
+transport's untagged pair messages; ``coconet.runtime.routing.peer_plan`` decides, nothing else
+does), and ``send_start`` / ``recv_start`` / ``wait`` over whichever carries each, every call
+under the communicator's ``FaultGuard``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,10 +53,14 @@ from typing import NamedTuple
 import torch
 
 from coconet.errors import ConfigError, RuntimeFault
+from coconet.options import TransportKind
 from coconet.runtime import symmem
 from coconet.runtime.symmem import SymmetricMemory
+from coconet.runtime.torchdist import TorchDistributedTransport
+from coconet.runtime.transport import Group, Pending, ready
 
-__all__ = ["ChannelSpec", "PeerChannels", "Place", "layout"]
+__all__ = ["ChannelSpec", "Link", "PeerChannels", "PeerLinks", "PeerPlan", "PeerWork", "Place",
+           "layout"]  # fmt: skip
 
 _LINE = 64  # a counter per cache line; slots start on one
 _HEADER = 4  # int64 words at the start of a slot: number, two caller words, bytes
@@ -62,6 +74,26 @@ class ChannelSpec(NamedTuple):
     dst: int
     slots: int
     payload_bytes: int
+
+
+class Link(NamedTuple):
+    """How one (source, destination) channel of a group runs, and why (routing's verdict:
+    ``coconet.runtime.routing.peer_plan``)."""
+
+    transport: TransportKind
+    why: str
+
+
+class PeerPlan(NamedTuple):
+    """Routing's verdict on the channels of one group (``coconet.runtime.routing.peer_plan``):
+    each channel's ``Link`` by (source, destination) index in the group, the ``ChannelSpec``s of
+    those on shared memory (by index in ``host``, every one of its members' channels, so that
+    each lays its memory out alike), and ``host``: this rank's host group (its handle the
+    ``ShmGroup`` whose control channel sets the rings up), None when no channel runs there."""
+
+    links: dict[tuple[int, int], Link]
+    specs: list[ChannelSpec]
+    host: Group | None
 
 
 @dataclass(frozen=True)
@@ -152,6 +184,7 @@ class PeerChannels:
         identity: str = "",
         op: str = "point-to-point",
         cache_dir: str | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.index, self.size, self.timeout, self.op = index, size, timeout, op
         specs = sorted(ChannelSpec(*c) for c in channels)
@@ -166,7 +199,7 @@ class PeerChannels:
             )
         places, sizes = layout(specs, size)
         self.mem = SymmetricMemory(sizes[index], index, size, gather, timeout=timeout,
-                                   cache_dir=cache_dir)  # fmt: skip
+                                   cache_dir=cache_dir, ranks=ranks)  # fmt: skip
         self.lib = self.mem.lib
         self._why = ctypes.c_int32(0)
         self._out: dict[int, _End] = {}
@@ -216,6 +249,12 @@ class PeerChannels:
         while the ring is full."""
         end = self._out[dst]
         n = end.count + 1
+        code = self.mem.aborted(dst)
+        if code:
+            # it will read nothing more: its step failed before it read this message (a rank
+            # that stalled past its peer's timeout must not finish a step its peer gave up)
+            self._why.value = 3
+            self._fail(end.theirs, n, what, "consumed", code)
         slots = len(end.slots)
         if n > slots:  # the slot's previous message must have been read
             self._wait(end.theirs, n - slots, what, "consumed")
@@ -269,12 +308,17 @@ class PeerChannels:
                                     w.aborts, symmem.WAIT.spin_s, symmem.WAIT.yield_s)  # fmt: skip
         if late < 0:
             return
-        cause = symmem.wait_cause(self._why.value, self.timeout, "the peer rank")
+        self._fail(w, target, what, counter,
+                   self.mem.aborted(w.peer) if self._why.value == 3 else 0)  # fmt: skip
+
+    def _fail(self, w: _Wait, target: int, what: str, counter: str, code: int) -> None:
+        cause = symmem.wait_cause(self._why.value, self.timeout, "the peer rank",
+                                  code or symmem.ABORTED)  # fmt: skip
         have = int(self.lib.cn_load_acquire(w.address))
         raise RuntimeFault(
             f"{what} did not complete: {cause}",
             op=self.op,
-            details=[f"waiting for group rank {w.peer} (pid {self.mem.pids[w.peer]}) to have "
+            details=[f"waiting for {self.mem.who(w.peer)} (pid {self.mem.pids[w.peer]}) to have "
                      f"{counter} {target} messages on this channel; it is at {have}"],
             hint="look at the other ranks' output for the first failure; this pipeline cannot "
             "continue: end the job and restart it",
@@ -291,3 +335,134 @@ class PeerChannels:
         """Drop this rank's mappings (the memory goes when every rank dropped them)."""
         self._out, self._in, self._views = {}, {}, {}
         self.mem.close()
+
+
+# -- every channel of one group, whichever transport carries it ------------------------------------
+
+
+class PeerWork(NamedTuple):
+    """A message in flight (``PeerLinks.send_start`` / ``recv_start``); ``PeerLinks.wait``
+    completes it."""
+
+    label: str
+    pending: Pending
+
+
+class PeerLinks:
+    """This rank's point-to-point channels in one group: what ``Communicator.p2p`` returns (see
+    the module docstring). ``links``: every channel's ``Link`` by (source, destination) index in
+    the group. ``channels``: the shared-memory ones (``PeerChannels``, None when there are none).
+
+    A send over shared memory is done when ``send_start`` returns (its message is in the ring);
+    a receive over shared memory is done by ``wait`` (it waits for its message and copies it
+    out); over torch.distributed both are posted by ``*_start`` and completed by ``wait``. Post a
+    round's sends and receives, then wait for them: a receive never blocks another's posting.
+    ``words``: two integers that a shared-memory message carries in its header for its receive
+    to check (messages pair by order alone, as untagged channels pair them; pair messages carry
+    none)."""
+
+    def __init__(
+        self,
+        plan: PeerPlan,
+        group: Group,
+        guard: Callable[..., object],
+        *,
+        timeout: float,
+        identity: str,
+        op: str,
+        pairs: TorchDistributedTransport | None = None,
+    ) -> None:
+        self.links = plan.links
+        self.axis, self.op = group.axis, op
+        self._group, self._guard = group, guard
+        self._timeout = datetime.timedelta(seconds=timeout)
+        # what carries the channels that are not on shared memory: untagged pair messages
+        self._pairs = pairs if pairs is not None else TorchDistributedTransport()
+        me = group.index
+        shm = TransportKind.SHARED_MEMORY
+        self._shm_out = {d for (s, d), link in plan.links.items() if s == me and
+                         link.transport is shm}  # fmt: skip
+        self._shm_in = {s for (s, d), link in plan.links.items() if d == me and
+                        link.transport is shm}  # fmt: skip
+        self.channels: PeerChannels | None = None
+        self._local: dict[int, int] = {}  # group index -> its index in the host group
+        host = plan.host
+        if plan.specs and host is not None:
+            members = {r: i for i, r in enumerate(host.ranks)}
+            self._local = {i: members[r] for i, r in enumerate(group.ranks) if r in members}
+            st = host.handle  # the host's ShmGroup: its control channel sets the rings up
+            self.channels = guard(
+                op, "shared-memory channels", self.axis, PeerChannels, plan.specs,
+                members[group.ranks[me]], len(host.ranks), st.gather, timeout=timeout,
+                identity=identity, op=op, cache_dir=st.cache_dir, ranks=host.ranks,
+            )  # fmt: skip
+
+    def transport(self, src: int, dst: int) -> TransportKind | None:
+        """What carries the channel from ``src`` to ``dst`` (None: there is no such channel)."""
+        link = self.links.get((src, dst))
+        return None if link is None else link.transport
+
+    def send_start(self, x: torch.Tensor, dst: int, *, words: tuple[int, int], label: str
+                   ) -> PeerWork:  # fmt: skip
+        """Send contiguous ``x`` to the group's ``dst``-th rank."""
+        if dst in self._shm_out:
+            self._guard(self.op, label, self.axis, self._ring_send, dst, x, words, label)
+            return PeerWork(label, ready(x))
+        self._known(self._group.index, dst)
+        return PeerWork(label, self._guard(self.op, label, self.axis, self._pairs.send_to, x,
+                                           self._group, dst))  # fmt: skip
+
+    def recv_start(self, out: torch.Tensor, src: int, *, words: tuple[int, int], label: str
+                   ) -> PeerWork:  # fmt: skip
+        """Receive the next message from the group's ``src``-th rank into contiguous ``out``
+        (``wait`` returns ``out`` once it is there)."""
+        if src in self._shm_in:
+            def finish() -> torch.Tensor:
+                self._ring_recv(src, out, words, label)
+                return out
+
+            return PeerWork(label, Pending([], finish))
+        self._known(src, self._group.index)
+        return PeerWork(label, self._guard(self.op, label, self.axis, self._pairs.recv_from, out,
+                                           self._group, src))  # fmt: skip
+
+    def wait(self, work: PeerWork) -> torch.Tensor:
+        """The message's tensor once its send or receive completed on this rank."""
+        return self._guard(self.op, work.label, self.axis, work.pending.wait, self._wait_pair)
+
+    def _wait_pair(self, work) -> None:
+        """A pair message's handle (``WholeWait``), waited for in one call of the timeout: gloo
+        fails a pair whose wait ends early, so it cannot be waited for in slices. Nor is the
+        job's store looked at first for a peer's abort, as a collective's wait does
+        (``ControlChannel.wait_work``): a store round trip beside a message in flight cost more
+        than the message (a 64 KiB round trip on 2 cores: 160 us alone, 300-770 us with one);
+        a peer that died is seen when its connection closes, one that stalls at the timeout."""
+        work.wait(self._timeout)
+
+    def _ring_send(self, dst: int, x: torch.Tensor, words: tuple[int, int], label: str) -> None:
+        self.channels.send(self._local[dst], x, words, label)
+
+    def _ring_recv(self, src: int, out: torch.Tensor, words: tuple[int, int], label: str
+                   ) -> None:  # fmt: skip
+        self.channels.recv(self._local[src], out, words, label)
+
+    def _known(self, src: int, dst: int) -> None:
+        if (src, dst) not in self.links:
+            raise ConfigError(
+                f"{self.op}: no channel from group rank {src} to {dst} was set up",
+                op=self.op,
+                hint="Communicator.p2p(axis, channels) takes every (source, destination) pair "
+                "that will carry a message",
+            )
+
+    def abort(self) -> None:
+        """Tell the shared-memory peers that this rank will send and read no more (its round
+        failed): their waits on it fail at once. Final."""
+        if self.channels is not None:
+            self.channels.abort()
+
+    def close(self) -> None:
+        """Hand back the shared-memory channels."""
+        if self.channels is not None:
+            self.channels.close()
+            self.channels = None

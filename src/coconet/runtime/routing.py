@@ -11,26 +11,32 @@ also creates, after the host identities are known, the torch.distributed group o
 members (the shared-memory group's setup channel; ``host_levels``). Every member of a group sees
 the same hosts, so they all choose alike, and every rank creates the same groups in the same
 order.
+
+Point-to-point channels are routed here too (``peer_plan``): each (source, destination) pair of
+a group that will carry messages (a pipeline's stage boundaries) runs over shared memory when
+both ranks are in the shared-memory group that routing made for this rank's host along that
+axis, over torch.distributed's pair messages otherwise (``Link.why`` says which and why).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from coconet.errors import ConfigError
 from coconet.ir.mesh import Mesh
-from coconet.options import AlgorithmPolicy, CommOptions, TransportPolicy
+from coconet.options import AlgorithmPolicy, CommOptions, TransportKind, TransportPolicy
 from coconet.runtime.hierarchy import CrossHost, HierarchicalTransport, HierGroup, HostLayout
+from coconet.runtime.p2p import ChannelSpec, Link, PeerPlan
 from coconet.runtime.shmem import SharedMemoryTransport, ShmGroup, control_area, torch_gather
 from coconet.runtime.torchdist import TorchDistributedTransport
 from coconet.runtime.transport import Group, Transport
 
-__all__ = ["Levels", "Route", "control_group", "host_levels", "levels_plan", "mesh_groups",
-           "route_groups"]  # fmt: skip
+__all__ = ["RING_BYTES", "Levels", "Route", "control_group", "host_group", "host_levels",
+           "levels_plan", "mesh_groups", "peer_plan", "plan_links", "route_groups"]  # fmt: skip
 
 
 class Route(NamedTuple):
@@ -214,7 +220,8 @@ def route_groups(
         )
         if use_shm:
             state = ShmGroup(
-                group.index, group.size, torch_gather(group.handle), options.timeout, cache_dir
+                group.index, group.size, torch_gather(group.handle), options.timeout, cache_dir,
+                ranks=group.ranks,
             )
             routes[axis] = Route(shm, Group(axis, group.ranks, group.index, state))
         elif axis in levels and hier is not None and not one_host:
@@ -223,7 +230,7 @@ def route_groups(
             if lv.local.size > 1:
                 local = ShmGroup(
                     lv.local.index, lv.local.size, torch_gather(lv.local.handle),
-                    options.timeout, cache_dir,
+                    options.timeout, cache_dir, ranks=lv.local.ranks,
                 )
             state = HierGroup(
                 layout=lv.layout,
@@ -246,6 +253,102 @@ def control_group(world: Route, timeout: float) -> Group | None:
     if not isinstance(world.transport, SharedMemoryTransport):
         return None
     g = world.group
-    state = ShmGroup(g.index, g.size, g.handle.gather, timeout, g.handle.cache_dir)
+    state = ShmGroup(g.index, g.size, g.handle.gather, timeout, g.handle.cache_dir,
+                     ranks=g.ranks)  # fmt: skip
     state.reserve(control_area(g.size))
     return Group(None, g.ranks, g.index, state)
+
+
+# -- point-to-point channels -----------------------------------------------------------------------
+
+# The most bytes one point-to-point channel's ring may take (in its source's memory); a channel
+# that needs more (huge activations x many micro-batches) goes over torch.distributed. 256 MiB
+# holds 8 micro-batches of a 2 x 2048 x 4096 float32 activation.
+RING_BYTES = 256 << 20
+
+
+def host_group(route: Route, policy: TransportPolicy, device: torch.device, member: str = "rank"
+               ) -> tuple[Group | None, str]:  # fmt: skip
+    """This rank's shared-memory group of its host in ``route``'s group, as routing made it
+    (its handle a ``ShmGroup``), or None and why there is none:
+
+    - the group is on shared memory (all its ranks on one host, CPU, ``CommOptions(transport=
+      ...)`` not forcing torch.distributed): the whole group;
+    - it is hierarchical (it spans hosts): the members on this rank's host, over that host's
+      shared-memory group;
+    - it is on torch.distributed (forced, not on CPU, or a group over hosts that runs flat, as
+      with ``algorithms="exact"``): none.
+
+    ``member`` names a member of the group in the reason (a pipeline's "stage")."""
+    transport, group = route
+    kind = transport.kind
+    if kind is TransportKind.SHARED_MEMORY and isinstance(group.handle, ShmGroup):
+        return group, ""
+    if kind is TransportKind.HIERARCHICAL:
+        local = group.handle.local
+        if isinstance(local.handle, ShmGroup):
+            return local, ""
+        return None, f"no other {member} of the group is on this rank's host"
+    if policy is TransportPolicy.TORCH_DISTRIBUTED:
+        return None, "CommOptions(transport='torch.distributed') forces it"
+    if device.type != "cpu":
+        return None, f"the communicator runs on {device}, not CPU"
+    return None, (f"the group along {group.axis!r} runs on {kind.value} (its ranks span "
+                  "hosts and it runs flat)")  # fmt: skip
+
+
+def plan_links(
+    channels: Mapping[tuple[int, int], tuple[int, int]],
+    ranks: Sequence[int],
+    host: Sequence[int] | None,
+    why_not: str,
+    ring_bytes: int = RING_BYTES,
+    member: str = "rank",
+) -> tuple[dict[tuple[int, int], Link], list[ChannelSpec]]:
+    """Every channel's ``Link`` and the ``ChannelSpec``s of those on shared memory among the
+    host's members (by their index in it: all of them, so every member lays its memory out
+    alike). ``channels``: (messages, largest message's bytes) per (source, destination) index in
+    the group, what one round puts on each (its ring holds them all); ``ranks``: the job's global
+    rank of each member of the group; ``host``: the job's ranks of this rank's host group (None:
+    no channel on shared memory, for ``why_not``). The same on every rank of a host group that
+    is given the same channels."""
+    members = {r: i for i, r in enumerate(host)} if host is not None else {}
+    links: dict[tuple[int, int], Link] = {}
+    specs: list[ChannelSpec] = []
+    for (src, dst), (count, most) in sorted(channels.items()):
+        if host is None:
+            links[(src, dst)] = Link(TransportKind.TORCH_DISTRIBUTED, why_not)
+            continue
+        away = [s for s in (src, dst) if ranks[s] not in members]
+        ring = count * most
+        if away:
+            links[(src, dst)] = Link(TransportKind.TORCH_DISTRIBUTED,
+                                     f"{member} {away[0]} is on another host")  # fmt: skip
+        elif ring > ring_bytes:
+            links[(src, dst)] = Link(
+                TransportKind.TORCH_DISTRIBUTED,
+                f"its ring of {count} messages of {most} bytes would take {ring / 2**20:.0f} MiB "
+                f"(more than {ring_bytes / 2**20:.0f} MiB)",
+            )
+        else:
+            links[(src, dst)] = Link(TransportKind.SHARED_MEMORY,
+                                     f"both {member}s on this host")  # fmt: skip
+            specs.append(ChannelSpec(members[ranks[src]], members[ranks[dst]], count, most))
+    return links, specs
+
+
+def peer_plan(
+    route: Route,
+    channels: Mapping[tuple[int, int], tuple[int, int]],
+    options: CommOptions,
+    device: torch.device,
+    member: str = "rank",
+    ring_bytes: int = RING_BYTES,
+) -> PeerPlan:
+    """Routing's verdict on the point-to-point ``channels`` of ``route``'s group (``host_group``
+    and ``plan_links``): the one place that decides which transport carries each."""
+    host, why_not = host_group(route, options.transport, device, member)
+    links, specs = plan_links(channels, route.group.ranks,
+                              None if host is None else host.ranks, why_not, ring_bytes,
+                              member)  # fmt: skip
+    return PeerPlan(links, specs, host if specs else None)

@@ -227,6 +227,17 @@ int cn_one_shot(cn_one_shot_args *a, const void *src, void *out, void *dst, uint
         return me;
     }
     __atomic_store_n(a->consumed[me], epoch, __ATOMIC_RELEASE);
+    /* A peer that posted its part and then aborted before reading (its deadline passed while
+     * this rank was late, or it failed meanwhile) did not finish this round: it fails here too,
+     * instead of this rank alone going on past a round its peer gave up. */
+    for (int r = 0; r < n; r++) {
+        if (r != me && a->pids[r] > 0 && __atomic_load_n(a->aborts[r], __ATOMIC_ACQUIRE) != 0 &&
+            __atomic_load_n(a->consumed[r], __ATOMIC_ACQUIRE) < epoch) {
+            a->stage = 2;
+            a->why = 3;
+            return r;
+        }
+    }
     if (a->registered) {
         a->stage = 2;
         late = cn_wait_all(a->consumed, a->pids, n, epoch, a->timeout_s, &a->why, a->aborts,

@@ -43,6 +43,7 @@ from coconet.runtime.transport import (
     Group,
     Pending,
     Published,
+    Transport,
     ready,
 )
 
@@ -104,9 +105,11 @@ class ShmGroup:
         gather: Callable[[object], Sequence[object]],
         timeout: float,
         cache_dir: str | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.index, self.size, self.gather = index, size, gather
         self.timeout, self.cache_dir = timeout, cache_dir
+        self.ranks = ranks  # the job's rank of each member (named in errors)
         self.epoch = 0
         self.mem: SymmetricMemory | None = None
         self.area = 0  # bytes of each of the input and output areas
@@ -137,7 +140,7 @@ class ShmGroup:
         (collective)."""
         return SymmetricMemory(
             nbytes, self.index, self.size, self.gather, timeout=self.timeout,
-            cache_dir=self.cache_dir,
+            cache_dir=self.cache_dir, ranks=self.ranks,
         )
 
     def register(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -373,10 +376,14 @@ def _accumulate(
     return out
 
 
-class SharedMemoryTransport:
-    """Collectives through symmetric memory, for groups whose ranks share one host."""
+class SharedMemoryTransport(Transport):
+    """Collectives through symmetric memory, for groups whose ranks share one host; it also runs
+    the one-pass forms (``coconet.runtime.channels``), maps memory every peer reads in place
+    (``symmetric_tensor``, ``host_replica``) and sums in rank order whatever it runs."""
 
     kind = TransportKind.SHARED_MEMORY
+    one_pass = True
+    symmetric_memory = True
 
     # -- the communication ops (``Transport``): one way each, in rank order, so ``algorithm``
     # (what the communicator chooses on transports that have several) is always None here -----
@@ -485,6 +492,14 @@ class SharedMemoryTransport:
         gathered, _ = self.words_round(values, group, kind=RoundKind.WORDS)
         pick = max if reduce_op is ReduceOp.MAX else min
         return [pick(column) for column in zip(*gathered, strict=True)]
+
+    @staticmethod
+    def round_read(group: Group) -> None:
+        """Wait until every peer has read the group's last round (posted its ``CONSUMED``): a
+        ``RuntimeFault`` when one aborted, died or stalled first (``ControlChannel.votes_counted``).
+        """
+        st: ShmGroup = group.handle
+        st.mem.wait(Phase.CONSUMED, st.epoch)
 
     def words_round(
         self,
@@ -919,6 +934,15 @@ class SharedMemoryTransport:
         """A ``HostReplica`` of ``shape`` over the group (collective over the group)."""
         st: ShmGroup = group.handle
         return st.replica(shape, dtype)
+
+    def signal_groups(self, group: Group) -> list[Group]:
+        """The group itself: a peer's abort word ends its waits (``ControlChannel.abort``)."""
+        return [group]
+
+    def close(self, group: Group) -> None:
+        """Unmap and hand back the group's segments."""
+        st: ShmGroup = group.handle
+        st.close()
 
     def symmetric_tensor(
         self, group: Group, shape: Sequence[int], dtype: torch.dtype

@@ -256,8 +256,8 @@ class CompiledStep:
         return self.run(inputs)
 
     def run(self, inputs: dict[str, Any], *, agree: dict[str, str] | None = None,
-            commit_if: Callable[[dict[str, torch.Tensor]], bool] | None = None
-            ) -> dict[str, torch.Tensor]:
+            commit_if: Callable[[dict[str, torch.Tensor]], bool] | None = None,
+            vote_with: Communicator | None = None) -> dict[str, torch.Tensor]:
         """``self(**inputs)``, and the caller's own values ``agree`` (name -> text) compared
         across the ranks in the same agreement as the Replicated scalars, at no extra cost: a
         difference fails every rank with the same ``RuntimeFault`` before anything moves
@@ -270,12 +270,17 @@ class CompiledStep:
         update is written (the caller's tensors stay as they were, the step still counts as a
         call) and the outputs are returned. With ``commit_vote`` the answer is part of the
         vote, so every rank declines when one does; without it the test must give the same
-        answer on every rank by construction (a value all-reduced in the step does)."""
+        answer on every rank by construction (a value all-reduced in the step does).
+
+        ``vote_with``: the communicator whose ranks vote on the commit, when it must reach more
+        ranks than the step's own (a data-parallel step of a model split over tp: every rank of
+        the dp x tp mesh commits or none, not each dp group on its own); it contains the step's
+        ranks, and each of its ranks votes at the same point (its own such step)."""
         comm = self._communicator()
         try:
             args, shapes, reports, ordinal, h = self._agree(comm, inputs, agree)
         except RuntimeFault as fault:
-            if not getattr(fault, "refused", False):
+            if not isinstance(fault, handshake.CallRefused):
                 comm.abort(f"rank {comm.rank} failed before its step: {_first_line(fault)}")
             raise
         except BaseException as exc:
@@ -314,14 +319,14 @@ class CompiledStep:
             self._failed(comm, exc)
             raise
         if not updates:  # nothing to write: nothing to hold a Ctrl-C for
-            outputs, declined = self._vote(comm, outputs, updates, commit_if)
+            outputs, declined = self._vote(comm, outputs, updates, commit_if, vote_with)
             return outputs if declined else self._commit(inputs, outputs, updates, comm)
         # Two-phase across the ranks: from this rank's vote to the end of its commit a Ctrl-C
         # is held (coconet.runtime.interrupts), so that it cannot land between a vote every rank
         # counted and this rank's last write: the step is written on every rank or on none.
         outcome = ["the step was not committed on any rank"]
         with interrupts.hold(lambda: f"coconet: {self.program.name}: {outcome[0]}"):
-            outputs, declined = self._vote(comm, outputs, updates, commit_if)
+            outputs, declined = self._vote(comm, outputs, updates, commit_if, vote_with)
             if declined:
                 outcome[0] = "the step was declined on every rank: nothing was written"
                 return outputs
@@ -337,25 +342,33 @@ class CompiledStep:
         """A step failed on this rank before its commit: tell the peers at once (they may be
         inside a collective this rank will never finish), unless the verdict refused the call
         on every rank (nothing moved, the communicator is still usable)."""
-        if isinstance(exc, RuntimeFault) and getattr(exc, "refused", False):
+        if isinstance(exc, handshake.CallRefused):
             return
         # KeyboardInterrupt and SystemExit too: they leave the step as half done as any error.
         comm.abort(f"rank {comm.rank} failed in a step: {_first_line(exc)}")
 
     def _vote(self, comm: Communicator, outputs: dict[str, torch.Tensor],
-              updates: dict[str, Any], commit_if: Callable[[dict[str, torch.Tensor]], bool] | None
-              ) -> tuple[dict[str, torch.Tensor], bool]:  # fmt: skip
-        """``commit_if``'s answer and, with ``commit_vote``, every rank's: (the outputs, whether
-        the updates are declined). Declined: the peers' published slices are let go."""
+              updates: dict[str, Any], commit_if: Callable[[dict[str, torch.Tensor]], bool] | None,
+              vote_with: Communicator | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+        """``commit_if``'s answer and, with ``commit_vote``, every voter's (``vote_with``'s
+        ranks, or the step's): (the outputs, whether the updates are declined). Declined: the
+        peers' published slices are let go."""
+        voters = vote_with if vote_with is not None else comm
         try:
             declined = commit_if is not None and not commit_if(outputs)
             # one rank votes alone; a step that communicates nothing and updates nothing has
             # nothing to vote on (it only computes this rank's outputs)
-            if self.options.commit_vote and comm.world > 1 and not self._local:
-                declined = bool(comm.agree_max([int(declined)], "every rank finished the step",
-                                               op="commit vote")[0])
+            if self.options.commit_vote and voters.world > 1 and not self._local:
+                declined = bool(voters.agree_max([int(declined)], "every rank finished the step",
+                                                 op="commit vote")[0])  # fmt: skip
+                if not declined:
+                    # a peer that cast its vote and then gave up waiting for this rank's (its
+                    # timeout) did not commit: commit only once every peer counted every vote
+                    voters.votes_counted("every rank counted the votes")
         except BaseException as exc:
             self._failed(comm, exc)
+            if voters is not comm:
+                self._failed(voters, exc)
             raise
         self.last_declined = declined
         if declined:
@@ -367,17 +380,14 @@ class CompiledStep:
 
     def _settle(self, comm: Communicator, reports: list[handshake.RankReport],
                 shapes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
-        """The verdict on every rank's report: the same ``RuntimeFault`` on every rank (marked
-        ``refused``: the call is not counted on any rank, so the ranks stay in step and the
-        communicator usable), or the sizes, which become this step's geometry."""
+        """The verdict on every rank's report: the same ``CallRefused`` on every rank (the call
+        is not counted on any rank, so the ranks stay in step and the communicator usable; it
+        carries every rank's report, for a caller that words the difference itself), or the
+        sizes, which become this step's geometry."""
         try:
             sizes = handshake.verdict(reports, self.program, self.mesh, self.input_sources)
         except RuntimeFault as fault:
-            # every rank's report, for a caller that words the difference itself (which
-            # optimizer call each rank made: coconet.optim's call agreement)
-            fault.reports = reports
-            fault.refused = True
-            raise
+            raise handshake.CallRefused(fault, reports) from None
         self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
         self._exchanged = shapes
 
@@ -454,15 +464,13 @@ class CompiledStep:
             # calls are agreed at the communicator's next round, and its bad inputs fail this
             # rank alone, at once (the peers, which ran the call, learn at that round).
             if error is not None:
-                fault = RuntimeFault(
+                raise handshake.CallRefused(RuntimeFault(
                     "bad inputs (checked on this rank; the step communicates nothing, so the "
                     "peers are not stopped: they learn at their next agreement)",
                     op=f"{self.program.name} step",
                     details=[f"rank {comm.rank}: {error}"],
                     hint="fix the inputs named above; nothing was computed or updated",
-                )
-                fault.refused = True
-                raise fault
+                ))
             if not changed:
                 comm.local_steps.add(self.program.name, h, ordinal, report.call, replicated)
                 return args, shapes, None, ordinal, h

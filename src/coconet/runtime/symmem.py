@@ -157,8 +157,11 @@ class SymmetricMemory:
         *,
         timeout: float,
         cache_dir: str | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.index, self.size, self.timeout = index, size, timeout
+        # the job's rank of each member, for errors (None: the group is the job's first ranks)
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
         self.data_bytes = int(nbytes)
         self.lib = sync_library(cache_dir)
         total = SIGNAL_BYTES + self.data_bytes
@@ -316,12 +319,22 @@ class SymmetricMemory:
             wait_cause(why, self.timeout, code=code),
             op="shared memory",
             details=[
-                f"waiting for group rank {peer} (pid {self.pids[peer]}) to reach "
+                f"waiting for {self.who(peer)} (pid {self.pids[peer]}) to reach "
                 f"{phase.name.lower()} epoch {epoch}; it is at {self.value(peer, phase)}",
             ],
             hint="look at the other ranks' output for the first failure; this job cannot "
             "continue: end it (coconet.runtime.shutdown) and restart it",
         )
+
+    def who(self, peer: int) -> str:
+        """How an error names member ``peer``: its group rank, and the job's rank where that
+        differs (a group along one axis of a mesh)."""
+        job = self.ranks[peer]
+        return f"group rank {peer}" if job == peer else f"rank {job} (group rank {peer})"
+
+    def aborted(self, peer: int) -> int:
+        """``peer``'s abort word: 0 while it goes on, else why it stopped (``abort``'s code)."""
+        return int(self.lib.cn_load_acquire(self._base[peer] + _ABORT_OFFSET))
 
     def abort(self, code: int = ABORTED) -> None:
         """Tell every peer waiting on this rank that it will not post again (its step failed or

@@ -22,6 +22,7 @@ from coconet.runtime import algorithms as algos
 from coconet.runtime.transport import (
     Group,
     Pending,
+    Transport,
     WholeWait,
     ready,
 )
@@ -59,8 +60,9 @@ def _flat(x: torch.Tensor, donate: bool, n: int):
     return x0, owned, _parts(x0.numel(), n)
 
 
-class TorchDistributedTransport:
-    """Collectives over torch.distributed process groups (the default group must exist)."""
+class TorchDistributedTransport(Transport):
+    """Collectives over torch.distributed process groups (the default group must exist): the
+    one transport with several algorithms per op (``TunableTransport``)."""
 
     kind = TransportKind.TORCH_DISTRIBUTED
 
@@ -175,6 +177,19 @@ class TorchDistributedTransport:
         else:
             buf = torch.zeros_like(src)
         return Pending(works, lambda: buf)
+
+    # -- point to point: one message to or from one member (``coconet.runtime.p2p.PeerLinks``) --
+
+    def send_to(self, x, group: Group, peer: int) -> Pending:
+        """Send contiguous ``x`` to the group's ``peer``-th member over the job's default process
+        group: gloo's and NCCL's untagged pair channel (FIFO per pair of ranks, what
+        ``coconet.pipeline.check`` proves schedules against)."""
+        return Pending([WholeWait(dist.isend(x, dst=group.ranks[peer]))], lambda: x)
+
+    def recv_from(self, out, group: Group, peer: int) -> Pending:
+        """Receive the next message from the group's ``peer``-th member into contiguous ``out``
+        (``send_to``'s channel)."""
+        return Pending([WholeWait(dist.irecv(out, src=group.ranks[peer]))], lambda: out)
 
     # -- measuring the algorithms of one op ------------------------------------------------------
 

@@ -8,10 +8,14 @@ transports exist: torch.distributed (``coconet.runtime.torchdist``: gloo on CPU,
 across hosts) and shared memory among the ranks of one host (``coconet.runtime.shmem``).
 
 Every transport implements ``Transport``: one method per communication op, with one signature
-(the communicator calls them by name, typed; the op spec's ``transport`` names them). What only
-torch.distributed has — several algorithms per op, their measurement, process groups — is the
-second protocol, ``TunableTransport``. Forms only one transport runs (shared memory's one pass)
-are reached through its own channel (``coconet.runtime.channels``).
+(the communicator calls them by name, typed; the op spec's ``transport`` names them), and what
+it can do beside them, which the communicator asks of a group's transport instead of naming its
+class: the algorithms it has for an op, where its groups run when sums must be in rank order,
+whether it runs forms of its own (shared memory's one pass, reached through
+``coconet.runtime.channels``), memory every peer maps, the groups a peer's abort must end, and
+what a group holds to hand back. ``Transport``'s own bodies are the defaults (it cannot: a
+transport subclasses it and overrides what it can). What only torch.distributed has — the
+measurement of its algorithms, process groups — is the second protocol, ``TunableTransport``.
 
 Results must equal the op's group meaning (``coconet.ir.semantics.COLLECTIVES``): bitwise with
 an ``exact`` algorithm (reductions in rank order), within rounding otherwise.
@@ -177,10 +181,19 @@ def ready(value: torch.Tensor) -> Pending:
 
 class Transport(Protocol):
     """Runs communication ops over groups of ranks (see the module docstring). ``algorithm``:
-    the communicator's choice where the transport has several (``TunableTransport``), else
-    None (the transport's one way)."""
+    the communicator's choice where the transport has several (``algorithms``), else None (the
+    transport's one way).
+
+    The methods after the ops say what the transport can do beside them; their bodies here
+    are the defaults, for a transport that cannot (it subclasses ``Transport`` to take them)."""
 
     kind: TransportKind
+    # runs forms of its own (``coconet.codegen.forms``: a fused collective as one pass, an
+    # all_reduce read in place), which generated code reaches through the group's
+    # ``coconet.runtime.channels.OnePassChannel`` (``Communicator.one_pass``)
+    one_pass: bool = False
+    # maps memory every peer of a group reads in place (``symmetric_tensor``, ``host_replica``)
+    symmetric_memory: bool = False
 
     def all_reduce(
         self,
@@ -231,14 +244,45 @@ class Transport(Protocol):
         ``reverse``: rank i receives rank i+1's, the last gets zeros (a gradient sent back)."""
         ...
 
-
-class TunableTransport(Transport, Protocol):
-    """A transport with several algorithms per op, which the communicator measures and
-    chooses among, and groups of its own (torch.distributed)."""
+    # -- what the transport can do beside the ops (the defaults: it cannot) ----------------------
 
     def algorithms(self, op: Op) -> tuple[Algorithm, ...]:
-        """The algorithms this transport has for ``op`` (empty: it has just one way)."""
-        ...
+        """The algorithms this transport has for ``op``, which the communicator chooses among
+        (``coconet.runtime.tuning.AlgorithmChoice``); empty: it has one way only."""
+        return ()
+
+    def rank_ordered(self, group: Group) -> tuple[Transport, Group]:
+        """Where ``group``'s collectives run when their sums must be in rank order
+        (``CommOptions(algorithms="exact")`` set after routing): this transport and ``group``
+        where it reduces so, or the group's flat form on another (the hierarchical transport's
+        sums are over hosts)."""
+        return self, group
+
+    def symmetric_tensor(self, group: Group, shape: Sequence[int], dtype: torch.dtype
+                         ) -> torch.Tensor:  # fmt: skip
+        """A tensor every peer of ``group`` maps, which a collective reads in place (collective
+        over the group). Only where ``symmetric_memory``: elsewhere an ordinary tensor serves."""
+        raise NotImplementedError(f"the {self.kind.value} transport maps no memory")
+
+    def host_replica(self, group: Group, shape: Sequence[int], dtype: torch.dtype
+                     ) -> HostReplica:  # fmt: skip
+        """One physical copy per host of a replicated tensor (``coconet.runtime.replica``;
+        collective over the group). Only where ``symmetric_memory``."""
+        raise NotImplementedError(f"the {self.kind.value} transport maps no memory")
+
+    def signal_groups(self, group: Group) -> list[Group]:
+        """The groups of shared memory ``group`` holds whose waits a peer's abort word ends
+        (``ControlChannel.abort``): a rank that fails sets its word in each."""
+        return []
+
+    def close(self, group: Group) -> None:
+        """Hand back what ``group`` holds of this transport (its shared memory); the
+        torch.distributed process groups stay, they belong to the job."""
+
+
+class TunableTransport(Transport, Protocol):
+    """A transport whose several algorithms per op (``algorithms``) the communicator measures
+    and chooses among, with groups of its own (torch.distributed)."""
 
     def exact_algorithm(self, op: Op) -> Algorithm | None:
         """The algorithm that reduces in rank order (bitwise the simulator's), if any."""

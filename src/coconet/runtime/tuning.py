@@ -6,6 +6,10 @@ so that later runs, and ``coconet show``, see what was measured. Rank 0's table 
 rank uses (the communicator broadcasts it at start), and a measurement's timings are reduced over
 the whole world before choosing, so every rank always makes the same choice: ranks choosing
 differently would run mismatched collectives.
+
+``AlgorithmChoice`` is a communicator's part that does it for the transport with several
+algorithms per op (torch.distributed's, a ``TunableTransport``): the communicator asks it only
+where a group's transport has algorithms to choose among (``Transport.algorithms``).
 """
 
 from __future__ import annotations
@@ -19,13 +23,20 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from coconet.cache import default_cache_dir
+import torch
+import torch.distributed as dist
+
+from coconet.cache import default_cache_dir, keyed_cache_dir
+from coconet.errors import ConfigError
 from coconet.ir.ops import Op
-from coconet.options import Algorithm
+from coconet.options import Algorithm, CommOptions
+from coconet.runtime.transport import Group, TunableTransport
 
 __all__ = [
     "SIZE_CLASSES",
+    "AlgorithmChoice",
     "AlgorithmTable",
     "Choice",
     "TuningKey",
@@ -228,3 +239,111 @@ def reps_for(label: str, base: int) -> int:
     """Timed repetitions for a size class: small collectives are noisy and cheap, so more."""
     nbytes = class_bytes(label)
     return base * 3 if nbytes <= 64 * KiB else base * 2 if nbytes <= MiB else base
+
+
+class AlgorithmChoice:
+    """A communicator's choice of algorithm among ``transport``'s (see the module docstring):
+    the one its options fix, else the table's, else measured once (``measure``), the same on
+    every rank. The options are the communicator's at each call (a caller may replace them)."""
+
+    def __init__(
+        self,
+        transport: TunableTransport,
+        options: CommOptions,
+        *,
+        rank: int,
+        backend: str,
+        device: torch.device,
+        guard: Callable[..., Any],
+        process_group: Any = None,
+    ) -> None:
+        self.transport, self.rank, self.backend, self.device = transport, rank, backend, device
+        self._guard = guard  # (op, label, axis, fn, *args): the communicator's fault guard
+        self._process_group = process_group  # the communicator's world (None: the job's)
+        self.check(options)
+        self.table = AlgorithmTable.load(keyed_cache_dir(options.cache_dir))
+        # how many hosts each of the communicator's groups spans, by axis (set once routing
+        # knows the hosts): part of what a measured choice is valid for
+        self.hosts: dict[str | None, int] = {}
+
+    def check(self, options: CommOptions) -> None:
+        """An ``{op: algorithm}`` mapping names only algorithms the transport has."""
+        if not isinstance(options.algorithms, Mapping):
+            return
+        for op, algorithm in options.algorithms.items():
+            have = self.transport.algorithms(op)
+            if algorithm not in have:
+                raise ConfigError(
+                    f"CommOptions(algorithms=...) fixes {op} to {algorithm.value}, which the "
+                    f"{self.transport.kind.value} transport does not have",
+                    op="CommOptions",
+                    hint=f"{op} has {[a.value for a in have]}"
+                    if have
+                    else f"{op} has one way only: leave it out of the mapping",
+                )
+
+    def share(self, broadcast: Callable[[Any, str], Any]) -> None:
+        """Take rank 0's table, so that every rank chooses alike (``broadcast(obj, label)``:
+        rank 0's ``obj`` on every rank; collective over the communicator's world)."""
+        entries = self.table.entries if self.rank == 0 else None
+        self.table.entries = dict(broadcast(entries, "algorithm table"))
+
+    def choose(self, op: Op, nbytes: int, group: Group, options: CommOptions) -> Algorithm:
+        """The algorithm of ``op`` on ``nbytes`` over ``group`` (measured on first use of its
+        size class: then collective over the world)."""
+        fixed = options.fixed_algorithm(op, self.transport)
+        if fixed is not None:
+            return fixed  # checked against the transport when the communicator was made
+        key = self.key(op, size_class(nbytes), group)
+        choice = self.table.get(key)
+        if choice is None:
+            choice = self.measure(op, key.size_class, group, options)
+        return choice.algorithm
+
+    def key(self, op: Op, cls: str, group: Group) -> TuningKey:
+        """What a choice of ``op``'s algorithm at size class ``cls`` on ``group`` is measured
+        for and looked up by."""
+        return TuningKey(op, cls, self.backend, group.size, self.hosts.get(group.axis, 1))
+
+    def measure(self, op: Op, cls: str, group: Group, options: CommOptions) -> Choice:
+        """Measure every algorithm of ``op`` at size class ``cls`` on ``group``, choose the
+        fastest (the same on every rank), record it in the table and return the ``Choice``.
+        Collective over the communicator's world."""
+        have = self.transport.algorithms(op)
+        if not have or cls not in (label for _, label, _ in SIZE_CLASSES):
+            raise ConfigError(
+                f"cannot measure {op} at size class {cls!r}",
+                op="Communicator.measure",
+                hint=f"op is one of {[str(o) for o in Op if self.transport.algorithms(o)]}, "
+                f"cls one of {[label for _, label, _ in SIZE_CLASSES]}",
+            )
+        n = group.size
+        numel = max(n, class_bytes(cls) // 4)
+        numel -= numel % n
+
+        def run_once(algorithm: Algorithm) -> None:
+            self.transport.run_for_measurement(op, algorithm, group, numel, self.device)
+
+        def agree(times: list[float]) -> list[float]:
+            t = torch.tensor(times, dtype=torch.float64)
+            # the communicator's whole world: everyone must agree
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._process_group)
+            return t.tolist()
+
+        choice = self._guard(
+            op.value,
+            f"measuring algorithms ({cls})",
+            group.axis,
+            measure_choice,
+            have,
+            run_once,
+            agree,
+            reps_for(cls, options.measure_reps),
+        )
+        self.table.put(self.key(op, cls, group), choice)
+        if self.rank == 0:
+            try:
+                self.table.save()
+            except OSError:
+                pass  # an unwritable cache costs a re-measurement next time, nothing more
+        return choice

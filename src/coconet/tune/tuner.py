@@ -25,198 +25,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from coconet.errors import ConfigError
 from coconet.ir.program import Program
 from coconet.options import Algorithm, CompileOptions, TransportKind
+from coconet.progress import phase
 from coconet.runtime.comm import Communicator
 from coconet.tune import store
 from coconet.tune.calibrate import calibrate, calibrated_bytes, extend, extension_sizes
-from coconet.tune.candidates import CHUNKS, Candidate, Enumeration, enumerate_candidates
-from coconet.tune.cost import MachineModel, Part, predict
+from coconet.tune.candidates import CHUNKS, Candidate, enumerate_candidates
+from coconet.tune.cost import MachineModel, predict
 from coconet.tune.measure import (
     Communicators,
     Measurement,
     Rematch,
-    communicator_options,
     measure,
     rematch,
 )
+from coconet.tune.results import Row, TuneResult
 
-__all__ = ["Row", "TuneResult", "candidate_rows", "tune"]
-
-
-@dataclass
-class Row:
-    """One candidate: its prediction and, if it was measured, its measurement."""
-
-    candidate: Candidate
-    predicted_ms: float
-    parts: list[Part]
-    measured: Measurement | None = None
-
-    @property
-    def measured_ms(self) -> float | None:
-        return self.measured.ms if self.measured is not None else None
-
-    @property
-    def score(self) -> float:
-        return self.measured.score if self.measured is not None else math.inf
-
-
-@dataclass
-class TuneResult:
-    """What a tune found (see ``explain``)."""
-
-    program: Program
-    sizes: dict[str, int]
-    world: int
-    rows: list[Row]
-    enumeration: Enumeration
-    machine: str
-    options: dict[str, Any] = field(default_factory=dict)
-    cached: bool = False
-    seconds: float = 0.0
-    rematch: Rematch | None = None  # the deciding round between the two best, if they were close
-
-    @property
-    def measured(self) -> list[Row]:
-        return sorted((r for r in self.rows if r.measured is not None), key=lambda r: r.score)
-
-    @property
-    def winner_row(self) -> Row:
-        done = [r for r in self.measured if r.measured_ms is not None]
-        if not done:
-            raise ConfigError(
-                f"no candidate of {self.program.name} ran: every measured one failed",
-                op="tune",
-                details=[f"{r.candidate.label}: {r.measured.error}" for r in self.measured][:8],
-                hint="look at the errors above; coconet.compile the program itself to debug",
-            )
-        if self.rematch is not None:
-            for r in done:
-                if r.candidate is self.rematch.winner:
-                    return r
-        return done[0]
-
-    @property
-    def winner(self) -> Candidate:
-        return self.winner_row.candidate
-
-    def communicator(self, comm: Communicator) -> Communicator:
-        """A communicator over ``comm``'s ranks that runs the winner as it was measured (its
-        transport and algorithms). Collective. ``comm`` itself when it already does."""
-        w = self.winner
-        options = communicator_options(w.transport, w.algorithms, comm.options)
-        if options == comm.options or (comm.transport_of(None) is w.transport and not w.algorithms):
-            return comm
-        return comm.variant(options)
-
-    # -- explain ---------------------------------------------------------------------------------
-
-    def explain(self) -> str:
-        """The candidates with predicted and measured times, the winner and its margin, what
-        each rewrite was predicted to save and did save, and why each other one lost."""
-        from coconet.tune.explain import explain
-
-        return explain(self)
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"program", "world_size", "candidates": [{"schedule", "predicted_ms",
-        "measured_ms"}], "winner"}`` plus the details (``coconet tune --json``)."""
-        return {
-            "program": self.program.name,
-            "world_size": self.world,
-            "sizes": self.sizes,
-            "machine": self.machine,
-            "options": self.options,
-            "candidates": [
-                {
-                    "schedule": str(r.candidate),
-                    "name": r.candidate.name,
-                    "transport": r.candidate.transport.value,
-                    "predicted_ms": r.predicted_ms,
-                    "measured_ms": r.measured_ms,
-                    "error": r.measured.error if r.measured is not None else None,
-                    "predicted_parts": [[p.what, p.kind, 1e3 * p.seconds] for p in r.parts],
-                    "candidate": r.candidate.to_dict(),
-                    "steps_ms": r.measured.steps_ms if r.measured is not None else [],
-                    "timed_out": r.measured.timed_out if r.measured is not None else False,
-                }
-                for r in self.rows
-            ],
-            "rejected": [
-                {"recipe": j.recipe, "error": j.error.message} for j in self.enumeration.rejected
-            ],
-            "duplicates": self.enumeration.duplicates,
-            "winner": str(self.winner) if any(r.measured_ms is not None for r in self.rows)
-            else None,
-            "rematch": None if self.rematch is None else {
-                "first": self._index(self.rematch.first),
-                "second": self._index(self.rematch.second),
-                **self.rematch.to_json(),
-            },
-            "seconds": self.seconds,
-        }
-
-    def _index(self, candidate: Candidate) -> int:
-        return next(i for i, r in enumerate(self.rows) if r.candidate is candidate)
-
-    @classmethod
-    def from_json(cls, program: Program, doc: Mapping[str, Any], enumeration: Enumeration):
-        rows = []
-        for c in doc["candidates"]:
-            cand = Candidate.from_dict(program, c["candidate"])
-            parts = [Part(w, k, ms / 1e3) for w, k, ms in c.get("predicted_parts", [])]
-            m = None
-            if c["measured_ms"] is not None or c.get("error"):
-                m = Measurement(
-                    cand,
-                    c["measured_ms"],
-                    list(c.get("steps_ms", [])),
-                    c.get("error"),
-                    bool(c.get("timed_out", False)),
-                )
-            rows.append(Row(cand, float(c["predicted_ms"]), parts, m))
-        rm = doc.get("rematch")
-        again = None
-        if rm is not None:
-            again = Rematch(
-                rows[int(rm["first"])].candidate,
-                rows[int(rm["second"])].candidate,
-                [float(x) for x in rm["first_ms"]],
-                [float(x) for x in rm["second_ms"]],
-            )
-        return cls(
-            program,
-            dict(doc["sizes"]),
-            int(doc["world_size"]),
-            rows,
-            enumeration,
-            str(doc["machine"]),
-            dict(doc.get("options", {})),
-            cached=True,
-            seconds=float(doc.get("seconds", 0.0)),
-            rematch=again,
-        )
-
-
-def _bar(total: int, enabled: bool):
-    """A progress bar on stderr (tqdm), or None."""
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        return None
-    return tqdm(
-        total=total, desc="measuring candidates", unit="candidate", file=sys.stderr, leave=False
-    )
+__all__ = ["Row", "TuneResult", "candidate_rows", "tune"]  # (Row, TuneResult: tune.results)
 
 
 def tune(
@@ -430,27 +263,31 @@ def _measure_rows(
     show_bar: bool,
     replicas: tuple[str, ...] = (),
 ) -> None:
-    """Measure the picked rows on the ranks, with a progress bar on rank 0 when asked."""
-    bar = _bar(len(picked), show_bar)
+    """Measure the picked rows on the ranks; rank 0 says so when asked (``show_bar``): a line per
+    candidate measured, and while one is measured a line every few seconds (on a terminal, one
+    line redrawn; in a log, plain lines: ``coconet.progress.phase``)."""
+    count = [0]
 
     def done(c: Candidate, m: Measurement) -> None:
-        if bar is not None:
-            bar.set_postfix_str(f"{c.name}: " + (f"{m.ms:.2f} ms" if m.ms else "failed"))
-            bar.update()
+        count[0] += 1
+        if show_bar:
+            what = f"{c.name}: " + (f"{m.ms:.2f} ms" if m.ms else "failed")
+            print(f"coconet tune:   measured {count[0]}/{len(picked)}: {what}", file=sys.stderr,
+                  flush=True)  # fmt: skip
 
-    results = measure(
-        [rows[i].candidate for i in picked],
-        comms,
-        sizes,
-        options=options,
-        scalars=scalars,
-        reps=reps,
-        budget_s=budget_s,
-        progress=done,
-        replicas=replicas,
-    )
-    if bar is not None:
-        bar.close()
+    with phase(f"coconet tune: measuring {len(picked)} candidates on the ranks (each compiles, "
+               "warms up, then is timed)", enabled=show_bar, file=sys.stderr):  # fmt: skip
+        results = measure(
+            [rows[i].candidate for i in picked],
+            comms,
+            sizes,
+            options=options,
+            scalars=scalars,
+            reps=reps,
+            budget_s=budget_s,
+            progress=done,
+            replicas=replicas,
+        )
     for i, m in zip(picked, results, strict=True):
         rows[i].measured = m
 
@@ -549,13 +386,21 @@ def _machine(
     base = comms.base
     progress = lambda what: say(f"  calibrating {what}")  # noqa: E731
     model = None
+    conditions = None
     if not retune:
         doc = store.load_machine(base, transports)
         if doc is not None:
             model = MachineModel.from_json(doc)
+            conditions = doc.get("conditions")
+            say(_cached_calibration(conditions))
     measured = model is None
     if model is None:
-        say("calibrating the cost model on these ranks (once per machine)")
+        conditions = _conditions()
+        say("calibrating the cost model on these ranks (once per machine; about 15 s)")
+        if _busy(conditions):
+            say(f"note: the machine is busy while calibrating ({_load_text(conditions)}): "
+                "predictions may be off when it is quieter; coconet tune --recalibrate (or "
+                "tune(..., recalibrate=True)) measures it again")
         model = calibrate({t: comms.get(t) for t in transports}, progress=progress)
     if extension_sizes(calibrated_bytes(model), needed):
         say(f"calibrating the cost model up to {needed / (1 << 20):.0f} MiB (once per machine)")
@@ -563,8 +408,45 @@ def _machine(
         model = extend(model, by_transport, needed, progress)
         measured = True
     if measured:
-        store.save_machine(base, transports, model.to_json())
+        store.save_machine(base, transports, dict(model.to_json(), conditions=conditions))
     return model
+
+
+def _conditions() -> dict:
+    """When and under what load a calibration is taken (kept with it, said when it is reused)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on Linux
+        load = None
+    return {"at": time.time(), "load1": load, "cpus": os.cpu_count() or 1}
+
+
+def _busy(conditions: Mapping[str, Any] | None) -> bool:
+    """Other work was running: a 1-minute load average of at least half the cores (and 1)."""
+    if not conditions or conditions.get("load1") is None:
+        return False
+    return float(conditions["load1"]) >= max(1.0, 0.5 * int(conditions.get("cpus") or 1))
+
+
+def _load_text(conditions: Mapping[str, Any]) -> str:
+    return f"load average {float(conditions['load1']):.1f} on {conditions.get('cpus')} cores"
+
+
+def _cached_calibration(conditions: Mapping[str, Any] | None) -> str:
+    """What a tune that reuses the cached calibration says about it."""
+    if not conditions:
+        return ("cost model: the calibration cached on this machine (when and under what load "
+                "it was taken was not recorded; --recalibrate measures it again)")  # fmt: skip
+    age = max(0.0, time.time() - float(conditions.get("at", time.time())))
+    ago = (f"{age / 86400:.1f} days" if age >= 86400 else f"{age / 3600:.1f} hours"
+           if age >= 3600 else f"{age / 60:.0f} minutes")  # fmt: skip
+    text = f"cost model: the calibration cached {ago} ago"
+    if _busy(conditions):
+        now = _conditions()
+        return (f"{text}, taken on a busy machine ({_load_text(conditions)}; now "
+                f"{_load_text(now)}): its predictions may be off; coconet tune --recalibrate "
+                "measures it again")  # fmt: skip
+    return f"{text} ({_load_text(conditions)}); --recalibrate measures it again"
 
 
 def _largest_tensor(program: Program, mesh, sizes: Mapping[str, int]) -> int:
@@ -574,3 +456,10 @@ def _largest_tensor(program: Program, mesh, sizes: Mapping[str, int]) -> int:
 
     counter = Counter(mesh, sizes)
     return max((counter.full_bytes(n.type) for n in program.nodes if n.type.rank), default=0)
+
+
+def _terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
