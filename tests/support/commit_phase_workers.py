@@ -29,6 +29,7 @@ from coconet.runtime import comm as comm_module
 from coconet.runtime import control as control_module
 from coconet.runtime import step as step_module
 from coconet.runtime import transport as transport_module
+from support.sigint_workers import program  # the momentum step both trials run
 
 N = 256
 AT = 3  # the step (0-based) at which the victim is interrupted
@@ -54,18 +55,6 @@ OPTIM_PHASES = {
     "bucket 2 commit": ("write", "after", 4),  # p, m, v of bucket 1, then bucket 2's first
     "between steps": ("between steps", "before", 1),
 }
-
-
-def program() -> cc.Program:
-    n = cc.Dim("N")
-    g = cc.Tensor("g", cc.float32, [n], cc.Local)
-    p = cc.Tensor("p", cc.float32, [n], cc.Replicated)
-    m = cc.Tensor("m", cc.float32, [n], cc.Replicated)
-    lr, beta = cc.Scalar("lr"), cc.Scalar("beta")
-    g_sum = cc.all_reduce(g, name="g_sum")
-    m_new = (beta * m + g_sum).named("m_new")
-    p_new = (p - lr * m_new).named("p_new")
-    return cc.Program("momentum", [g, p, m, lr, beta], [cc.update(p, p_new), cc.update(m, m_new)])
 
 
 class _Trap:

@@ -59,6 +59,18 @@ def _whole(model, reference) -> dict[str, float]:
     return errors
 
 
+def _compared(model, reference, errors: dict[str, float], clipped: int) -> dict:
+    """Every weight and replicated parameter against the reference's, and the replicated
+    parameters' bits (to compare across the ranks)."""
+    errors.update(_whole(model, reference))
+    ref_params = dict(reference.named_parameters())
+    for name, p in _replicated(model):
+        # (ParallelSelfAttention names nanoGPT's c_proj proj)
+        errors[name] = _err(p, ref_params[name.replace(".attn.proj.", ".attn.c_proj.")])
+    bits = [p.detach().numpy().tobytes() for _, p in _replicated(model)]
+    return {"errors": errors, "clipped": clipped, "bits": bits}
+
+
 def torch_clip_on_a_parallelized_model(comm, plan_name: str, foreach: bool | None = None,
                                        steps: int = 5) -> dict:  # fmt: skip
     """nanoGPT's own lines on a parallelized model: ``clip_grad_norm_(model.parameters(), c)``
@@ -83,13 +95,7 @@ def torch_clip_on_a_parallelized_model(comm, plan_name: str, foreach: bool | Non
         errors[f"norm step {step}"] = _err(norm, ref_norm)
         opt.step()
         ref_opt.step()
-    errors.update(_whole(model, reference))
-    ref_params = dict(reference.named_parameters())
-    for name, p in _replicated(model):
-        # (ParallelSelfAttention names nanoGPT's c_proj proj)
-        errors[name] = _err(p, ref_params[name.replace(".attn.proj.", ".attn.c_proj.")])
-    bits = [p.detach().numpy().tobytes() for _, p in _replicated(model)]
-    return {"errors": errors, "clipped": clipped, "bits": bits}
+    return _compared(model, reference, errors, clipped)
 
 
 def dp_x_tp_max_grad_norm(comm, steps: int = 4) -> dict:
@@ -121,13 +127,7 @@ def dp_x_tp_max_grad_norm(comm, steps: int = 4) -> dict:
         ref_opt.step()
         clipped += bool(ref_norm > MAX_NORM)
         errors[f"norm step {step}"] = _err(opt.last_grad_norm, ref_norm)
-    errors.update(_whole(model, reference))
-    ref_params = dict(reference.named_parameters())
-    for name, p in _replicated(model):
-        # (ParallelSelfAttention names nanoGPT's c_proj proj)
-        errors[name] = _err(p, ref_params[name.replace(".attn.proj.", ".attn.c_proj.")])
-    bits = [p.detach().numpy().tobytes() for _, p in _replicated(model)]
-    return {"errors": errors, "clipped": clipped, "bits": bits}
+    return _compared(model, reference, errors, clipped)
 
 
 def refusals(comm) -> dict[str, str]:

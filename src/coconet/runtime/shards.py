@@ -206,32 +206,18 @@ def _whole_norm(t: ShardedGrad, order: float, dtype: Any = None) -> torch.Tensor
         return torch.tensor(_combine(order, parts), dtype=local.dtype, device=local.device)
 
 
-def _vector_norm(args: tuple, kwargs: dict) -> Any:
-    # torch.linalg.vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None)
+def _full_norm(args: tuple, kwargs: dict, order_name: str, matrices: bool) -> Any:
+    """A norm call on a ``ShardedGrad``, the whole tensor's when it reduces over every dim:
+    ``order_name``: the order's argument (``ord``, torch.norm's ``p``); ``matrices``: whether
+    the function takes a matrix norm of a 2-D input (torch.linalg.norm, torch.norm)."""
     x, *rest = args
-    names = ("ord", "dim", "keepdim")
-    given = {**dict(zip(names, rest, strict=False)), **kwargs}
-    if given.get("dim") is not None or "out" in given or not isinstance(x, ShardedGrad):
-        return NotImplemented  # a reduction over some dims: this rank's part
-    order = _order(given.get("ord", 2))
-    if order is None:
-        return NotImplemented
-    out = _whole_norm(x, order, given.get("dtype"))
-    return out.reshape((1,) * x.dim()) if given.get("keepdim") else out
-
-
-def _norm(args: tuple, kwargs: dict) -> Any:
-    # torch.norm(x, p='fro', dim=None, keepdim=False, out=None, dtype=None); Tensor.norm alike;
-    # torch.linalg.norm(x, ord=None, dim=None, keepdim=False, *, out=None, dtype=None)
-    x, *rest = args
-    names = ("p", "dim", "keepdim")
-    given = {**dict(zip(names, rest, strict=False)), **kwargs}
-    order_given = given.get("p", given.get("ord"))
+    given = {**dict(zip((order_name, "dim", "keepdim"), rest, strict=False)), **kwargs}
+    order_given = given.get(order_name, given.get("ord", 2 if order_name == "ord" else None))
     if given.get("dim") is not None or given.get("out") is not None or not isinstance(
         x, ShardedGrad
     ):
-        return NotImplemented
-    if x.dim() > 1 and order_given not in (None, "fro"):
+        return NotImplemented  # a reduction over some dims: this rank's part
+    if matrices and x.dim() > 1 and order_given not in (None, "fro"):
         # a matrix norm (spectral, nuclear, max row sum...): not a function of the parts' norms
         raise ConfigError(
             f"the matrix norm ord={order_given!r} of a sharded parameter's gradient cannot be "
@@ -245,6 +231,21 @@ def _norm(args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     out = _whole_norm(x, order, given.get("dtype"))
     return out.reshape((1,) * x.dim()) if given.get("keepdim") else out
+
+
+def _vector_norm(args: tuple, kwargs: dict) -> Any:
+    # torch.linalg.vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None)
+    return _full_norm(args, kwargs, "ord", matrices=False)
+
+
+def _linalg_norm(args: tuple, kwargs: dict) -> Any:
+    # torch.linalg.norm(x, ord=None, dim=None, keepdim=False, *, out=None, dtype=None)
+    return _full_norm(args, kwargs, "ord", matrices=True)
+
+
+def _norm(args: tuple, kwargs: dict) -> Any:
+    # torch.norm(x, p='fro', dim=None, keepdim=False, out=None, dtype=None); Tensor.norm alike
+    return _full_norm(args, kwargs, "p", matrices=True)
 
 
 def _foreach_norm(args: tuple, kwargs: dict) -> Any:
@@ -288,7 +289,7 @@ def _unscale(args: tuple, kwargs: dict) -> Any:
 
 _WHOLE = {
     torch.linalg.vector_norm: _vector_norm,
-    torch.linalg.norm: _norm,
+    torch.linalg.norm: _linalg_norm,
     torch.norm: _norm,
     torch.Tensor.norm: _norm,
     torch._foreach_norm: _foreach_norm,
