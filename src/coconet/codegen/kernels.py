@@ -30,6 +30,13 @@ import torch
 
 __all__ = ["KernelSet"]
 
+# Inductor computes 16-bit values in float32 and by default skips the rounding of a cast to a
+# 16-bit dtype whose result is widened again (``x.to(bfloat16).to(float32)`` becomes ``x``):
+# more precise, and not what the program says. A 16-bit reduction rounds once at its end (the
+# simulator's ``reduce_values``) and a fused kernel that reads it widened must see the rounded
+# value, bit for bit the simulator's; float32 kernels are unaffected.
+_INDUCTOR = {"emulate_precision_casts": True}
+
 
 class _Kernel:
     """One kernel, timing its first call (which includes torch.compile's work)."""
@@ -63,7 +70,8 @@ class KernelSet:
         self._pending: list[tuple[_Kernel, tuple]] | None = None  # ... to compile
         self._kernels: dict[str, _Kernel] = {}
         for name, fn in functions.items():
-            compiled = torch.compile(fn, dynamic=None, fullgraph=False) if fused else fn
+            compiled = (torch.compile(fn, dynamic=None, fullgraph=False, options=_INDUCTOR)
+                        if fused else fn)  # fmt: skip
             self._kernels[name] = _Kernel(name, compiled, fn, self)
 
     @contextlib.contextmanager

@@ -14,7 +14,17 @@ norm inside the step (not ``torch.nn.utils.clip_grad_norm_`` before ``step()``: 
 each rank's local gradient); ``opt.last_grad_norm`` is the norm.
 
 The parameters end up identical on every rank and equal to what ``torch.optim`` computes from
-the averaged gradient. See ``coconet.optim.base`` for the contract (buckets, ``.grad`` views,
+the averaged gradient.
+
+Mixed precision: 16-bit parameters (``model.to(torch.bfloat16)``) are stepped through a float32
+master copy of this rank's slice (kept with the state: 2 bytes of parameters per element on
+every rank plus 12/world bytes of float32 master and moments, Megatron's distributed
+optimizer's layout); the update is computed in float32 and rounded to nearest. ``reduce_dtype=``
+sets the dtype the gradients are reduced in (a 16-bit reduction accumulates in float32).
+``state_dict()`` holds each parameter's master as ``"master_param"``; ``with_master_weights``
+starts the masters of a 16-bit model from a float32 one's weights.
+
+See ``coconet.optim.base`` for the contract (buckets, ``.grad`` views,
 sliced state, all-or-nothing updates, checkpoints in torch's format) and
 ``coconet.optim.optimizers`` for what each supports.
 """
@@ -22,6 +32,7 @@ sliced state, all-or-nothing updates, checkpoints in torch's format) and
 from coconet.optim.base import DistributedOptimizer, LocalGradientEditWarning
 from coconet.optim.checkpoint import merge_shards
 from coconet.optim.optimizers import LAMB, SGD, Adam, AdamW
+from coconet.optim.state import with_master_weights
 
 __all__ = [
     "LAMB",
@@ -31,4 +42,5 @@ __all__ = [
     "DistributedOptimizer",
     "LocalGradientEditWarning",
     "merge_shards",
+    "with_master_weights",
 ]

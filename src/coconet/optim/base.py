@@ -107,12 +107,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
         param_storage: ParamStorage | str | None = None,
         max_grad_norm: float | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         name = type(self).__name__
         max_norm = settings.checked_max_grad_norm(max_grad_norm, name, ddp,
                                                   self.supports_grad_clip)  # fmt: skip
         self.comm = settings.default_comm(comm, name)
         self.storage = settings.param_storage(param_storage, name, ddp)
+        # the dtype the gradients are reduced in (None: their own; settings.checked_reduce_dtype)
+        self.reduce_dtype = settings.checked_reduce_dtype(reduce_dtype, name, ddp)
         self.ddp = ddp
         # State updates take the new storage (no copy); the parameters are always written in
         # place (they are views of a bucket).
@@ -154,7 +157,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """One step of the optimizer over a flat bucket of ``dtype``: inputs ``g`` (Local) and
         ``p`` (Replicated), the state (Replicated; the schedule slices it), then the scalars.
         With ``supports_grad_clip``, it also takes ``clip=`` (``coconet.optim.programs.Clip``);
-        ``averaged=True``: the form of gradients averaged before the step (a DDP wrapper's)."""
+        ``averaged=True``: the form of gradients averaged before the step (a DDP wrapper's).
+        16-bit parameters and ``reduce_dtype=``: it takes ``reduce=`` (the dtype the gradients
+        are reduced in) and, for a 16-bit ``dtype``, a float32 input ``master`` after the state
+        that it updates, with ``p`` the master's rounding (``programs.Precision``); without
+        those, the optimizer steps float32 parameters only."""
         raise NotImplementedError
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
@@ -319,6 +326,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.ddp is not None:
             return loss
         watch = self.watch
+        for b in self.buckets:
+            b.sync_master()  # 16-bit parameters written in place since the last step
         changed = watch.changed()
         if changed:
             watch.take_in(changed)
@@ -350,6 +359,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.comm.progress[self._progress_key] = self.agreement.steps_done
             for b in self.buckets:
                 b.seen[:] = [b.grad._version, False]
+                b.mark_written()  # (the step's own writes: a host replica re-points .data)
             self.after_step()
             outcome[0] = (f"coconet.optim.{name}: the step was applied on every rank before "
                           "this was raised: do not repeat it")
@@ -368,6 +378,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's slices of the state with their offsets, no communication (see
         ``coconet.optim.checkpoint``: when to use it rather than ``state_dict``)."""
+        for b in self.buckets:
+            b.sync_master()
         groups, index = state.packed_groups(self.param_groups)
         return checkpoint.sharded_state_dict(self, groups, index)
 
@@ -377,6 +389,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the torch optimizer or into this one at any world size. Runs the state-dict hooks as
         torch does (pre-hooks first; a post-hook's result replaces the state dict)."""
         self.agree_call(CallKind.STATE_DICT)  # every rank calls it now (not a step)
+        for b in self.buckets:
+            b.sync_master()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = state.torch_state(self)

@@ -22,12 +22,12 @@ import torch
 from coconet.ir.program import Program
 from coconet.ir.types import slice_bounds
 from coconet.optim import agreement
-from coconet.optim.programs import Clip
+from coconet.optim.programs import MASTER, Clip
 from coconet.runtime.replica import HostReplica
 from coconet.runtime.shards import Placement
 
-__all__ = ["ROW_ELEMENTS", "Bucket", "Buckets", "is_sliced", "pack", "reattach",
-           "tensor_buckets"]
+__all__ = ["ROW_ELEMENTS", "Bucket", "Buckets", "is_sliced", "master_values", "pack",
+           "reattach", "tensor_buckets"]
 
 # The largest tensor (elements) of a bucket of rows (``tensor_buckets``): 1 MiB of float32, about
 # what a step's fixed cost (~1 ms of agreement, waits and launches) moves at the copy bandwidth;
@@ -80,6 +80,15 @@ class Bucket:
     placement: Placement | None = None
     # the gradients arrive averaged (a DDP wrapper reduced them): the step communicates nothing
     averaged: bool = False
+    # 16-bit parameters: the state holds a float32 master copy of them (``programs.MASTER``,
+    # this rank's slice like the rest of the state; in ``names`` as ``programs.MASTER_STATE_KEY``)
+    # which the step updates, the parameters its rounding
+    master: bool = False
+    # the dtype the gradients are reduced in (None: their own)
+    reduce: Any = None
+    # each parameter's version counter when the master copy last matched it (``sync_master``;
+    # a parameter's ``.data`` set to a view keeps a counter of its own, not ``flat``'s)
+    written: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -121,6 +130,38 @@ class Bucket:
         start = flat.data_ptr() + self.offsets[i] * flat.element_size()
         return agreement.detachment(self.params[i], start, flat.dtype, flat.device,
                                     self.shapes[i])  # fmt: skip
+
+    @torch.no_grad()
+    def sync_master(self) -> None:
+        """16-bit parameters written in place since the master copy last matched them (a
+        model's ``load_state_dict``, an in-place re-initialisation, on every rank alike): their
+        master copy takes the new values wherever a parameter is no longer the master's
+        rounding; the master would otherwise overwrite them at the next step. One integer
+        compared per parameter (~0.1 us); a pass over a parameter's part of this rank's slice
+        only when it was written."""
+        if not self.master or self.flat is None:
+            return
+        versions = [p._version for p in self.params]
+        if versions == self.written:
+            return
+        master = self.state[MASTER]
+        for i in range(len(self.params)):
+            if i < len(self.written) and versions[i] == self.written[i]:
+                continue
+            here = self.local(MASTER, i)
+            if here is None:
+                continue
+            lo = self.bounds[0] if master.numel() != self.size else 0
+            params = self.flat[here.start + lo : here.stop + lo]
+            moved = params != master[here].to(params.dtype)
+            if bool(moved.any()):
+                master[here][moved] = params[moved].float()
+        self.written = versions
+
+    def mark_written(self) -> None:
+        """The master copy matches the parameters as they are now (``sync_master``)."""
+        if self.master:
+            self.written = [p._version for p in self.params]
 
     @property
     def numel(self) -> int:
@@ -265,7 +306,11 @@ def pack(bucket: Bucket, comm: Any, host_shared: bool) -> list[Any]:
     else:
         flat = torch.empty(total, dtype=dtype, device=comm.device)
     writes = not shared or comm.rank == 0
-    grad = bucket.step_fn.input_buffer("g", bucket.shape).view(-1)
+    step_fn = bucket.step_fn
+    if step_fn.collective_reads("g"):  # in symmetric memory where the transport has it
+        grad = step_fn.input_buffer("g", bucket.shape).view(-1)
+    else:  # cast first (reduce_dtype=), or averaged before the step: an ordinary tensor
+        grad = torch.empty(total, dtype=dtype, device=comm.device)
     grad.zero_()
     hooks = []
     with torch.no_grad():
@@ -282,6 +327,7 @@ def pack(bucket: Bucket, comm: Any, host_shared: bool) -> list[Any]:
             hooks.append(p.register_post_accumulate_grad_hook(
                 _marker(bucket.has_grad, i, bucket.seen, grad)))
     bucket.flat, bucket.grad = flat, grad
+    bucket.mark_written()  # (the master copy was made from these values)
     if shared:  # the first rank's writes are in before any rank reads them
         comm.control.barrier("coconet.optim: host-shared parameters written")
     return hooks
@@ -297,6 +343,12 @@ def reattach(bucket: Bucket, i: int, comm: Any) -> None:
     if bucket.replica is None or comm.rank == 0:  # host-shared: one writer per host
         view.copy_(p.detach())
     p.data = view
+    if bucket.master:  # its master copy starts again from the new values
+        bucket.sync_master()  # (first any other parameter written in place)
+        here = bucket.local(MASTER, i)
+        if here is not None:
+            bucket.state[MASTER][here].copy_(master_values(bucket, i))
+        bucket.mark_written()
     if bucket.replica is not None:
         comm.control.barrier("coconet.optim: a parameter taken in again")
 
@@ -313,6 +365,23 @@ def _marker(flags: list[bool], i: int, seen: list, grad: torch.Tensor
         seen[1] = True
 
     return mark
+
+
+@torch.no_grad()
+def master_values(bucket: Bucket, i: int | None = None) -> torch.Tensor:
+    """The float32 master copy of ``bucket``'s parameters as they are now (widened; one
+    parameter's part of this rank's slice with ``i``), as this rank stores it: what a master
+    copy starts from when none was given (a new bucket, a state dict without one)."""
+    lo, hi = bucket.bounds if bucket.state[MASTER].numel() != bucket.size else (0, bucket.size)
+    if i is not None:
+        start, stop = bucket.span(i)
+        lo, hi = max(lo, start), min(hi, stop)
+        if lo >= hi:
+            return torch.empty(0, dtype=torch.float32, device=bucket.state[MASTER].device)
+    if bucket.flat is not None:
+        return bucket.flat[lo:hi].float()
+    whole = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+    return whole[lo:hi].float()
 
 
 def is_sliced(program: Program, name: str) -> bool:

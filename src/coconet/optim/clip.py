@@ -43,8 +43,6 @@ from coconet.options import CompileOptions
 
 __all__ = ["ClipPlan", "Clipper", "PlanKind"]
 
-_DTYPES = {torch.float32: DType.float32}
-
 
 class PlanKind(enum.Enum):
     """How a step clips (the module docstring)."""
@@ -154,7 +152,9 @@ class Clipper:
             return torch.zeros((), device=self.comm.device)
         key = tuple(id(b) for b in buckets)
         if key not in self.norm_passes:
-            program = programs.grad_norm_pass(_DTYPES[buckets[0].grad.dtype], len(buckets))
+            dtypes = tuple(DType.from_torch(b.grad.dtype) for b in buckets)
+            reduce = buckets[0].reduce  # (the optimizer's: the same for every bucket)
+            program = programs.grad_norm_pass(dtypes, len(buckets), reduce)
             step_fn = coconet_compile(programs.grad_norm_pass_schedule(program),
                                       comm=self.comm, options=self.options)  # fmt: skip
             step_fn.input_sources = {"grad_scale": "the world size"}

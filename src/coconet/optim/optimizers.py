@@ -110,6 +110,7 @@ class _AdamFamily(DistributedOptimizer):
         fused: bool | None = None,
         decoupled_weight_decay: bool = False,
         max_grad_norm: float | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -120,7 +121,7 @@ class _AdamFamily(DistributedOptimizer):
         self.check_group(defaults, "")
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
-            param_storage=param_storage, max_grad_norm=max_grad_norm,
+            param_storage=param_storage, max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -133,8 +134,8 @@ class _AdamFamily(DistributedOptimizer):
         _unsupported(name, where, group, "amsgrad", "capturable", "differentiable")
 
     def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
-                averaged: bool = False) -> Program:  # fmt: skip
-        return programs.adam(dtype, clip, averaged)
+                averaged: bool = False, reduce: DType | None = None) -> Program:  # fmt: skip
+        return programs.adam(dtype, clip, averaged, reduce)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"m": "exp_avg", "v": "exp_avg_sq"}
@@ -236,6 +237,7 @@ class SGD(DistributedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         max_grad_norm: float | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -245,7 +247,7 @@ class SGD(DistributedOptimizer):
         self.check_group(defaults, "")
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
-            param_storage=param_storage, max_grad_norm=max_grad_norm,
+            param_storage=param_storage, max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -267,10 +269,10 @@ class SGD(DistributedOptimizer):
         _unsupported("SGD", where, group, "differentiable")
 
     def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
-                averaged: bool = False) -> Program:  # fmt: skip
+                averaged: bool = False, reduce: DType | None = None) -> Program:  # fmt: skip
         if group["momentum"]:
-            return programs.sgd_momentum(dtype, clip, averaged)
-        return programs.sgd(dtype, clip, averaged)
+            return programs.sgd_momentum(dtype, clip, averaged, reduce)
+        return programs.sgd(dtype, clip, averaged, reduce)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"buf": "momentum_buffer"} if group["momentum"] else {}
@@ -363,6 +365,7 @@ class LAMB(_AdamFamily):
         options=None,
         ddp=None,
         param_storage=None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, weight_decay=weight_decay, weight_decouple=weight_decouple,
@@ -376,6 +379,7 @@ class LAMB(_AdamFamily):
         DistributedOptimizer.__init__(
             self, params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
             param_storage=param_storage, max_grad_norm=max_grad_norm if scaling else None,
+            reduce_dtype=reduce_dtype,
         )
 
     def clip_factor(self, norm: torch.Tensor) -> torch.Tensor:
@@ -402,8 +406,9 @@ class LAMB(_AdamFamily):
             )
 
     def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
-                rows: bool = False, averaged: bool = False) -> Program:  # fmt: skip
-        return programs.lamb(dtype, clip, rows, averaged)
+                rows: bool = False, averaged: bool = False,
+                reduce: DType | None = None) -> Program:  # fmt: skip
+        return programs.lamb(dtype, clip, rows, averaged, reduce)
 
     SCALAR_SOURCES = {
         "grad_scale": "maximize (and the world size)",
@@ -443,7 +448,9 @@ class LAMB(_AdamFamily):
         self._row_norms = None
         if b.row:
             lo, hi = _held(b)
-            self._row_norms = b.flat[lo:hi].view(-1, b.row).norm(dim=1).double()
+            # the weights the step reads: the float32 master copy of 16-bit parameters
+            weights = b.state[programs.MASTER] if b.master else b.flat[lo:hi]
+            self._row_norms = weights.view(-1, b.row).norm(dim=1).double()
 
     def after_bucket(self, b: Bucket, outputs: dict[str, torch.Tensor], stepped: list[int]
                      ) -> None:  # fmt: skip
@@ -486,7 +493,7 @@ class LAMB(_AdamFamily):
             every = comm.gather_floats(mine + [0.0] * (width - len(mine)),
                                        "coconet.optim.LAMB: the rows' diagnostics")  # fmt: skip
             rows = [x for r, values in enumerate(every) for x in values[: 3 * counts[r]]]
-        dtype = b.flat.dtype
+        dtype = b.state["m"].dtype  # (Lamb's: its state's, float32 for 16-bit parameters)
         return [[torch.tensor(rows[3 * k + j], dtype=dtype) for j in range(3)]
                 for k in range(len(rows) // 3)]
 

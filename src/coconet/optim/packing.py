@@ -18,14 +18,16 @@ from coconet.errors import ConfigError
 from coconet.ir.program import Program
 from coconet.ir.types import DType
 from coconet.optim import state
-from coconet.optim.buckets import Bucket, is_sliced, pack, tensor_buckets
-from coconet.optim.programs import Clip
+from coconet.optim.buckets import Bucket, is_sliced, master_values, pack, tensor_buckets
+from coconet.optim.programs import MASTER, MASTER_STATE_KEY, Clip, Precision
 from coconet.options import ParamStorage
 from coconet.runtime.shards import placement_of
 
 __all__ = ["Packer"]
 
-_DTYPES = {torch.float32: DType.float32}
+
+def _dtype(dtype: torch.dtype | None) -> DType | None:
+    return None if dtype is None else DType.from_torch(dtype)
 
 
 class Packer:
@@ -63,16 +65,30 @@ class Packer:
         clip = opt.clipper.mode_of_new_bucket(opt.buckets)
         # several tensors in a bucket of an optimizer with per-tensor norms: one per row
         row = params[0].numel() if opt.bucket_per_parameter and len(params) > 1 else 0
-        names = opt.state_names(opt.param_groups[index])
+        names = dict(opt.state_names(opt.param_groups[index]))
+        precision = Precision.of(DType.from_torch(dtype), _dtype(opt.reduce_dtype))
+        if precision.master:
+            names[MASTER] = MASTER_STATE_KEY
         b = Bucket(index, params, offsets, total, {}, (0, total), names, clip, row)
         b.placement = placement_of(params[0])
         b.averaged = opt.gradients_averaged_by is not None
+        b.master, b.reduce = precision.master, _dtype(opt.reduce_dtype)
         b.forms[clip] = step_fn = self.compile_form(b, clip)
+        if b.master and MASTER not in {n.name for n in step_fn.program.inputs}:
+            raise ConfigError(
+                f"param group {index}: parameters of dtype {dtype} need a float32 master copy, "
+                f"and {type(opt).__name__}.program has no input {MASTER!r}",
+                op=f"coconet.optim.{type(opt).__name__}",
+                hint="build the program with coconet.optim.programs' helpers (their dtype= "
+                "takes 16-bit parameters), or keep the parameters in float32",
+            )
         b.bounds = b.bounds_of(comm.rank, comm.world)
         n = b.bounds[1] - b.bounds[0]
         for name in names:
             size = n if is_sliced(step_fn.program, name) else total
-            b.state[name] = torch.zeros(size, dtype=dtype, device=comm.device)
+            b.state[name] = torch.zeros(size, dtype=precision.math.torch, device=comm.device)
+        if b.master:
+            b.state[MASTER].copy_(master_values(b))  # (``pack`` records the version)
         return b
 
     def compile_form(self, b: Bucket, clip: Clip, averaged: bool | None = None) -> Any:
@@ -80,14 +96,26 @@ class Packer:
         averaged before the step; None: as the bucket is)."""
         opt = self.opt
         group = opt.param_groups[b.group]
-        dtype = _DTYPES[b.params[0].dtype]
+        dtype = DType.from_torch(b.params[0].dtype)
+        # (``reduce=`` only where it is asked for: a subclass's program may not take it)
+        extra = {} if b.reduce is None else {"reduce": b.reduce}
 
         def program(**kwargs: Any) -> Program:
-            return opt.program(group, dtype, **kwargs)
+            try:
+                return opt.program(group, dtype, **extra, **kwargs)
+            except TypeError as e:
+                if not extra or "reduce" not in str(e):
+                    raise
+                raise ConfigError(
+                    f"reduce_dtype={opt.reduce_dtype}: {type(opt).__name__}.program takes no "
+                    "reduce= (the dtype its gradients are reduced in)",
+                    op=f"coconet.optim.{type(opt).__name__}",
+                    hint="give its program a reduce= parameter (see coconet.optim.programs."
+                    "adam), or leave reduce_dtype out",
+                ) from e
 
         averaged = b.averaged if averaged is None else averaged
-        state_names = tuple(opt.state_names(group))
-        return opt.recipes.compile(program, state_names, b.size, clip, b.row, averaged)
+        return opt.recipes.compile(program, tuple(b.names), b.size, clip, b.row, averaged)
 
     def form(self, b: Bucket, clip: Clip) -> Any:
         """``b``'s step of clip mode ``clip``, compiled at its first use (the ranks decline,

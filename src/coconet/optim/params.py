@@ -31,12 +31,12 @@ from coconet.errors import CoconetError, ConfigError, GradientError
 from coconet.optim import agreement
 from coconet.optim.agreement import CallKind
 from coconet.optim.buckets import Bucket, reattach
+from coconet.optim.settings import PARAM_DTYPES
 from coconet.options import ParamStorage
 from coconet.runtime.shards import placement_of
 
 __all__ = ["LocalGradientEditWarning", "ParamWatch", "ddp_wrapping"]
 
-_DTYPES = (torch.float32,)
 
 
 class LocalGradientEditWarning(UserWarning):
@@ -68,12 +68,21 @@ class ParamWatch:
         """A parameter added to group ``index`` that the optimizer can step, or a ConfigError."""
         name = f"coconet.optim.{self._name}"
         comm = self.opt.comm
-        if p.dtype not in _DTYPES:
+        if p.dtype not in PARAM_DTYPES:
             raise ConfigError(
-                f"param group {index}: parameters of dtype {p.dtype} are not supported (only "
-                "float32 is)",
+                f"param group {index}: parameters of dtype {p.dtype} are not supported (float32, "
+                "bfloat16 and float16 are)",
                 op=name,
-                hint="keep the parameters in float32 (mixed precision: autocast the forward)",
+                hint="model.to(torch.bfloat16) (a float32 master copy is kept in the optimizer), "
+                "or float32 parameters",
+            )
+        if p.dtype != torch.float32 and self.opt.ddp is not None:
+            raise ConfigError(
+                f"param group {index}: parameters of dtype {p.dtype} cannot be stepped with ddp=: "
+                "their float32 master copy lives in coconet's own step",
+                op=name,
+                hint="leave ddp= out and the model unwrapped (coconet.optim reduces the "
+                "gradients in its step), or keep float32 parameters",
             )
         if p.device != comm.device:
             raise ConfigError(

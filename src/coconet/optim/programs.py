@@ -30,6 +30,7 @@ factor is 1, which is the update clipping by 1 computes, bit for bit (``grad * 1
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from coconet import dsl as cc
 from coconet.ir.program import Program
@@ -49,6 +50,45 @@ class Clip(enum.Enum):
     # the update unclipped and the norm computed alongside it (output grad_norm), in one pass:
     # the optimizer commits it only when the factor is 1 and otherwise steps again, GIVEN
     SPECULATIVE = "speculative"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of a step: ``param``, the parameters' and their gradients' (a bucket's);
+    ``reduce``, what the gradients are sent in (``reduce_dtype=``; the parameters' by default).
+    The update is computed in ``math``: float32 for 16-bit parameters, which then keep an
+    float32 master copy (input ``master``, stored sliced with the state: Megatron's
+    distributed optimizer's layout) whose update is rounded to the parameters' dtype
+    (round-to-nearest-even, ``Tensor.to``) and gathered."""
+
+    param: DType = DType.float32
+    reduce: DType = DType.float32
+
+    @property
+    def math(self) -> DType:
+        return DType.float32 if self.param in _SIXTEEN else self.param
+
+    @property
+    def master(self) -> bool:
+        """Whether the step keeps a float32 master copy of the parameters (16-bit ones)."""
+        return self.param in _SIXTEEN
+
+    @property
+    def plain(self) -> bool:
+        """float32 throughout: the programs as they always were (their digests, so caches)."""
+        return self.param is self.reduce is DType.float32
+
+    @classmethod
+    def of(cls, param: DType, reduce: DType | None = None) -> Precision:
+        return cls(param, param if reduce is None else reduce)
+
+
+_SIXTEEN = (DType.float16, DType.bfloat16)
+
+# The master copy's name as a program input and in a torch-format state dict (apex's
+# FusedAdam(master_weights=True) and DeepSpeed keep theirs under a name of their own too).
+MASTER = "master"
+MASTER_STATE_KEY = "master_param"
 
 
 def _clipped(grad: cc.Tensor, clip: Clip) -> tuple[cc.Tensor, list[cc.Tensor], dict]:
@@ -76,17 +116,36 @@ def _averaged(g_sum: cc.Tensor, grad_scale: cc.Tensor, clip: Clip
     return _clipped((g_sum * grad_scale).named("grad"), clip)
 
 
-def _name(base: str, clip: Clip, averaged: bool = False) -> str:
+def _name(base: str, clip: Clip, averaged: bool = False,
+          precision: Precision | None = None) -> str:  # fmt: skip
+    if precision is not None and not precision.plain:
+        base = f"{base}_{precision.param.short}"
+        if precision.reduce is not precision.param:
+            base = f"{base}_reduce_{precision.reduce.short}"
     base = f"{base}_averaged" if averaged else base
     return base if clip is Clip.OFF else f"{base}_clip_{clip.name.lower()}"
 
 
-def _summed(g: cc.Tensor, averaged: bool) -> cc.Tensor:
+def _summed(g: cc.Tensor, averaged: bool, precision: Precision | None = None) -> cc.Tensor:
     """The ranks' gradients summed (all_reduce), or ``g`` itself when a wrapper (DDP) averaged
     them already: then the optimizer's ``grad_scale`` is 1 (-1 for maximize), not 1 / world,
     and the step communicates nothing (every rank updates the whole bucket, as torch's
-    optimizer behind DDP does)."""
-    return g if averaged else cc.all_reduce(g, name="g_sum")
+    optimizer behind DDP does).
+
+    ``precision``: the gradients sent in ``precision.reduce`` (cast first where it is not
+    theirs) and the sum taken up in the update's dtype (``precision.math``). A 16-bit
+    reduction accumulates in float32 and rounds once (``semantics.reduce_values``: never a
+    16-bit running sum), on every transport."""
+    if precision is None:
+        return g if averaged else cc.all_reduce(g, name="g_sum")
+    if averaged:
+        summed = g
+    else:
+        sent = g if precision.reduce is g.dtype else cc.cast(g, precision.reduce).named("g_sent")
+        summed = cc.all_reduce(sent, name="g_sum")
+    if summed.dtype is precision.math:
+        return summed
+    return cc.cast(summed, precision.math).named("g_sum_wide")
 
 
 def _outputs(updates: list, extra: dict) -> list | dict:
@@ -97,16 +156,35 @@ def _outputs(updates: list, extra: dict) -> list | dict:
     return {**extra, **{f"update_{i}": u for i, u in enumerate(updates)}}
 
 
-def _bucket(dtype: DType, state: tuple[str, ...], rows: bool = False, averaged: bool = False):
+def _bucket(dtype: DType, state: tuple[str, ...], rows: bool = False, averaged: bool = False,
+            precision: Precision | None = None):
     # rows: a bucket of K parameter tensors of N elements each, one per row ([K, N]);
-    # averaged: the gradient arrives averaged already (the same on every rank: Replicated)
+    # averaged: the gradient arrives averaged already (the same on every rank: Replicated).
+    # Returns (g, p, state, w): ``w`` the weights the update reads and writes (``p``, or its
+    # float32 master copy for 16-bit parameters, an input after the state)
+    precision = precision or Precision.of(dtype)
     dims = [Dim("K"), Dim("N")] if rows else [Dim("N")]
     g = cc.Tensor("g", dtype, dims, Replicated if averaged else Local)
     p = cc.Tensor("p", dtype, dims, Replicated)
-    return g, p, [cc.Tensor(name, dtype, dims, Replicated) for name in state]
+    math = precision.math
+    states = [cc.Tensor(name, math, dims, Replicated) for name in state]
+    if precision.master:
+        states.append(cc.Tensor(MASTER, math, dims, Replicated))
+        return g, p, states, states[-1]
+    return g, p, states, p
 
 
-def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = False) -> Program:
+def _written(p: cc.Tensor, w: cc.Tensor, w_new: cc.Tensor) -> list[cc.Tensor]:
+    """The updates of the weights: ``p`` itself, or the master copy ``w`` and ``p`` its
+    rounding to the parameters' dtype (what the gather publishes)."""
+    if w is p:
+        return [cc.update(p, w_new)]
+    rounded = cc.cast(w_new, p.dtype).named("p_rounded")
+    return [cc.update(w, w_new), cc.update(p, rounded)]
+
+
+def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = False,
+         reduce: DType | None = None) -> Program:  # fmt: skip
     """torch.optim.Adam and AdamW (``amsgrad=False``), one program for both:
 
     ``d = avg(g) + weight_decay * p`` (Adam's L2; AdamW passes 0),
@@ -114,59 +192,67 @@ def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = F
     ``p = decay * p - step_size * m / (sqrt(v) / bc2_sqrt + eps)`` with
     ``decay = 1 - lr * weight_decay`` for AdamW (1 for Adam), ``step_size = lr / (1 - beta1 ** t)``
     and ``bc2_sqrt = sqrt(1 - beta2 ** t)``. ``clip``: ``avg(g)`` clipped by its norm first
-    (see ``Clip``).
+    (see ``Clip``). ``dtype``: the parameters'; 16-bit ones are updated through a float32
+    master copy (``Precision``); ``reduce``: the dtype the gradients are sent in.
     """
-    g, p, (m, v) = _bucket(dtype, ("m", "v"), averaged=averaged)
+    precision = Precision.of(dtype, reduce)
+    g, p, (m, v, *master), w = _bucket(dtype, ("m", "v"), averaged=averaged,
+                                       precision=precision)  # fmt: skip
     names = (
         "grad_scale", "weight_decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2",
         "eps", "step_size", "bc2_sqrt", "decay",
     )
     s = {name: cc.Scalar(name) for name in names}
-    g_sum = _summed(g, averaged)
+    g_sum = _summed(g, averaged, None if precision.plain else precision)
     grad, extra_in, extra_out = _averaged(g_sum, s["grad_scale"], clip)
-    d = (grad + s["weight_decay"] * p).named("d_p")
+    d = (grad + s["weight_decay"] * w).named("d_p")
     m_new = (s["beta1"] * m + s["one_minus_beta1"] * d).named("m_new")
     v_new = (s["beta2"] * v + s["one_minus_beta2"] * (d * d)).named("v_new")
     denom = (cc.sqrt(v_new) / s["bc2_sqrt"] + s["eps"]).named("denom")
-    p_new = (s["decay"] * p - s["step_size"] * (m_new / denom)).named("p_new")
+    p_new = (s["decay"] * w - s["step_size"] * (m_new / denom)).named("p_new")
     return Program(
-        _name("adam", clip, averaged),
-        [g, p, m, v, *s.values(), *extra_in],
-        _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
+        _name("adam", clip, averaged, precision),
+        [g, p, m, v, *master, *s.values(), *extra_in],
+        _outputs([*_written(p, w, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
     )
 
 
-def sgd(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = False) -> Program:
-    """torch.optim.SGD without momentum: ``p = p - lr * (avg(g) + weight_decay * p)``."""
-    g, p, _ = _bucket(dtype, (), averaged=averaged)
+def sgd(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = False,
+        reduce: DType | None = None) -> Program:  # fmt: skip
+    """torch.optim.SGD without momentum: ``p = p - lr * (avg(g) + weight_decay * p)``
+    (``dtype``, ``reduce``: as ``adam``'s)."""
+    precision = Precision.of(dtype, reduce)
+    g, p, master, w = _bucket(dtype, (), averaged=averaged, precision=precision)
     grad_scale, weight_decay, lr = (cc.Scalar(n) for n in ("grad_scale", "weight_decay", "lr"))
-    g_sum = _summed(g, averaged)
+    g_sum = _summed(g, averaged, None if precision.plain else precision)
     grad, extra_in, extra_out = _averaged(g_sum, grad_scale, clip)
-    d = (grad + weight_decay * p).named("d_p")
-    p_new = (p - lr * d).named("p_new")
-    return Program(_name("sgd", clip, averaged), [g, p, grad_scale, weight_decay, lr, *extra_in],
-                   _outputs([cc.update(p, p_new)], extra_out))
+    d = (grad + weight_decay * w).named("d_p")
+    p_new = (w - lr * d).named("p_new")
+    return Program(_name("sgd", clip, averaged, precision),
+                   [g, p, *master, grad_scale, weight_decay, lr, *extra_in],
+                   _outputs(_written(p, w, p_new), extra_out))
 
 
 def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF,
-                 averaged: bool = False) -> Program:  # fmt: skip
+                 averaged: bool = False, reduce: DType | None = None) -> Program:  # fmt: skip
     """torch.optim.SGD with momentum: ``buf = buf_momentum * buf + buf_damp * d`` (on the first
     step ``buf_momentum = 0, buf_damp = 1``: torch starts the buffer at ``d``; then
     ``momentum, 1 - dampening``), ``p = p - lr * (a d + b buf)`` with ``(a, b) = (1, momentum)``
-    for Nesterov and ``(0, 1)`` otherwise."""
-    g, p, (buf,) = _bucket(dtype, ("buf",), averaged=averaged)
+    for Nesterov and ``(0, 1)`` otherwise (``dtype``, ``reduce``: as ``adam``'s)."""
+    precision = Precision.of(dtype, reduce)
+    g, p, (buf, *master), w = _bucket(dtype, ("buf",), averaged=averaged, precision=precision)
     names = ("grad_scale", "weight_decay", "buf_momentum", "buf_damp", "a", "b", "lr")
     s = {name: cc.Scalar(name) for name in names}
-    g_sum = _summed(g, averaged)
+    g_sum = _summed(g, averaged, None if precision.plain else precision)
     grad, extra_in, extra_out = _averaged(g_sum, s["grad_scale"], clip)
-    d = (grad + s["weight_decay"] * p).named("d_p")
+    d = (grad + s["weight_decay"] * w).named("d_p")
     buf_new = (s["buf_momentum"] * buf + s["buf_damp"] * d).named("buf_new")
     direction = (s["a"] * d + s["b"] * buf_new).named("direction")
-    p_new = (p - s["lr"] * direction).named("p_new")
+    p_new = (w - s["lr"] * direction).named("p_new")
     return Program(
-        _name("sgd_momentum", clip, averaged),
-        [g, p, buf, *s.values(), *extra_in],
-        _outputs([cc.update(p, p_new), cc.update(buf, buf_new)], extra_out),
+        _name("sgd_momentum", clip, averaged, precision),
+        [g, p, buf, *master, *s.values(), *extra_in],
+        _outputs([*_written(p, w, p_new), cc.update(buf, buf_new)], extra_out),
     )
 
 
@@ -175,7 +261,7 @@ LAMB_WEIGHT_NORM_CLAMP = 10.0
 
 
 def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False,
-         averaged: bool = False) -> Program:  # fmt: skip
+         averaged: bool = False, reduce: DType | None = None) -> Program:  # fmt: skip
     """``pytorch_optimizer.Lamb`` (4.x; its defaults ``weight_decouple=True``, ``rectify=False``,
     ``adam=False``, ``pre_norm=False``) over **one parameter tensor**: its trust ratio is that
     tensor's (layer-wise), so ``coconet.optim.LAMB`` runs it per tensor (or ``rows=True``,
@@ -194,8 +280,11 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
     Sliced by rows (``fuse_RS_C_AG``), a rank updates whole tensors, so their norms need no
     collective: the step is one pass over shared memory (the flat program's norms over a
     sliced tensor are partial sums and an all_reduce each, which cut it in two).
+
+    ``dtype``, ``reduce``: as ``adam``'s (the norms are the float32 master copy's).
     """
-    g, p, (m, v) = _bucket(dtype, ("m", "v"), rows, averaged)
+    precision = Precision.of(dtype, reduce)
+    g, p, (m, v, *master), w = _bucket(dtype, ("m", "v"), rows, averaged, precision)
     # the per-tensor norms: whole (flat), or each row's, kept as a column to scale its row
     over = {"dim": 1, "keepdim": True} if rows else {}
     names = (
@@ -203,16 +292,16 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
         "step_size", "use_trust",
     )
     s = {name: cc.Scalar(name) for name in names}
-    g_sum = _summed(g, averaged)
+    g_sum = _summed(g, averaged, None if precision.plain else precision)
     grad = (g_sum * s["grad_scale"]).named("grad")
     grad, extra_in, extra_out = _clipped(grad, clip)
     m_new = (s["beta1"] * m + s["beta3"] * grad).named("m_new")
     v_new = (s["beta2"] * v + s["one_minus_beta2"] * (grad * grad)).named("v_new")
-    p_d = (s["decay"] * p).named("p_decayed")
+    p_d = (s["decay"] * w).named("p_decayed")
     update = (m_new / (cc.sqrt(v_new) + s["eps"])).named("update")
     # |decay p| as decay |p| (decay > 0): the norm then reads only p, so a schedule computes it
     # before the gradient arrives (the same value up to one rounding)
-    p_norm = (s["decay"] * cc.norm(p, **over).named("p_norm_raw")).named("p_norm")
+    p_norm = (s["decay"] * cc.norm(w, **over).named("p_norm_raw")).named("p_norm")
     weight_norm = cc.where(p_norm > LAMB_WEIGHT_NORM_CLAMP, LAMB_WEIGHT_NORM_CLAMP, p_norm)
     u_norm = cc.norm(update, **over).named("u_norm")
     ratio = cc.where(u_norm > 0, weight_norm / (u_norm + s["eps"]), 1.0)
@@ -227,14 +316,15 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
     diagnostics = {} if rows else {"weight_norm": weight_norm.named("weight_norm"),
                                    "adam_norm": u_norm, "trust_ratio": ratio}  # fmt: skip
     return Program(
-        _name("lamb_rows" if rows else "lamb", clip, averaged),
-        [g, p, m, v, *s.values(), *extra_in],
-        _outputs([cc.update(p, p_new), cc.update(m, m_new), cc.update(v, v_new)],
+        _name("lamb_rows" if rows else "lamb", clip, averaged, precision),
+        [g, p, m, v, *master, *s.values(), *extra_in],
+        _outputs([*_written(p, w, p_new), cc.update(m, m_new), cc.update(v, v_new)],
                  {**extra_out, **diagnostics}),
     )
 
 
-def grad_norm_pass(dtype: DType, buckets: int) -> Program:
+def grad_norm_pass(dtype: DType | tuple[DType, ...], buckets: int,
+                   reduce: DType | None = None) -> Program:  # fmt: skip
     """The global norm of the averaged gradient over ``buckets`` flat gradient buckets (inputs
     ``g0``, ``g1``, ..., Local; ``grad_scale``): each bucket reduce_scattered and scaled
     (``avg(g)``'s slice on this rank, as the update's step computes it), the squares of every
@@ -242,12 +332,21 @@ def grad_norm_pass(dtype: DType, buckets: int) -> Program:
     Written sliced (no all_gather: nothing needs the whole average); ``grad_norm_pass_schedule``
     fuses each bucket's reduce_scatter with its squares' sum (one pass over the peers' slices,
     nothing written). The optimizer runs it before the buckets' updates (``Clip.GIVEN``) when it
-    holds more than one bucket."""
+    holds more than one bucket. ``dtype``: the buckets' (one for all, or one each); 16-bit
+    gradients and ``reduce`` as the update's step takes them (``_summed``): reduced in
+    ``reduce``, squared in float32."""
+    dtypes = (dtype,) * buckets if isinstance(dtype, DType) else tuple(dtype)
     grad_scale = cc.Scalar("grad_scale")
-    gs = [cc.Tensor(f"g{j}", dtype, [Dim(f"N{j}")], Local) for j in range(buckets)]
+    gs = [cc.Tensor(f"g{j}", dtypes[j], [Dim(f"N{j}")], Local) for j in range(buckets)]
     total = None
     for j, g in enumerate(gs):
-        part = (cc.reduce_scatter(g, name=f"g{j}_rs") * grad_scale).named(f"grad{j}_slice")
+        sent = g
+        if reduce is not None and reduce is not g.dtype:
+            sent = cc.cast(g, reduce).named(f"g{j}_sent")
+        rs = cc.reduce_scatter(sent, name=f"g{j}_rs")
+        if rs.dtype is not DType.float32:
+            rs = cc.cast(rs, DType.float32).named(f"g{j}_wide")
+        part = (rs * grad_scale).named(f"grad{j}_slice")
         sumsq = cc.sum((part * part).named(f"sq{j}_slice")).named(f"sumsq{j}_partial")
         total = sumsq if total is None else (total + sumsq).named(f"sumsq_upto{j}_partial")
     norm = cc.sqrt(cc.all_reduce(total, name="sumsq")).named("grad_norm")
@@ -260,8 +359,10 @@ def grad_norm_pass_schedule(program: Program) -> Schedule:
     peer's slice and writes only the partial sum), the scalar adds and the all_reduce as they
     are."""
     s = Schedule(program, "fuse_RS_sumsq")
+    names = {n.name for n in program.nodes}
     j = 0
-    while f"g{j}" in {n.name for n in program.inputs}:
-        s.fuse([f"g{j}_rs", f"grad{j}_slice", f"sq{j}_slice", f"sumsq{j}_partial"])
+    while f"g{j}" in names:
+        wide = [f"g{j}_wide"] if f"g{j}_wide" in names else []
+        s.fuse([f"g{j}_rs", *wide, f"grad{j}_slice", f"sq{j}_slice", f"sumsq{j}_partial"])
         j += 1
     return s

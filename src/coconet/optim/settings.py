@@ -1,5 +1,6 @@
 """The coconet arguments of an optimizer's constructor, checked: ``comm=``, ``param_storage=``,
-``max_grad_norm=`` (each a clear error naming the value and what to give instead)."""
+``max_grad_norm=``, ``reduce_dtype=`` (each a clear error naming the value and what to give
+instead)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from coconet.errors import ConfigError, ConfigValueError
 from coconet.options import ParamStorage
 from coconet.runtime.comm import Communicator
 
-__all__ = ["checked_max_grad_norm", "default_comm", "param_storage"]
+__all__ = ["PARAM_DTYPES", "checked_max_grad_norm", "checked_reduce_dtype", "default_comm",
+           "param_storage"]
+
+# The parameter dtypes an optimizer steps: float32 as torch.optim does; 16-bit ones through a
+# float32 master copy of this rank's slice (coconet.optim.programs.Precision)
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def default_comm(comm: Any, name: str) -> Communicator:
@@ -100,3 +106,30 @@ def param_storage(storage: Any, name: str, ddp: Any) -> ParamStorage:
             "directly), or keep per-rank storage",
         )
     return storage
+
+
+def checked_reduce_dtype(value: Any, name: str, ddp: Any) -> torch.dtype | None:
+    """``reduce_dtype=``: the dtype the gradients are sent and reduced in (FSDP2's
+    ``MixedPrecisionPolicy(reduce_dtype=)``; Megatron's ``grad_reduce_in_fp32`` is
+    ``reduce_dtype=torch.float32`` with 16-bit parameters). None: the gradients' own dtype. A
+    16-bit reduction accumulates in float32 and rounds once."""
+    if value is None:
+        return None
+    op = f"coconet.optim.{name}"
+    if not isinstance(value, torch.dtype) or value not in PARAM_DTYPES:
+        raise ConfigError(
+            f"{name}: reduce_dtype={value!r} is not one of torch.float32, torch.bfloat16, "
+            "torch.float16",
+            op=op,
+            hint="reduce_dtype=torch.bfloat16 sends the gradients in bfloat16 (half the bytes "
+            "of float32); None (the default) reduces them in their own dtype",
+        )
+    if ddp is not None:
+        raise ConfigError(
+            f"{name}: reduce_dtype= cannot be combined with ddp=: with ddp= DDP reduces the "
+            "gradients (its communication hook hands them over in their dtype)",
+            op=op,
+            hint="leave ddp= out: coconet.optim reduces the gradients in its step, in "
+            "reduce_dtype",
+        )
+    return value

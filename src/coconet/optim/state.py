@@ -20,10 +20,12 @@ import torch
 
 from coconet.errors import ConfigError
 from coconet.optim import agreement
-from coconet.optim.buckets import Bucket
+from coconet.optim.buckets import Bucket, master_values
+from coconet.optim.programs import MASTER, MASTER_STATE_KEY
 
 __all__ = ["Entry", "StateView", "TorchLoad", "apply_torch_format", "check_torch_format",
-           "packed_groups", "state_digest", "torch_state", "whole", "write_state"]
+           "packed_groups", "state_digest", "torch_state", "whole", "with_master_weights",
+           "write_state"]
 
 
 @dataclass
@@ -83,7 +85,9 @@ def torch_state(opt: Any) -> dict[str, Any]:
                 start, stop = b.span(i)
                 entry = opt.step_state(b.steps[i])
                 for name, key in b.names.items():
-                    entry[key] = full[name][start:stop].view_as(p).clone()
+                    # (state in its own dtype: float32 moments of 16-bit parameters, as
+                    # torch's load_state_dict casts them to the parameter's dtype)
+                    entry[key] = full[name][start:stop].view(p.shape).clone()
             state[index[id(p)]] = {**entry, **extra}
     for p in (q for g in opt.param_groups for q in g["params"]):
         if opt.buckets.find(p) is None and view.extra.get(id(p)):
@@ -158,8 +162,12 @@ def check_torch_format(opt: Any, state_dict: dict[str, Any]) -> TorchLoad:
                     f"the state dict's entry for {b.label(opt.param_groups, i)} is a "
                     f"{type(e).__name__}", op=where,
                     hint="load a checkpoint saved by state_dict()")
-            missing = [] if e is None else [k for k in opt.required_state(b.names)
-                                                if k not in e]
+            # an entry of a master copy alone (``with_master_weights`` of a parameter that has
+            # no state yet) requires nothing more
+            state_names = {n: k for n, k in b.names.items() if n != MASTER}
+            only_master = e is not None and set(e) <= {MASTER_STATE_KEY}
+            missing = [] if e is None or only_master else [
+                k for k in opt.required_state(state_names) if k not in e]
             if missing:
                 raise ConfigError(
                     f"the state dict's entry for {b.label(opt.param_groups, i)} has no "
@@ -186,7 +194,8 @@ def check_torch_format(opt: Any, state_dict: dict[str, Any]) -> TorchLoad:
                         "parameters, in the same order",
                     )
         try:
-            steps = [opt.step_of(e) if e is not None else 0 for e in saved]
+            steps = [opt.step_of(e) if e is not None and set(e) - {MASTER_STATE_KEY} else 0
+                     for e in saved]  # fmt: skip
         except (TypeError, ValueError, KeyError, RuntimeError) as exc:
             raise ConfigError(f"the state dict's step counts cannot be read: {exc}",
                               op=where, hint="load a checkpoint saved by state_dict()") from exc
@@ -215,6 +224,10 @@ def apply_torch_format(opt: Any, load: TorchLoad) -> None:
         for name, key in b.names.items():
             target = b.state[name]
             whole = torch.zeros(b.numel, dtype=target.dtype, device=target.device)
+            if name == MASTER:
+                # a parameter without a saved master copy (a float32 optimizer's checkpoint,
+                # torch's): its master starts from the parameter as it is (widened)
+                whole.copy_(b.flat.float())
             for i, e in enumerate(saved):
                 if e is not None and e.get(key) is not None:
                     start, stop = b.span(i)
@@ -363,7 +376,7 @@ class Entry(MutableMapping):
                     here = b.local(name, i)
                     x = b.state[name]
                     if x.numel() == b.size:
-                        entry[key] = x[here].view_as(b.params[i])
+                        entry[key] = x[here].view(b.params[i].shape)
                     else:
                         entry[key] = x[here] if here is not None else x[:0]
         entry.update(self._extra())
@@ -416,7 +429,10 @@ class Entry(MutableMapping):
             for name in b.names:
                 here = b.local(name, i)
                 if here is not None:
-                    b.state[name][here].zero_()
+                    if name == MASTER:  # the master copy is the parameter's, not state
+                        b.state[name][here].copy_(master_values(b, i))
+                    else:
+                        b.state[name][here].zero_()
             b.steps[i] = 0
 
 
@@ -443,3 +459,34 @@ def state_digest(state_dict: dict[str, Any]) -> str:
 
     add({"state": state_dict.get("state", {}), "param_groups": state_dict.get("param_groups")})
     return "state dict " + h.hexdigest()[:16]
+
+
+def with_master_weights(state_dict: dict[str, Any], params: Any) -> dict[str, Any]:
+    """A copy of ``state_dict`` (torch's format: a ``torch.optim`` optimizer's, or coconet's)
+    whose every parameter carries ``weights``' value as its float32 master copy (key
+    ``"master_param"``), for an optimizer over the same parameters in 16-bit: loading it starts
+    the master copies from the float32 weights rather than from the 16-bit parameters'
+    rounding (``opt.load_state_dict(with_master_weights(torch.load("adamw.pt"),
+    fp32_model.parameters()))``). ``params``: the float32 parameters, in the order of the state
+    dict's param groups (the model's ``parameters()``, as the optimizer was built over them)."""
+    where = "coconet.optim.with_master_weights"
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list):
+        raise ConfigError("the state dict has no 'param_groups' list", op=where,
+                          hint="pass an optimizer's state_dict() (torch's format)")
+    ids = [i for g in groups for i in g["params"]]
+    weights = [p.detach() if isinstance(p, torch.Tensor) else p for p in params]
+    if len(weights) != len(ids) or not all(isinstance(w, torch.Tensor) for w in weights):
+        raise ConfigError(
+            f"{len(weights)} weights for the state dict's {len(ids)} parameters",
+            op=where,
+            hint="pass the float32 model's parameters, in the order the optimizer was built "
+            "over them: with_master_weights(sd, fp32_model.parameters())",
+        )
+    out = dict(state_dict)
+    entries = {k: dict(v) if isinstance(v, Mapping) else v
+               for k, v in state_dict.get("state", {}).items()}  # fmt: skip
+    for i, w in zip(ids, weights, strict=True):
+        entries.setdefault(i, {})[MASTER_STATE_KEY] = w.to(torch.float32, copy=True)
+    out["state"] = entries
+    return out

@@ -178,6 +178,13 @@ class CompiledStep:
             self._identity = cached
         return cached[1], cached[2]
 
+    def collective_reads(self, name: str) -> bool:
+        """Whether a collective reads input ``name`` as it is passed (so ``input_buffer`` has
+        something to gain: not when the input is cast first, a 16-bit reduction of float32
+        gradients, or no collective reads it, gradients averaged before the step)."""
+        users = self.program.users()[self.program.input(name).name]
+        return any(spec(u.op).has(Prop.COMMUNICATES) for u in users)
+
     def input_buffer(self, name: str, shape: Sequence[int]) -> torch.Tensor:
         """A tensor to pass as input ``name`` that lives where the step's collective reads it
         (symmetric memory over shared memory), so that nothing is copied in: write the gradient

@@ -1,0 +1,132 @@
+"""Workers of tests/dist/test_dist_optim_precision.py: 16-bit parameters and ``reduce_dtype=``
+on several ranks, against a reference written from torch alone.
+
+The reference of a step is torch's optimizer over a float32 master copy of the parameters, on
+the averaged gradient as the reduction defines it (``coconet.ir.semantics.reduce_values``): each
+rank's gradient sent in the reduction's dtype (cast), summed in float32 in rank order, the sum
+rounded once to that dtype, widened to float32 and divided by the world size.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+import coconet.optim
+from coconet.optim.programs import MASTER_STATE_KEY
+from coconet.options import CompileOptions
+
+SHAPES = [(7, 5), (13,), (3, 3, 2), (1,)]  # 63 values: uneven over 2, 3 and 4 ranks
+EAGER = CompileOptions(fused_kernels=False)
+P = torch.nn.Parameter
+
+
+def grad(t: int, rank: int, j: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100_000 * t + 100 * rank + j)
+    return torch.randn(SHAPES[j], generator=g).to(dtype)
+
+
+def averaged(t: int, j: int, world: int, dtype: torch.dtype, reduce: torch.dtype) -> torch.Tensor:
+    """The averaged gradient the step must use (see the module docstring)."""
+    total = torch.zeros(SHAPES[j])
+    for r in range(world):
+        total = total + grad(t, r, j, dtype).to(reduce).float()
+    if world > 1 or reduce != dtype:
+        total = total.to(reduce).float()
+    return total / world
+
+
+def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.double().abs().max().item()
+    return (actual.double() - expected.double()).abs().max().item() / max(scale, 1e-30)
+
+
+def run_case(comm, name: str, dtype: torch.dtype, reduce: torch.dtype | None, steps: int,
+             clip: float | None = None, fused: bool = False) -> dict:  # fmt: skip
+    """``steps`` steps of coconet.optim.<name> over 16-bit (or float32) parameters and of the
+    reference; the worst relative error of the master weights (float32 parameters: the
+    parameters), whether every parameter is its master's rounding, and the norms' error."""
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in SHAPES]
+    ours = [P(w.to(dtype)) for w in init]
+    master = [P(w.to(dtype).float().clone()) for w in init]
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1} if name != "SGD" else {
+        "lr": 0.05, "momentum": 0.9}
+    extra = {} if clip is None else {"max_grad_norm": clip}
+    opt = getattr(coconet.optim, name)(ours, comm=comm, options=None if fused else EAGER,
+                                       reduce_dtype=reduce, **kwargs, **extra)  # fmt: skip
+    ref = getattr(torch.optim, name)(master, **kwargs)
+    worst_norm = 0.0
+    for t in range(steps):
+        for j, (p, m) in enumerate(zip(ours, master, strict=True)):
+            p.grad = grad(t, comm.rank, j, dtype)
+            m.grad = averaged(t, j, comm.world, dtype, reduce or dtype)
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(master, clip)
+        opt.step()
+        ref.step()
+        if clip is not None:
+            worst_norm = max(worst_norm, rel(opt.last_grad_norm, norm))
+    sd = opt.state_dict()
+    worst, rounded = 0.0, True
+    for j, (p, m) in enumerate(zip(ours, master, strict=True)):
+        weights = sd["state"][j].get(MASTER_STATE_KEY, p.detach())
+        worst = max(worst, rel(weights, m.detach()))
+        rounded &= torch.equal(p.detach(), weights.to(dtype))
+    return {"rel": worst, "rounded": rounded, "norm": worst_norm, "state": sd}
+
+
+def cases(comm) -> dict:
+    """Every case of the file, in one spawned group."""
+    out = {}
+    for name, dtype, reduce in [
+        ("AdamW", torch.bfloat16, None),
+        ("AdamW", torch.float16, None),
+        ("AdamW", torch.bfloat16, torch.float32),  # Megatron's grad_reduce_in_fp32
+        ("AdamW", torch.float32, torch.bfloat16),  # bf16_compress_hook's trade
+        ("SGD", torch.bfloat16, None),
+    ]:
+        label = f"{name} {dtype} reduce={reduce}"
+        out[label] = {k: v for k, v in run_case(comm, name, dtype, reduce, 30).items()
+                      if k != "state"}  # fmt: skip
+    clipped = run_case(comm, "AdamW", torch.bfloat16, None, 10, clip=0.5)
+    out["AdamW bf16 max_grad_norm=0.5"] = {k: v for k, v in clipped.items() if k != "state"}
+    fused = run_case(comm, "AdamW", torch.bfloat16, None, 5, fused=True)
+    out["AdamW bf16 compiled"] = {k: v for k, v in fused.items() if k != "state"}
+    # the state dict of this world size, saved for a run at another (rank 0's copy: every rank
+    # holds the same)
+    saved = run_case(comm, "AdamW", torch.bfloat16, None, 3)["state"]
+    blob = io.BytesIO()  # (bytes: tensors would be shared with the parent by a file descriptor)
+    torch.save(saved, blob)
+    return {"cases": out, "saved": blob.getvalue() if comm.rank == 0 else None}
+
+
+def resume(comm, blob: bytes) -> dict:
+    """A state dict saved at another world size (``torch.save``'s bytes), loaded here: the next
+    steps continue the reference (three steps before, three after)."""
+    saved = torch.load(io.BytesIO(blob))
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in SHAPES]
+    # the parameters as they were saved: the masters' rounding
+    ours = [P(saved["state"][j][MASTER_STATE_KEY].to(dtype)) for j in range(len(SHAPES))]
+    opt = coconet.optim.AdamW(ours, comm=comm, options=EAGER, lr=1e-2, weight_decay=0.1)
+    opt.load_state_dict(saved)
+    master = [P(w.to(dtype).float().clone()) for w in init]
+    ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1)
+    saved_world = 2
+    for t in range(6):
+        world = saved_world if t < 3 else comm.world
+        for j, m in enumerate(master):
+            m.grad = averaged(t, j, world, dtype, dtype)
+        ref.step()
+        if t >= 3:
+            for j, p in enumerate(ours):
+                p.grad = grad(t, comm.rank, j, dtype)
+            opt.step()
+    sd = opt.state_dict()
+    return {"rel": max(rel(sd["state"][j][MASTER_STATE_KEY], m.detach())
+                       for j, m in enumerate(master)),
+            "rounded": all(torch.equal(p.detach(), sd["state"][j][MASTER_STATE_KEY].to(dtype))
+                           for j, p in enumerate(ours))}  # fmt: skip
