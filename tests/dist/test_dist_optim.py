@@ -105,7 +105,7 @@ def test_misuse_is_a_clear_error_on_every_rank():
         assert "ConfigValueError: coconet.optim.SGD: Invalid learning rate: -1.0" in out["bad lr"]
         assert "unknown schedule 'x'" in out["schedule"]
         assert "the ranks hold different parameters" in out["mismatch"]
-        assert "not supported (only float32" in out["bfloat16"]
+        assert "float64 are not supported (float32, bfloat16 and float16 are)" in out["float64"]
 
 
 @pytest.mark.timeout(120)

@@ -44,3 +44,24 @@ def test_a_state_dict_of_two_ranks_resumes_on_three(saved, transport):
     for rank, out in enumerate(results):
         assert out["rel"] <= OPTIM_RTOL, (rank, out)
         assert out["rounded"], rank
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_grad_scaler_skips_alike_on_every_rank(transport):
+    """An inf in one rank's gradient only: every rank skips that step and backs its scaler off
+    alike (float16 parameters, one bucket and two; float32 parameters with clipping)."""
+    options = CommOptions(timeout=60, transport=transport)
+    for dtype, groups, clip in [("float16", 1, None), ("float16", 2, None),
+                                ("float32", 2, 0.5)]:
+        import torch
+
+        results = spawn(precision_workers.scaled, 2, getattr(torch, dtype), groups, clip,
+                        options=options, timeout=180)
+        for rank, out in enumerate(results):
+            assert out["rel"] <= OPTIM_RTOL, (dtype, groups, rank, out)
+            assert out["skipped"] == [False, False, True, False, False, False], out
+            assert out["steps"] == 5.0
+        scales = results[0]["scales"]
+        assert results[1]["scales"] == scales
+        assert scales[2] == scales[1] / 2 and scales[1] == 2 * scales[0], scales  # grew, backed off

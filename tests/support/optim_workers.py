@@ -181,7 +181,7 @@ def misuse(comm: Communicator) -> dict[str, str]:
             [{"params": model().parameters(), "amsgrad": True}], comm=comm),
         "bad lr": lambda: coconet.optim.SGD(model().parameters(), lr=-1.0, comm=comm),
         "schedule": lambda: coconet.optim.Adam(model().parameters(), comm=comm, schedule="x"),
-        "bfloat16": lambda: coconet.optim.Adam(model().bfloat16().parameters(), comm=comm),
+        "float64": lambda: coconet.optim.Adam(model().double().parameters(), comm=comm),
     }
     for label, make in cases.items():
         try:

@@ -130,3 +130,54 @@ def resume(comm, blob: bytes) -> dict:
                        for j, m in enumerate(master)),
             "rounded": all(torch.equal(p.detach(), sd["state"][j][MASTER_STATE_KEY].to(dtype))
                            for j, p in enumerate(ours))}  # fmt: skip
+
+
+def scaled(comm, dtype: torch.dtype, groups: int, clip: float | None) -> dict:
+    """torch's AMP recipe on every rank (``scaler.step(opt); scaler.update()``), an inf in one
+    rank's gradient only (rank ``world - 1``, at step 2): every rank skips that step, every
+    scaler backs off alike, and the masters follow torch over float32 copies of the averaged
+    gradient (the scaled 16-bit gradients averaged as the reduction does, then unscaled)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", "GradScaler is going to stop passing itself")
+    torch.manual_seed(0)
+    shapes = SHAPES[:2]
+    init = [torch.randn(s) for s in shapes]
+    ours = [P(w.to(dtype)) for w in init]
+    master = [P(w.to(dtype).float().clone()) for w in init]
+    given = [{"params": [p]} for p in ours] if groups == 2 else ours
+    opt = coconet.optim.AdamW(given, comm=comm, options=EAGER, lr=1e-2, max_grad_norm=clip)
+    ref = torch.optim.AdamW(master, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler.scale(torch.ones(()))
+    scales, skipped = [], []
+    for t in range(6):
+        scale = scaler.get_scale()  # (the ranks' scalers compared after the run)
+        grads = [[(grad(t, r, j, torch.float32) * scale).to(dtype) for j in range(len(shapes))]
+                 for r in range(comm.world)]  # fmt: skip
+        if t == 2:
+            grads[-1][1].view(-1)[0] = float("inf")
+        for j, p in enumerate(ours):
+            p.grad = grads[comm.rank][j].clone()
+        scaler.step(opt)
+        scaler.update()
+        total = [sum(grads[r][j].float() for r in range(comm.world)) for j in range(len(shapes))]
+        if comm.world > 1:
+            total = [x.to(dtype).float() for x in total]
+        found = any(not torch.isfinite(x).all() for x in total)
+        skipped.append(found)
+        if not found:
+            for m, x in zip(master, total, strict=True):
+                m.grad = x / comm.world / scale
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(master, clip)
+            ref.step()
+        scales.append(scaler.get_scale())
+    sd = opt.state_dict()["state"]
+    return {
+        "rel": max(rel(sd[j].get(MASTER_STATE_KEY, ours[j].detach()), m.detach())
+                   for j, m in enumerate(master)),  # fmt: skip
+        "scales": scales,
+        "skipped": skipped,
+        "steps": float(sd[0]["step"]),
+    }

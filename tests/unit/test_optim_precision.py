@@ -283,3 +283,80 @@ def test_misuse_is_a_clear_error(comm):
     with pytest.raises(ConfigError, match="master_param"):
         opt.load_state_dict({"state": {0: {"master_param": torch.zeros(4)}},
                              "param_groups": opt.state_dict()["param_groups"]})
+
+
+def scaled_steps(opt, params, ref, ref_params, dtype, steps, clip=None, inf_at=(2,),
+                 unscale_first=False):  # fmt: skip
+    """``steps`` steps of ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``
+    for ``opt`` (gradients written as backward would: scaled, in the parameters' dtype) and
+    torch's recipe for ``ref`` over float32 copies (unscale_, clip, step, update); an inf in
+    the gradient at the steps ``inf_at``. Returns both scalers' scales after each step."""
+    ours = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    ours.scale(torch.ones(()))
+    theirs.scale(torch.ones(()))
+    scales = []
+    for t in range(steps):
+        gs = [grad(t, j, torch.float32) for j in range(len(params))]
+        if t in inf_at:
+            gs[-1].view(-1)[0] = float("inf")
+        for p, q, g in zip(params, ref_params, gs, strict=True):
+            p.grad = (g * ours.get_scale()).to(dtype)
+            q.grad = (g * theirs.get_scale()).to(dtype).float()
+        if unscale_first:
+            ours.unscale_(opt)
+        ours.step(opt)
+        ours.update()
+        theirs.unscale_(ref)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref_params, clip)
+        theirs.step(ref)
+        theirs.update()
+        scales.append((ours.get_scale(), theirs.get_scale()))
+    return scales
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself")
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("groups", [1, 2], ids=["one-bucket", "two-buckets"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_grad_scaler_unscales_and_skips_inside_the_step(comm, dtype, groups, clip):
+    """torch's AMP recipe unchanged: the step unscales inside the fused pass, a step with an
+    inf is skipped with the parameters, state and step counts untouched, the scaler backs off
+    and grows as torch's; float32 parameters (autocast's case) and float16 ones; one bucket
+    (the speculative check) and two (the other bucket's norm first)."""
+    torch.manual_seed(6)
+    init = [torch.randn(s) for s in SHAPES[:2]]
+    params = [P(w.to(dtype)) for w in init]
+    ref_params = [P(w.to(dtype).float().clone()) for w in init]
+    given = ([{"params": [p]} for p in params] if groups == 2 else params)
+    opt = coconet.optim.AdamW(given, comm=comm, options=EAGER, lr=1e-2, max_grad_norm=clip)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    scales = scaled_steps(opt, params, ref, ref_params, dtype, 7, clip=clip)
+    assert all(a == b for a, b in scales), scales
+    assert scales[2][0] == scales[1][0] / 2  # backed off after the inf
+    sd = opt.state_dict()["state"]
+    assert float(sd[0]["step"]) == 6  # 7 steps, one skipped
+    for j, q in enumerate(ref_params):
+        weights = sd[j].get(MASTER_STATE_KEY, params[j].detach())
+        assert rel(weights, q.detach()) < OPTIM_RTOL, j
+        assert rel(sd[j]["exp_avg"], ref.state[q]["exp_avg"]) < OPTIM_RTOL, j
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself")
+def test_grad_scaler_after_the_users_unscale(comm):
+    """``scaler.unscale_(opt)`` before ``scaler.step(opt)`` (to log or clip the local
+    gradient; torch refuses it for float16 gradients, so bfloat16 and float32 here): the step
+    takes the gradients as unscaled, and still skips an inf."""
+    torch.manual_seed(7)
+    init = [torch.randn(s) for s in SHAPES[:2]]
+    for dtype in (torch.bfloat16, torch.float32):
+        params = [P(w.to(dtype)) for w in init]
+        ref_params = [P(w.to(dtype).float().clone()) for w in init]
+        opt = coconet.optim.AdamW(params, comm=comm, options=EAGER, lr=1e-2)
+        ref = torch.optim.AdamW(ref_params, lr=1e-2)
+        scales = scaled_steps(opt, params, ref, ref_params, dtype, 5, unscale_first=True)
+        assert all(a == b for a, b in scales), scales
+        sd = opt.state_dict()["state"]
+        for j, q in enumerate(ref_params):
+            assert rel(sd[j].get(MASTER_STATE_KEY, params[j].detach()), q.detach()) < OPTIM_RTOL

@@ -64,6 +64,7 @@ from coconet.optim.clip import Clipper
 from coconet.optim.packing import Packer
 from coconet.optim.params import LocalGradientEditWarning, ParamWatch
 from coconet.optim.recipes import Recipes
+from coconet.optim.scaling import Scaling
 from coconet.optim.stepping import Stepper
 from coconet.options import CommitMode, CompileOptions, ParamStorage
 from coconet.runtime import interrupts
@@ -95,6 +96,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # What the user set that each scalar input of the program is made from, as an error that
     # names a differing input says it (a differing lr named as lr, not step_size).
     SCALAR_SOURCES: dict[str, str] = {}
+    # torch.amp.GradScaler hands itself to step() (grad_scaler=) instead of unscaling and
+    # checking each rank's gradients itself: coconet.optim.scaling
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -314,16 +318,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- a step ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, *,
+             grad_scaler: Any = None) -> Any:  # fmt: skip
         """One step over every bucket, of the parameters that have a gradient (see
         ``coconet.optim.stepping``). With ``ddp=``, the update already happened during
         ``backward()`` (DDP's communication hook ran it, bucket by bucket): only ``closure``
-        runs (a closure that calls ``backward()`` triggers the update itself)."""
+        runs (a closure that calls ``backward()`` triggers the update itself).
+        ``grad_scaler``: given by ``torch.amp.GradScaler.step(opt)``: the gradients are
+        unscaled inside the step and a step whose averaged gradient holds an inf or a nan is
+        skipped on every rank (``coconet.optim.scaling``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scaling = Scaling.begin(grad_scaler, self)
         if self.ddp is not None:
+            if scaling is not None:
+                raise ConfigError(
+                    "GradScaler.step(opt) with ddp=: the update already happened inside "
+                    "backward(), before the scaler could check the gradients",
+                    op=f"coconet.optim.{type(self).__name__}.step",
+                    hint="leave ddp= out (the step then unscales and checks the gradients "
+                    "itself), or use bfloat16, which needs no scaler",
+                )
             return loss
         watch = self.watch
         for b in self.buckets:
@@ -346,9 +363,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     # nobody to agree with (no bucket: no collective either, so a refusal stays
                     # local)
                     watch.refuse(problems, problems)
-                    self.stepper.step_buckets(masks, None)
+                    skipped = self.stepper.step_buckets(masks, None, scaling)
                 else:
-                    self.stepper.step_agreeing(masks, problems)
+                    skipped = self.stepper.step_agreeing(masks, problems, scaling)
             except RuntimeFault as fault:
                 # which call of this rank's met the peer's failure or departure (the peer's
                 # own words say where it stopped)
@@ -360,6 +377,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for b in self.buckets:
                 b.seen[:] = [b.grad._version, False]
                 b.mark_written()  # (the step's own writes: a host replica re-points .data)
+            if scaling is not None:
+                scaling.finish(self, skipped)
+            if skipped:
+                outcome[0] = (f"coconet.optim.{name}: the step was skipped on every rank (an "
+                              "inf or nan in the gradient, GradScaler's found_inf)")
+                return loss
             self.after_step()
             outcome[0] = (f"coconet.optim.{name}: the step was applied on every rank before "
                           "this was raised: do not repeat it")

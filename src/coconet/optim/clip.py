@@ -22,6 +22,14 @@ A step's ``ClipPlan`` is decided once, at its start, from what the last step did
   factor computed here as torch computes it, each bucket given it.
 
 Every bucket keeps its compiled forms by clip mode (``Bucket.forms``): nothing is swapped.
+
+**A ``GradScaler``'s check** (``coconet.optim.scaling``: the step must be skipped on every rank
+when the averaged gradient holds an inf or a nan) rides on the same norm, computed before any
+update commits: with clipping, a non-finite norm skips the step instead of clipping by nan;
+without, the step's plan is ``PlanKind.CHECK``, the speculative way without a factor (the
+largest bucket's update with its norm alongside, committed when the norm is finite; the other
+buckets' norm first, in one pass, when there are several; with parts of tensors split over
+other ranks, the norm over every axis first). A skipped step commits nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ class PlanKind(enum.Enum):
     IN_BUCKET = "in the bucket"  # the only bucket clips inside its own step
     LEAD = "a lead speculates"  # the largest bucket speculates after the others' norm
     FACTOR_FIRST = "the factor first"  # a norm pass over every bucket, the factor given
+    # no clipping, a GradScaler's check: the lead's update committed when the norm is finite
+    CHECK = "the norm checked"
 
 
 @dataclass
@@ -63,6 +73,8 @@ class ClipPlan:
     rest: torch.Tensor | None = None  # LEAD: the norm of every bucket but the lead
     norm: torch.Tensor | None = None  # the global norm, once known
     coef: torch.Tensor | None = None  # the factor, once known
+    check: bool = False  # a GradScaler's: a non-finite norm skips the step
+    skip: bool = False  # the step is skipped on every rank (an inf or nan in the gradient)
 
     def scalars(self) -> dict[str, Any]:
         """The clipping scalar a bucket given the factor takes (none before it is known)."""
@@ -89,6 +101,9 @@ class Clipper:
         # it; the factor the averaged gradient was multiplied by (None: not clipped)
         self.last_grad_norm: torch.Tensor | None = None
         self.last_clip_coef: torch.Tensor | None = None
+        # this step's factor of the gradient's scale (a GradScaler's 1 / scale; 1 otherwise):
+        # the norm passes compute the norm of the unscaled average, as the steps update with it
+        self.unscale = 1.0
 
     # -- the buckets' ways of clipping ----------------------------------------------------------
 
@@ -125,11 +140,34 @@ class Clipper:
 
     # -- a step ---------------------------------------------------------------------------------
 
-    def plan(self, buckets: Buckets, agree: dict[str, str] | None) -> tuple[ClipPlan, bool]:
+    def plan(self, buckets: Buckets, agree: dict[str, str] | None, check: bool = False
+             ) -> tuple[ClipPlan, bool]:  # fmt: skip
         """This step's plan, and whether ``agree`` was used (by a norm pass, which then runs
-        first: a step that fails there leaves everything as it was)."""
-        if self.max_norm is None or not len(buckets):
+        first: a step that fails there leaves everything as it was). ``check``: a GradScaler's
+        (a non-finite norm skips the step)."""
+        plan, used = self._plan(buckets, agree, check)
+        plan.check = check
+        known = plan.norm if plan.norm is not None else plan.rest  # (a norm pass's, first)
+        if check and known is not None and not math.isfinite(float(known)):
+            plan.skip = True
+            plan.norm = known
+        return plan, used
+
+    def _plan(self, buckets: Buckets, agree: dict[str, str] | None, check: bool
+              ) -> tuple[ClipPlan, bool]:  # fmt: skip
+        if not len(buckets):
             return ClipPlan(PlanKind.OFF), False
+        if self.max_norm is None:
+            if not check:
+                return ClipPlan(PlanKind.OFF), False
+            if buckets.has_parts():  # the norm over every axis first
+                return ClipPlan(PlanKind.CHECK, norm=self.parts_norm(buckets, agree)), \
+                    agree is not None  # fmt: skip
+            lead = max(buckets, key=lambda b: b.size)
+            if len(buckets) == 1:
+                return ClipPlan(PlanKind.CHECK, lead=lead), False
+            rest = self.norm_pass([b for b in buckets if b is not lead], agree)
+            return ClipPlan(PlanKind.CHECK, lead=lead, rest=rest), agree is not None
         if buckets.has_parts():
             norm = self.parts_norm(buckets, agree)
             return ClipPlan(PlanKind.FACTOR_FIRST, norm=norm, coef=self.factor(norm)), \
@@ -160,7 +198,7 @@ class Clipper:
             step_fn.input_sources = {"grad_scale": "the world size"}
             self.norm_passes[key] = step_fn
         inputs: dict[str, Any] = {f"g{j}": b.grad for j, b in enumerate(buckets)}
-        inputs["grad_scale"] = 1.0 / self.comm.world
+        inputs["grad_scale"] = self.unscale / self.comm.world
         return self.norm_passes[key].run(inputs, agree=agree)["grad_norm"]
 
     def parts_norm(self, buckets: Buckets, agree: dict[str, str] | None) -> torch.Tensor:
@@ -193,7 +231,10 @@ class Clipper:
         """``b``'s step as ``plan`` clips it (``run``: one compiled step over the bucket;
         ``form``: the bucket's step of a clip mode, compiled when first needed); the outputs
         of the step that committed. Fills in the plan's norm and factor when this step is the
-        one that finds them."""
+        one that finds them, and ``plan.skip`` when a GradScaler's check finds the norm
+        non-finite (nothing committed)."""
+        if plan.kind is PlanKind.CHECK:
+            return self._run_checked(b, scalars, agree, plan, run, form)
         if b.clip is not Clip.SPECULATIVE or plan.kind is PlanKind.FACTOR_FIRST:
             # its own form (off, or given the factor); a speculating bucket given the factor of
             # a norm pass over every bucket (its last step clipped) guesses again from it
@@ -208,10 +249,15 @@ class Clipper:
         if b.clipped_last:
             # the last step clipped, so this one likely does: the norm first, then the clipped
             # update, in one step (two passes; a speculative pass would likely be wasted)
-            out = run(b, form(b, Clip.IN_STEP), {**scalars, "max_norm": self.max_norm}, agree)
+            step = form(b, Clip.IN_STEP)
+            out = run(b, step, {**scalars, "max_norm": self.max_norm}, agree,
+                      self._finite if plan.check else None)  # fmt: skip
+            self._keep(plan, out)
+            if plan.check and step.last_declined:
+                plan.skip = True
+                return out
             plan.coef = self.factor(out["grad_norm"])
             b.clipped_last = bool(plan.coef != 1.0)
-            self._keep(plan, out)
             return out
         verdict: dict[str, torch.Tensor] = {}
 
@@ -222,6 +268,9 @@ class Clipper:
 
         out = run(b, b.forms[Clip.SPECULATIVE], scalars, agree, unclipped)
         self._keep(plan, out)
+        if plan.check and not self._finite(out):
+            plan.skip = True  # (declined: the factor is nan)
+            return out
         b.clipped_last = b.forms[Clip.SPECULATIVE].last_declined  # (every rank declined)
         plan.coef = verdict.get("coef")
         if b.clipped_last:
@@ -253,11 +302,44 @@ class Clipper:
             return bool(verdict["coef"] == 1.0)  # NaN: declined, and clipped by NaN
 
         out = run(b, b.forms[Clip.SPECULATIVE], scalars, agree, unclipped)
-        b.clipped_last = b.forms[Clip.SPECULATIVE].last_declined
         plan.norm, plan.coef = verdict["norm"], verdict["coef"]
+        if plan.check and not math.isfinite(float(plan.norm)):
+            plan.skip = True  # (declined: the factor is nan)
+            return out
+        b.clipped_last = b.forms[Clip.SPECULATIVE].last_declined
         if b.clipped_last:
             out = run(b, form(b, Clip.GIVEN), {**scalars, **plan.scalars()}, None)
         return out
+
+    def _run_checked(self, b: Bucket, scalars: dict[str, Any], agree: dict[str, str] | None,
+                     plan: ClipPlan, run: Run, form: Callable[[Bucket, Clip], Any]
+                     ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """A GradScaler's check without clipping (``PlanKind.CHECK``): the lead's update with
+        its norm alongside (the speculative form), committed when the whole norm (its own and
+        the others', ``plan.rest``) is finite, else declined and the step skipped; every other
+        bucket then its own step (the norm known finite)."""
+        if b is not plan.lead:
+            return run(b, b.forms[b.clip], scalars, agree)
+        rest = plan.rest
+        verdict: dict[str, torch.Tensor] = {}
+
+        def finite(outputs: dict[str, torch.Tensor]) -> bool:
+            own = outputs["grad_norm"].double()
+            total = own * own + (rest.double() ** 2 if rest is not None else 0.0)
+            verdict["norm"] = torch.sqrt(total).to(outputs["grad_norm"].dtype)
+            return self._finite({"grad_norm": verdict["norm"]})
+
+        step = form(b, Clip.SPECULATIVE)
+        out = run(b, step, scalars, agree, finite)
+        plan.norm = verdict.get("norm")
+        if step.last_declined:
+            plan.skip = True
+        return out
+
+    @staticmethod
+    def _finite(outputs: dict[str, torch.Tensor]) -> bool:
+        """Whether a step's norm (``grad_norm``) is finite: a GradScaler's verdict."""
+        return math.isfinite(float(outputs["grad_norm"]))
 
     def lead_skipped(self, plan: ClipPlan) -> None:
         """The lead was not stepped (no gradient for it on any rank: its bucket holds zeros):
@@ -274,7 +356,8 @@ class Clipper:
     def finish(self, plan: ClipPlan, stepped: bool) -> None:
         """After the step: ``last_grad_norm`` and ``last_clip_coef`` from the plan (torch's
         norm of no gradients when nothing was stepped)."""
-        self.last_clip_coef = plan.coef
+        self.unscale = 1.0
+        self.last_clip_coef = None if plan.skip else plan.coef
         self.last_grad_norm = plan.norm
         if self.max_norm is not None and plan.norm is None:
             self.last_grad_norm = torch.zeros((), device=self.comm.device)

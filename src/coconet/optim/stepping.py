@@ -26,6 +26,7 @@ from coconet.optim import agreement
 from coconet.optim.agreement import CALL_KEY, GRADIENTS_KEY, CallKind
 from coconet.optim.buckets import Bucket
 from coconet.optim.clip import ClipPlan, PlanKind
+from coconet.optim.scaling import Scaling
 from coconet.runtime.handshake import CallRefused
 
 __all__ = ["Stepper"]
@@ -39,7 +40,8 @@ class Stepper:
     def __init__(self, opt: Any) -> None:
         self.opt = opt
 
-    def step_agreeing(self, masks: list[list[bool]], problems: list[str]) -> None:
+    def step_agreeing(self, masks: list[list[bool]], problems: list[str],
+                      scaling: Scaling | None = None) -> bool:  # fmt: skip
         """The buckets' steps on several ranks, which must agree on which parameters have a
         gradient. The first collective step compares a digest of it in its own start-of-step
         agreement; when the ranks differ (a parameter with a gradient on some ranks only, or a
@@ -54,11 +56,11 @@ class Stepper:
         frozen = [(j, i) for j, b in enumerate(opt.buckets)
                   for i, p in enumerate(b.params) if not p.requires_grad]
         mine = agreement.masks_digest(masks, problems, opt.comm.rank, frozen)
-        # which call this is (a peer may be making another), with the step's agreement
-        call = opt.agreement.text(CallKind.STEP)
+        # which call this is (a peer may be making another: a step with a GradScaler and one
+        # without differ too), with the step's agreement
+        call = opt.agreement.text(CallKind.STEP, "GradScaler" if scaling else "")
         try:
-            self.step_buckets(masks, {GRADIENTS_KEY: mine, CALL_KEY: call})
-            return
+            return self.step_buckets(masks, {GRADIENTS_KEY: mine, CALL_KEY: call}, scaling)
         except CallRefused as refused:
             # a peer made another call, or over other parameters: the error that names it
             opt.agreement.raise_if_calls_differ(refused, CallKind.STEP)
@@ -70,27 +72,35 @@ class Stepper:
         masks = [[any(r[j][i] for r, _, _ in every) for i in range(len(m))]
                  for j, m in enumerate(masks)]
         digest = agreement.masks_digest(masks, [], 0, frozen)
-        self.step_buckets(masks, {GRADIENTS_KEY: digest, CALL_KEY: call})
+        return self.step_buckets(masks, {GRADIENTS_KEY: digest, CALL_KEY: call}, scaling)
 
-    def step_buckets(self, masks: list[list[bool]], agree: dict[str, str] | None) -> None:
+    def step_buckets(self, masks: list[list[bool]], agree: dict[str, str] | None,
+                     scaling: Scaling | None = None) -> bool:  # fmt: skip
         """Each bucket's step; ``agree`` goes with the first collective step: the norm pass
         when it runs, else the first bucket's first fused step. With clipping the norm pass runs
         before any update (it commits nothing), so a step that fails there or in the agreement
-        leaves everything as it was."""
+        leaves everything as it was. ``scaling``: a GradScaler's (``coconet.optim.scaling``).
+        Returns whether the step was skipped (its check found an inf or a nan: nothing
+        committed on any rank)."""
         opt = self.opt
         clipper = opt.clipper
         plan = ClipPlan(PlanKind.OFF)
         done: list[Bucket] = []
+        clipper.unscale = scaling.unscale if scaling is not None else 1.0
         try:
-            plan, used = clipper.plan(opt.buckets, agree)
+            plan, used = clipper.plan(opt.buckets, agree, check=scaling is not None)
             if used:
                 agree = None
             order = list(zip(opt.buckets, masks, strict=True))
-            if plan.kind is PlanKind.LEAD:
+            if plan.kind in (PlanKind.LEAD, PlanKind.CHECK):
                 # the speculative lead first: its step gives the factor the others take
                 order.sort(key=lambda pair: pair[0] is not plan.lead)
             for j, (b, mask) in enumerate(order):
+                if plan.skip:
+                    break
                 self.step_bucket(b, mask, agree if j == 0 else None, plan)
+                if plan.skip:
+                    break  # (the lead declined: nothing was committed)
                 done.append(b)
                 if b is plan.lead and plan.kind is PlanKind.LEAD and plan.coef is None:
                     clipper.lead_skipped(plan)
@@ -117,6 +127,7 @@ class Stepper:
             raise
         finally:
             clipper.finish(plan, stepped=True)
+        return plan.skip
 
     def step_bucket(self, b: Bucket, mask: list[bool], agree: dict[str, str] | None,
                     plan: ClipPlan) -> None:  # fmt: skip
@@ -128,6 +139,8 @@ class Stepper:
         opt.before_bucket(b)
         if all(mask) and steps.count(steps[0]) == len(steps):  # the common case: one fused step
             out = self.run(b, opt.scalars(group, steps[0]), agree, plan)
+            if plan.skip:
+                return
             b.steps[:] = [s + 1 for s in b.steps]
             opt.after_bucket(b, out, every)
             return
@@ -151,9 +164,13 @@ class Stepper:
             return
         if len(groups) == 1 and all(mask):  # one step count's scalars after all (SGD)
             out = self.run(b, next(iter(groups.values()))[0], agree, plan)
+            if plan.skip:
+                return
             opt.after_bucket(b, out, every)
         else:
             self.run_some(b, list(groups.values()), agree, plan)
+            if plan.skip:
+                return
         for _, stepped in groups.values():
             for i in stepped:
                 b.steps[i] += 1
@@ -171,6 +188,9 @@ class Stepper:
         or declined by ``commit_if``)."""
         if b.averaged and "grad_scale" in scalars:  # (the average's sign only: +1, or -1)
             scalars = {**scalars, "grad_scale": scalars["grad_scale"] * self.opt.comm.world}
+        unscale = self.opt.clipper.unscale  # a GradScaler's 1 / scale (a power of two: exact)
+        if unscale != 1.0 and "grad_scale" in scalars:
+            scalars = {**scalars, "grad_scale": scalars["grad_scale"] * unscale}
         voters = self.voters()
         if b.replica is None:
             # `flat` is passed as a view: the commit writes a view's values in place rather
@@ -226,6 +246,8 @@ class Stepper:
                     for name, x in b.state.items():
                         x.copy_(saved[name])
                 outputs = self.run(b, scalars, agree if k == 0 else None, plan)
+                if plan.skip:  # (declined: nothing written)
+                    break
                 self.opt.after_bucket(b, outputs, stepped)
                 for i in stepped:
                     start, stop = b.span(i)
@@ -241,6 +263,8 @@ class Stepper:
             for name, x in b.state.items():
                 x.copy_(saved[name])
             raise
+        if plan.skip:  # the first group's check declined: the bucket as it was
+            out_p, out = saved_p, saved
         b.flat[lo:hi].copy_(out_p)
         for name, x in b.state.items():
             x.copy_(out[name])
