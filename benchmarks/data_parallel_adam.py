@@ -16,8 +16,30 @@ step, the slowest rank's time of each step):
 - ``coconet:unscheduled`` and ``coconet:<schedule>`` for each of ``examples/adam.py``'s
   SCHEDULES, compiled with ``coconet.compile(..., comm=comm)`` (fused kernels: torch.compile).
 
+Mixed precision (``--mixed``, the default; ``--no-mixed`` leaves them out), in the same
+alternation:
+
+- ``coconet.optim.Adam[bf16]``: the parameter is ``p0.to(torch.bfloat16)``; the optimizer keeps
+  a float32 master copy of its slice (with float32 m, v), reduces the bfloat16 gradients (float32
+  sum, rounded once to bfloat16), updates the master and all-gathers the rounded parameters;
+- ``coconet.optim.Adam[reduce bf16]``: float32 parameters, ``reduce_dtype=torch.bfloat16`` (each
+  rank's gradient cast to bfloat16, then reduced as above);
+- ``ddp_bf16``: DDP's recipe for bfloat16 parameters without coconet: ``dist.all_reduce`` of the
+  bfloat16 gradient over gloo (bfloat16 SUM), divided by world into a float32 master's ``.grad``,
+  ``torch.optim.Adam(fused=True)`` on the master, the master cast into the bfloat16 parameter;
+- ``deepspeed_shm_all_reduce+adam_fused[bf16]``: the same with DeepSpeed's
+  ``inference_all_reduce`` of the bfloat16 gradient (when DeepSpeed is installed).
+
+Their float32 master weights (the parameters of ``[reduce bf16]``) are compared with a single
+torch.optim.Adam on a float32 master over the same rounded gradient, ``sum_r(g_r.to(bf16).float())
+.to(bf16).float() / world`` (g_r: what rank r wrote into ``.grad``), and their bfloat16
+parameters must be the master's rounding exactly.
+
 Probes measured in the same alternation give the lower bound (BENCHMARKS.md): a copy loop (memory
-bandwidth) and a gloo all_reduce of the gradient (transport bandwidth).
+bandwidth) and a gloo all_reduce of the gradient (transport bandwidth). The bfloat16 step has its
+own bound over shared memory: its slice of every peer's bfloat16 gradient (2n bytes), its master,
+m, v slices read and written (24n/world), its new bfloat16 parameter slice written (2n/world) and
+the peers' new bfloat16 slices copied into its parameters (4n), at the copy probe's bandwidth.
 
 After the timed steps every contender's parameters are compared with ``ddp``'s (max abs error
 over max |ddp|, every rank), and ``ddp`` itself with a single-process torch.optim.Adam over the
@@ -56,6 +78,14 @@ LEAN_OPTIONS = {"check_every_step": False, "commit_vote": False, "commit": "swap
 SWAP = "[swap]"  # every check and the vote; state committed by taking the new storage, no copy
 SWAP_OPTIONS = {"commit": "swap"}
 SHM, GLOO = "[shm]", "[gloo]"  # coconet's transport: shared memory (one host) or gloo
+# Mixed precision (--mixed): the contenders' names, and where their references' masters start
+BF16_OPTIM = "coconet.optim.Adam[bf16]"  # bfloat16 parameters, float32 master in the optimizer
+REDUCE_BF16_OPTIM = "coconet.optim.Adam[reduce bf16]"  # float32, reduce_dtype=torch.bfloat16
+DDP_BF16 = "ddp_bf16"
+DEEPSPEED_BF16 = "deepspeed_shm_all_reduce+adam_fused[bf16]"
+MIXED = (BF16_OPTIM, REDUCE_BF16_OPTIM, DDP_BF16, DEEPSPEED_BF16)
+BF16_PARAMS = "bf16 params"  # the reference's master starts from p0.to(bfloat16).float()
+FP32_PARAMS = "fp32 params"  # ... from p0 (float32 parameters, bfloat16 gradients)
 RTOL = 1e-5  # an element is an outlier beyond RTOL * max|reference param| (see is_correct)
 
 
@@ -90,6 +120,10 @@ class Contender:
     schedule = ""
     # the max_norm the reference clips the summed gradient to (None: the reference is ddp's)
     clip_norm: float | None = None
+    # mixed precision: the initial float32 master its reference starts from (BF16_PARAMS: the
+    # bfloat16 parameters widened, FP32_PARAMS: p0) and whose rounded gradients it steps on
+    # (``mixed_reference``); None: the float32 step, checked against ddp's
+    mixed: str | None = None
 
     def prepare(self, g: torch.Tensor) -> None:
         """Untimed: put this step's gradient where the contender expects it (as backward would)."""
@@ -99,6 +133,11 @@ class Contender:
 
     def param(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def master(self) -> torch.Tensor | None:
+        """The float32 master weights of 16-bit parameters (None: the parameters are float32).
+        Called once after the timed steps, on every rank in the same order (it may communicate)."""
+        return None
 
 
 class TorchDDP(Contender):
@@ -294,12 +333,29 @@ class CoconetOptim(Contender):
     name = "coconet.optim.Adam"
 
     def __init__(self, comm, p0: torch.Tensor, hp: dict, storage: str = "per-rank",
-                 groups: int | str = 1, clip: float | None = None) -> None:
+                 groups: int | str = 1, clip: float | None = None,
+                 param_dtype: torch.dtype = torch.float32,
+                 reduce_dtype: torch.dtype | None = None) -> None:  # fmt: skip
         import coconet.optim
 
         self.world = comm.world
         if storage != "per-rank":
             self.name = f"{CoconetOptim.name}[{storage}]"
+        precision = ""
+        if param_dtype == torch.bfloat16:
+            # bfloat16 parameters (and gradients): a float32 master copy in the optimizer
+            self.name, self.mixed = BF16_OPTIM, BF16_PARAMS
+            precision = (
+                ", bfloat16 parameters and gradients (float32 master, m, v slices; the "
+                "gradients reduced in float32, rounded once to bfloat16)"
+            )
+            p0 = p0.to(torch.bfloat16)
+        elif reduce_dtype == torch.bfloat16:
+            self.name, self.mixed = REDUCE_BF16_OPTIM, FP32_PARAMS
+            precision = (
+                ", reduce_dtype=torch.bfloat16 (each rank's float32 gradient cast to "
+                "bfloat16, reduced in float32, rounded once to bfloat16)"
+            )
         if groups == SMALL_SECOND:
             # nanoGPT's decay / no-decay groups: the second (biases, LayerNorm weights) small
             n = p0.numel()
@@ -322,7 +378,7 @@ class CoconetOptim(Contender):
         self.ps = [torch.nn.Parameter(part.clone()) for part in p0.split(self.sizes)]
         self.opt = coconet.optim.Adam(
             [{"params": [p]} for p in self.ps], **hp, comm=comm, param_storage=storage,
-            max_grad_norm=clip,
+            max_grad_norm=clip, reduce_dtype=reduce_dtype,
         )
         clipping = "" if clip is None else (
             ", max_grad_norm= (the norm computed, never clipping)" if clip == CLIP_NEVER
@@ -330,10 +386,12 @@ class CoconetOptim(Contender):
         self.schedule = (
             f"coconet.optim default (fuse_RS_C_AG, state sliced, commit swap), {storage} "
             f"parameters, {len(self.sizes)} param group(s) of {self.sizes} elements{clipping}"
+            f"{precision}"
         )
         self.fn = self.opt.buckets[0].step_fn
 
     def prepare(self, g):
+        # (bfloat16 parameters: world * g computed in float32, rounded to nearest bfloat16)
         for p, part in zip(self.ps, g.split(self.sizes), strict=True):
             torch.mul(part, self.world, out=p.grad)
 
@@ -342,6 +400,52 @@ class CoconetOptim(Contender):
 
     def param(self):
         return torch.cat([p.detach() for p in self.ps])
+
+    def master(self):
+        if self.mixed != BF16_PARAMS:
+            return None
+        state = self.opt.state_dict()["state"]  # collective: every rank calls it
+        return torch.cat([state[i]["master_param"].reshape(-1) for i in range(len(self.ps))])
+
+
+class MasterBf16(Contender):
+    """bfloat16 parameters without coconet, as DDP users run them: the bfloat16 gradient
+    all-reduced (``all_reduce``: gloo's or DeepSpeed's, SUM in place), divided by world into a
+    float32 master's ``.grad`` (DDP averages; ``prepare`` writes ``world * g`` rounded to bfloat16,
+    as for coconet.optim, so it is the same step), ``torch.optim.Adam(fused=True)`` on the master,
+    the master cast (round to nearest) into the bfloat16 parameter."""
+
+    mixed = BF16_PARAMS
+
+    def __init__(self, name: str, p0: torch.Tensor, hp: dict, world: int, all_reduce,
+                 transport: str) -> None:  # fmt: skip
+        self.name, self.world, self.all_reduce = name, world, all_reduce
+        self.p = torch.nn.Parameter(p0.to(torch.bfloat16))
+        self.p.grad = torch.empty_like(self.p)
+        self.m = torch.nn.Parameter(self.p.detach().float())
+        self.m.grad = torch.empty_like(self.m)
+        self.opt = torch.optim.Adam([self.m], **hp, fused=True)
+        self.schedule = (
+            f"{transport} of the bfloat16 gradient (bfloat16 SUM, in place); "
+            "torch.div(grad, world, out=master.grad) (widened to float32); "
+            "torch.optim.Adam(fused=True) on the float32 master; param.copy_(master) (rounded to "
+            "bfloat16)"
+        )
+
+    def prepare(self, g):
+        torch.mul(g, self.world, out=self.p.grad)
+
+    def step(self, k, g):
+        self.all_reduce(self.p.grad)
+        torch.div(self.p.grad, self.world, out=self.m.grad)
+        self.opt.step()
+        self.p.detach().copy_(self.m.detach())
+
+    def param(self):
+        return self.p.detach()
+
+    def master(self):
+        return self.m.detach()
 
 
 class CopyProbe(Contender):
@@ -485,15 +589,30 @@ def worker(comm, cfg: dict) -> dict:
     for name, (groups, clip) in CLIP_OPTIMS.items():
         if name in wanted:
             contenders.append(CoconetOptim(comm, p0, hp, groups=groups, clip=clip))
+    if BF16_OPTIM in wanted:
+        contenders.append(CoconetOptim(comm, p0, hp, param_dtype=torch.bfloat16))
+    if REDUCE_BF16_OPTIM in wanted:
+        contenders.append(CoconetOptim(comm, p0, hp, reduce_dtype=torch.bfloat16))
+    if DDP_BF16 in wanted:
+        contenders.append(MasterBf16(DDP_BF16, p0, hp, world, dist.all_reduce,
+                                     "dist.all_reduce over gloo"))  # fmt: skip
     skipped: dict[str, str] = {}
-    if DEEPSPEED in wanted:
+    deepspeed = [name for name in (DEEPSPEED, DEEPSPEED_BF16) if name in wanted]
+    if deepspeed:
         why = deepspeed_available(world)
-        if why:
-            skipped[DEEPSPEED] = why
-            if say:
-                say(f"{DEEPSPEED} left out: {why}")
-        else:
-            contenders.append(DeepSpeedShm(p0, hp))
+        for name in deepspeed:
+            if why:
+                skipped[name] = why
+                if say:
+                    say(f"{name} left out: {why}")
+            elif name == DEEPSPEED:
+                contenders.append(DeepSpeedShm(p0, hp))
+            else:
+                import deepspeed.comm as ds
+
+                contenders.append(MasterBf16(DEEPSPEED_BF16, p0, hp, world,
+                                             ds.inference_all_reduce,
+                                             "deepspeed.comm.inference_all_reduce"))  # fmt: skip
     if "ddp" in wanted:
         contenders.append(TorchDDP("ddp", p0, hp, "fused"))
     if "ddp_foreach" in wanted:
@@ -557,12 +676,28 @@ def worker(comm, cfg: dict) -> dict:
         say("checking every contender's parameters against ddp's")
     ref = next(c for c in contenders if c.name == "ddp").param() if "ddp" in names else None
     checked = [c for c in contenders if c.kind != "probe"]
+    mixed_refs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     vectors = []
     for c in checked:
         mine = c.param()
-        rank0 = mine.clone()
-        dist.broadcast(rank0, src=0)
-        across = (mine - rank0).abs().max().item()
+        master = c.master()  # (coconet.optim's: gathered by state_dict(), on every rank)
+        across = 0.0
+        for mine_t in (mine, master):
+            if mine_t is not None:  # (float32: a bfloat16 broadcast exactly, on any backend)
+                rank0 = mine_t.to(torch.float32, copy=True)  # (a copy, float32 or not)
+                dist.broadcast(rank0, src=0)
+                across = max(across, (mine_t.float() - rank0).abs().max().item())
+        # 16-bit parameters: exactly the rounding of their float32 master (elements that differ)
+        unrounded = 0.0 if master is None else float((mine != master.to(mine.dtype)).sum().item())
+        if c.mixed is not None:
+            if c.mixed not in mixed_refs:
+                mixed_refs[c.mixed] = mixed_reference(
+                    c.mixed, p0, hp, seed, world, n, cfg["distinct_grads"], rounds
+                )
+            want, ill = mixed_refs[c.mixed]
+            errs = compare(mine if master is None else master, want, exempt=ill)
+            vectors.append([errs[k] for k in ERR_KEYS] + [across, unrounded, ill.sum().item()])
+            continue
         if c.name == "ddp":
             want = torch_reference(p0, hp, seed, world, n, cfg["distinct_grads"], rounds)
         elif c.clip_norm is not None:
@@ -573,14 +708,20 @@ def worker(comm, cfg: dict) -> dict:
                 ref = torch_reference(p0, hp, seed, world, n, cfg["distinct_grads"], rounds)
             want = ref
         errs = compare(mine, want)
-        vectors.append([errs[k] for k in ERR_KEYS] + [across])
-    err_t = torch.tensor(vectors, dtype=torch.float64).reshape(len(checked), len(ERR_KEYS) + 1)
+        vectors.append([errs[k] for k in ERR_KEYS] + [across, unrounded, 0.0])
+    err_t = torch.tensor(vectors, dtype=torch.float64).reshape(len(checked), len(ERR_KEYS) + 3)
     dist.all_reduce(err_t, op=dist.ReduceOp.MAX)  # the worst rank
     errors = {}
     for c, vec in zip(checked, err_t.tolist(), strict=True):
-        errors[c.name] = dict(zip(ERR_KEYS, vec[:-1], strict=True))
-        errors[c.name]["max_abs_diff_across_ranks"] = vec[-1]
-        errors[c.name]["correct"] = is_correct(errors[c.name], n, hp["lr"]) and vec[-1] == 0.0
+        across, unrounded, ill = vec[-3:]
+        errors[c.name] = dict(zip(ERR_KEYS, vec[:-3], strict=True))
+        errors[c.name]["max_abs_diff_across_ranks"] = across
+        errors[c.name]["correct"] = (is_correct(errors[c.name], n, hp["lr"]) and across == 0.0
+                                     and unrounded == 0.0)  # fmt: skip
+        if c.mixed is not None:  # (left out of the norm and the outliers, within lr)
+            errors[c.name]["ill_conditioned"] = ill
+        if c.mixed == BF16_PARAMS:  # (their masters compared, the parameters their rounding)
+            errors[c.name]["params_not_master_rounding"] = unrounded
 
     if DEEPSPEED in wanted and DEEPSPEED not in skipped:
         dist.barrier()  # every rank is done with DeepSpeed's workspace
@@ -602,9 +743,10 @@ def worker(comm, cfg: dict) -> dict:
                 "torch.optim.Adam (one process)" if c.name == "ddp" else
                 f"clipped to {c.clip_norm:g} by the float64 norm + torch.optim.Adam (one "
                 "process)"
-                if c.clip_norm is not None else "ddp")
-        if c.kind == "coconet":
+                if c.clip_norm is not None else MIXED_COMPARED[c.mixed] if c.mixed else "ddp")
+        if c.kind == "coconet" or c.schedule:
             row["schedule"] = c.schedule
+        if c.kind == "coconet":
             row["kernel_first_call_s"] = {
                 k: round(v, 3) for k, v in c.fn.kernels.first_call_seconds.items()
             }
@@ -642,13 +784,61 @@ def torch_reference(p0, hp, seed, world, n, distinct, rounds, clip=None) -> torc
     return p.detach()
 
 
+def mixed_reference(mixed, p0, hp, seed, world, n, distinct, rounds
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The float32 master after ``rounds`` steps of a single-process torch.optim.Adam
+    (single-tensor) on what a bfloat16 reduction makes of the gradients: rank r writes
+    ``world * g_r`` (averaged, as coconet.optim and DDP: see ``CoconetOptim``) rounded to
+    bfloat16; the sum of those, widened, in float32 in rank order, rounded once to bfloat16,
+    widened and divided by world. The master starts from ``p0`` rounded to bfloat16
+    (``BF16_PARAMS``) or from ``p0`` (``FP32_PARAMS``: float32 parameters, ``reduce_dtype=``).
+
+    Also returns the elements whose update is ill-conditioned (``is_correct``): at a step where
+    the element has no history (``exp_avg_sq`` below ``ILL_CONDITIONED**2``) ``g +
+    weight_decay * p`` cancels to within ``ILL_CONDITIONED`` (in float64), where the update
+    ``lr * g' / (|g'| + eps)`` moves by ``lr / eps`` per unit of g': one rounding of
+    ``weight_decay * p`` (fused multiply-add or not: torch's Adam does not round the product,
+    coconet's kernel does) moves it by up to ~4e-3 * lr. With bfloat16 gradients and
+    parameters both on a coarse grid, ``g == -weight_decay * p`` holds exactly for ~12
+    elements per million (measured: 1M parameters, first step), far more than the few per
+    million of float32 data."""
+    sums = []
+    for k in range(distinct):
+        total = torch.zeros(n)
+        for r in range(world):
+            total += (gradient(seed, r, k, n) * world).to(torch.bfloat16).float()
+        sums.append(total.to(torch.bfloat16).float() / world)
+    start = p0.to(torch.bfloat16).float() if mixed == BF16_PARAMS else p0.clone()
+    master = torch.nn.Parameter(start)
+    opt = torch.optim.Adam([master], **hp, foreach=False)
+    ill = torch.zeros(n, dtype=torch.bool)
+    for r in range(rounds):
+        master.grad = sums[r % distinct].clone()
+        fresh = opt.state[master]["exp_avg_sq"] < ILL_CONDITIONED**2 if r else ill.logical_not()
+        g_wd = master.grad.double().add(master.detach().double(), alpha=hp["weight_decay"])
+        ill |= fresh & (g_wd.abs() < ILL_CONDITIONED)
+        opt.step()
+    return master.detach(), ill
+
+
+ILL_CONDITIONED = 1e-6  # |g + weight_decay * p| below this (with no history): see mixed_reference
+MIXED_COMPARED = {
+    BF16_PARAMS: "its float32 master against torch.optim.Adam (one process) on a float32 master "
+    "from p0.to(bf16), over sum_r(g_r.to(bf16).float()).to(bf16).float() / world; the bfloat16 "
+    "parameters exactly the master's rounding",
+    FP32_PARAMS: "torch.optim.Adam (one process) over sum_r(g_r.to(bf16).float()).to(bf16)"
+    ".float() / world",
+}
 ERR_KEYS = ("max_rel_err", "norm_rel_err", "outliers", "max_abs_err")
 
 
-def compare(actual: torch.Tensor, want: torch.Tensor, chunk: int = 1 << 22) -> dict:
+def compare(actual: torch.Tensor, want: torch.Tensor, chunk: int = 1 << 22,
+            exempt: torch.Tensor | None = None) -> dict:  # fmt: skip
     """Errors of ``actual`` against ``want`` (see ``is_correct``), in float64, ``chunk``
     elements at a time (whole-tensor float64 temporaries on both ranks at once took this
-    machine's memory at 64M parameters)."""
+    machine's memory at 64M parameters). ``exempt``: a mask of elements whose update the
+    reference found ill-conditioned (``mixed_reference``): left out of the norm and of the
+    outliers, still in the max error (which must stay within lr)."""
     a, w = actual.reshape(-1), want.reshape(-1)
     scale = max((w[i : i + chunk].double().abs().max().item()
                  for i in range(0, w.numel(), chunk)), default=0.0)
@@ -657,6 +847,8 @@ def compare(actual: torch.Tensor, want: torch.Tensor, chunk: int = 1 << 22) -> d
         wd = w[i : i + chunk].double()
         diff = (a[i : i + chunk].double() - wd).abs()
         max_diff = max(max_diff, diff.max().item())
+        if exempt is not None:
+            diff = diff.masked_fill(exempt.reshape(-1)[i : i + chunk], 0.0)
         diff_sq += diff.square().sum().item()
         want_sq += wd.square().sum().item()
         outliers += int((diff > RTOL * scale).sum().item())
@@ -733,7 +925,26 @@ def lower_bound(rows: list[dict], n: int, world: int) -> dict:
     # slice written (out of place: copy probe).
     host_shared_bytes = 4 * n + 24 * n / world
     host_shared_ms = host_shared_bytes / copy_gbs / 1e6
+    # The bfloat16 step (coconet.optim.Adam[bf16]: bfloat16 parameters and gradients, a float32
+    # master, m, v sliced) over shared memory: its slice of every peer's bfloat16 gradient (2n),
+    # its float32 master, m, v slices read (12n/world) and written (12n/world), its new bfloat16
+    # parameter slice written (2n/world), and the peers' new bfloat16 slices copied into its
+    # parameters (read and write: 4n).
+    bf16_bytes = 2 * n + 12 * n / world + 12 * n / world + 2 * n / world + 4 * n
+    bf16_ms = bf16_bytes / copy_gbs / 1e6
+    # float32 parameters with reduce_dtype=torch.bfloat16 (coconet.optim.Adam[reduce bf16]): its
+    # float32 gradient cast into a bfloat16 buffer the peers read (read 4n, write 2n), its slice
+    # of every peer's bfloat16 gradient (2n), then as the float32 step: its p, m, v slices read,
+    # m, v and the new p slice written (24n/world), the peers' new p slices copied (8n). More
+    # bytes than the float32 step's (the cast), on shared memory: the halved traffic pays only
+    # where the gradient crosses a wire.
+    reduce_bf16_bytes = 4 * n + 2 * n + 2 * n + 24 * n / world + 8 * n
+    reduce_bf16_ms = reduce_bf16_bytes / copy_gbs / 1e6
     return {
+        "bf16_shared_memory_bytes_per_rank": int(bf16_bytes),
+        "bf16_shared_memory_ms": round(bf16_ms, 3),
+        "reduce_bf16_shared_memory_bytes_per_rank": int(reduce_bf16_bytes),
+        "reduce_bf16_shared_memory_ms": round(reduce_bf16_ms, 3),
         "shared_memory_bytes_per_rank": int(shm_bytes),
         "shared_memory_ms": round(shm_ms, 3),
         "shared_memory_unfused_bytes_per_rank": int(unfused_bytes),
@@ -753,13 +964,20 @@ def lower_bound(rows: list[dict], n: int, world: int) -> dict:
 
 
 def is_fused_shm(name: str) -> bool:
-    """coconet's one-pass data-parallel steps over shared memory (the fused forms)."""
+    """coconet's one-pass float32 data-parallel steps over shared memory (the fused forms; not
+    the mixed-precision ones, which have targets of their own)."""
+    if name in MIXED:
+        return False
     return name.startswith(CoconetOptim.name) or name.startswith(f"coconet:fuse_RS_C_AG{SHM}")
 
 
 def own_bound(name: str, lb: dict) -> float | None:
     """The lower bound of the bytes this contender's own form must move (None: not one of the
     shared-memory forms the bounds describe)."""
+    if name == BF16_OPTIM:
+        return lb["bf16_shared_memory_ms"]
+    if name == REDUCE_BF16_OPTIM:
+        return lb["reduce_bf16_shared_memory_ms"]
     if "[host-shared]" in name:
         return lb["host_shared_ms"]
     if is_fused_shm(name):
@@ -779,16 +997,30 @@ TARGETS = [
     ("best fused coconet step: speedup over ddp", "ddp", 2.5),
     ("best fused coconet step: speedup over zero", "zero", 3.0),
 ]
+# (target, the slower contender, the faster one, threshold): speedups (slower's median over the
+# faster's) of the mixed-precision steps
+MIXED_TARGETS = [
+    ("bf16 step: speedup over coconet fp32 step", CoconetOptim.name, BF16_OPTIM, 1.4),
+    ("bf16 step: speedup over ddp bf16", DDP_BF16, BF16_OPTIM, 3.0),
+    ("bf16 step: speedup over deepspeed", DEEPSPEED_BF16, BF16_OPTIM, 2.0),
+    (
+        "bf16 grads on fp32 params: speedup over fp32 reduce",
+        CoconetOptim.name,
+        REDUCE_BF16_OPTIM,
+        1.25,
+    ),
+]
+BF16_BOUND_TARGET = ("bf16 step: time over its own bound", 1.15)
 
 
 def targets(rows: list[dict]) -> list[dict]:
     """The issue's targets, from this run's medians: each a ratio, its threshold and whether it
     is met (a baseline not run gives no entry)."""
+    by = {r["name"]: r for r in rows}
     fused = [r for r in rows if is_fused_shm(r["name"]) and r.get("correct", True)]
     if not fused:
-        return []
+        return mixed_targets(by)
     best = min(fused, key=lambda r: r["median_ms"])
-    by = {r["name"]: r for r in rows}
     out = []
     for what, baseline, threshold in TARGETS:
         if baseline in by:
@@ -809,6 +1041,38 @@ def targets(rows: list[dict]) -> list[dict]:
         out.append({"target": "best fused coconet step: time over its own lower bound",
                     "contender": best["name"], "measured": best["x_bound"], "threshold": 1.1,
                     "met": best["x_bound"] <= 1.1})
+    return out + mixed_targets(by)
+
+
+def mixed_targets(by: dict[str, dict]) -> list[dict]:
+    """The mixed-precision targets whose contenders ran (met only when both are correct)."""
+    out = []
+    for what, slower, faster, threshold in MIXED_TARGETS:
+        if slower in by and faster in by:
+            ratio = by[slower]["median_ms"] / by[faster]["median_ms"]
+            correct = by[slower].get("correct", True) and by[faster].get("correct", True)
+            out.append(
+                {
+                    "target": what,
+                    "contender": faster,
+                    "baseline": slower,
+                    "measured": round(ratio, 3),
+                    "threshold": threshold,
+                    "met": bool(correct and ratio >= threshold),
+                }
+            )
+    row = by.get(BF16_OPTIM)
+    if row is not None and "x_bound" in row:
+        what, threshold = BF16_BOUND_TARGET
+        out.append(
+            {
+                "target": what,
+                "contender": BF16_OPTIM,
+                "measured": row["x_bound"],
+                "threshold": threshold,
+                "met": bool(row.get("correct", True) and row["x_bound"] <= threshold),
+            }
+        )
     return out
 
 
@@ -858,6 +1122,22 @@ def table(doc: dict) -> str:
         f"{lb['host_shared_ms']:.1f} ms/step: {lb['host_shared_bytes_per_rank'] / 2**20:.1f} "
         "MiB/rank (its slice of every peer's gradient, its p, m, v slices read, m, v and its new "
         "p slice written) at the copy probe's bandwidth",
+    ]
+    if any(r["name"] in MIXED for r in rows):
+        lines += [
+            f"lower bound of the bfloat16 step ({BF16_OPTIM}) over shared memory "
+            f"{lb['bf16_shared_memory_ms']:.1f} ms/step: "
+            f"{lb['bf16_shared_memory_bytes_per_rank'] / 2**20:.1f} MiB/rank (its slice of every "
+            "peer's bfloat16 gradient; its float32 master, m, v slices read and written; its new "
+            "bfloat16 slice written; the peers' new bfloat16 slices copied into its parameters) at "
+            "the copy probe's bandwidth",
+            f"lower bound of bfloat16 gradients on float32 parameters ({REDUCE_BF16_OPTIM}) "
+            f"{lb['reduce_bf16_shared_memory_ms']:.1f} ms/step: "
+            f"{lb['reduce_bf16_shared_memory_bytes_per_rank'] / 2**20:.1f} MiB/rank (the float32 "
+            "step's bytes, its gradient's slices read in bfloat16, plus the cast of its float32 "
+            "gradient to bfloat16) at the copy probe's bandwidth",
+        ]
+    lines += [
         f"lower bound of an unfused step over shared memory (all_reduce, then Adam on every "
         f"parameter: shm_all_reduce+adam_fused, DeepSpeed's) {lb['shared_memory_unfused_ms']:.1f}"
         f" ms/step: {lb['shared_memory_unfused_bytes_per_rank'] / 2**20:.1f} MiB/rank, the "
@@ -883,12 +1163,25 @@ def table(doc: dict) -> str:
         "  (outliers are elements where g + weight_decay*p cancels to ~eps and the update hangs on "
         "its last bit)",
     ]
+    if any(r["name"] in MIXED for r in rows):
+        lines += [
+            "  mixed precision: the float32 masters (the float32 parameters of "
+            f"{REDUCE_BF16_OPTIM}) against torch.optim.Adam on a float32 master over "
+            "sum_r(g_r.to(bf16).float()).to(bf16).float() / world, by the same criterion; the "
+            "bfloat16 parameters must be exactly their master's rounding; elements whose first "
+            f"update is ill-conditioned (|g + weight_decay*p| < {ILL_CONDITIONED:g} with no "
+            "history: bfloat16's grid makes exact cancellations common) are left out of the norm "
+            "and the outliers (still within lr): "
+            + ", ".join(f"{r['name']} {int(r['ill_conditioned'])}" for r in rows
+                        if "ill_conditioned" in r),
+        ]
     for name, why in doc.get("skipped", {}).items():
         lines.append(f"left out: {name}: {why}")
     if doc.get("targets"):
         lines += ["", "targets (ratios of medians from this run):"]
         for t in doc["targets"]:
-            sign = "<=" if "lower bound" in t["target"] or "max_grad_norm" in t["target"] else ">="
+            sign = ("<=" if "lower bound" in t["target"] or "max_grad_norm" in t["target"]
+                    or "time over" in t["target"] else ">=")  # fmt: skip
             lines.append(
                 f"  {'met ' if t['met'] else 'MISSED'} {t['target']} ({t['contender']}): "
                 f"{t['measured']:.2f} {sign} {t['threshold']}"
@@ -924,6 +1217,9 @@ def plot(doc: dict, path: str) -> None:
         [r["max_ms"] - r["median_ms"] for r in rows],
     ]
     colors = ["tab:gray" if r["kind"] == "baseline" else "tab:blue" for r in rows]
+    # the mixed-precision rows (bfloat16) in lighter shades of the same colours
+    colors = [{"tab:gray": "silver", "tab:blue": "lightskyblue"}[c] if r["name"] in MIXED else c
+              for c, r in zip(colors, rows, strict=True)]  # fmt: skip
     colors = [c if r.get("correct", True) else "tab:red" for c, r in zip(colors, rows, strict=True)]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     ax.barh(names, med, xerr=err, color=colors, capsize=3)
@@ -931,6 +1227,9 @@ def plot(doc: dict, path: str) -> None:
     ax.axvline(
         doc["lower_bound"]["serial_ms"], color="k", linestyle=":", label="lower bound (serial)"
     )
+    if any(r["name"] in MIXED for r in rows):
+        ax.axvline(doc["lower_bound"]["bf16_shared_memory_ms"], color="tab:green",
+                   linestyle="--", label="bf16 step's lower bound (shared memory)")  # fmt: skip
     ax.invert_yaxis()
     ax.set_xlabel("ms per step (median, min-max bars; slowest rank)")
     cfg = doc["config"]
@@ -1076,6 +1375,7 @@ ALL = [
     CoconetOptim.name,
     HOST_SHARED_OPTIM,
     *CLIP_OPTIMS,
+    *MIXED,
 ]
 
 
@@ -1112,6 +1412,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compile with an empty Inductor cache (TORCHINDUCTOR_CACHE_DIR=new dir)",
     )
+    ap.add_argument(
+        "--mixed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"the mixed-precision contenders ({', '.join(MIXED)}); --no-mixed leaves them out",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
@@ -1122,6 +1428,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(wanted) - set(ALL))
     if unknown:
         ap.error(f"unknown contenders {unknown}; choose from {ALL}")
+    if not args.mixed:
+        wanted = [c for c in wanted if c not in MIXED]
 
     from coconet.runtime import CommOptions, spawn
 
@@ -1173,6 +1481,14 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "params": args.params,
             "dtype": "float32",
+            "mixed": args.mixed,
+            "mixed_precision": (
+                "bfloat16 parameters and gradients with a float32 master, m, v "
+                f"({BF16_OPTIM}, {DDP_BF16}, {DEEPSPEED_BF16}); float32 parameters with "
+                f"reduce_dtype=torch.bfloat16 ({REDUCE_BF16_OPTIM})"
+                if args.mixed
+                else "left out (--no-mixed)"
+            ),
             "steps": args.steps,
             "warmup": args.warmup,
             "threads_per_rank": res["threads"],

@@ -35,6 +35,7 @@ __all__ = [
     "clamp",
     "clip",
     "dropout",
+    "round_stochastic",
     "eq",
     "erf",
     "exp",
@@ -573,6 +574,33 @@ def dropout(x: Tensor, p: float, seed: Any = 0, step: Any = 0) -> Tensor:
         ),
         p=float(p),
     )
+
+
+def round_stochastic(x: Tensor, dtype: DType, seed: Any = 0, step: Any = 0) -> Tensor:
+    """float32 ``x`` rounded to ``dtype`` (bfloat16) stochastically: up or down with
+    probabilities proportional to the distance to each, so the rounding is unbiased (a mixed-
+    precision optimizer's way to keep small updates on average). The random bits are a
+    counter-based hash of (seed, step, the element's global index), as dropout's mask: the same
+    however the tensor is sliced or chunked, on every rank."""
+    if not isinstance(dtype, DType):
+        raise DSLError(
+            f"round_stochastic takes a coconet DType, got {dtype!r}",
+            op="round_stochastic",
+            loc=capture_loc(),
+            hint="round_stochastic(x, coconet.bfloat16, seed, step)",
+        )
+    for role, v in (("seed", seed), ("step", step)):
+        if isinstance(v, float):
+            raise DTypeError(
+                f"round_stochastic's {role} must be an integer scalar, got {v!r}",
+                op="round_stochastic",
+                loc=capture_loc(),
+                hint="declare it with Scalar(name, int64) or pass a Python int",
+            )
+    int_like = make_node(Op.CONST, (), {"value": 0, "dtype": DType.int64})
+    op = Op.ROUND_STOCHASTIC
+    return _wrap(op, (_node(x, None, op), _node(seed, int_like, op), _node(step, int_like, op)),
+                 dtype=dtype)  # fmt: skip
 
 
 def _sum(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:

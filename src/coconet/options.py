@@ -43,6 +43,17 @@ class CommitMode(str, enum.Enum):
     SWAP = "swap"
 
 
+class Rounding(str, enum.Enum):
+    """How a ``coconet.optim`` optimizer rounds the float32 master copy of 16-bit parameters
+    into them."""
+
+    NEAREST = "nearest"  # round to nearest even (``Tensor.to``): the default, as everyone's
+    # up or down at random, with the probabilities of the distance to each (unbiased: small
+    # updates survive on average); the random bits are coconet's counter-based ones, keyed by
+    # the element's place in the bucket and the step: the same on every rank and schedule
+    STOCHASTIC = "stochastic"
+
+
 class ParamStorage(str, enum.Enum):
     """Where a ``coconet.optim`` optimizer keeps the parameters it packs into a bucket."""
 

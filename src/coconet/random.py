@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "derive_seed",
     "dropout_mask",
+    "round_stochastic",
     "global_index",
     "keep_threshold",
     "random_bits",
@@ -128,3 +129,27 @@ def dropout_mask(
         return torch.ones(local_shape, dtype=torch.bool, device=device)
     index = global_index(tuple(global_shape), local_shape, offsets, device, rows)
     return random_bits(seed, step, index) >= keep_threshold(p)
+
+
+def round_stochastic(
+    x: torch.Tensor,
+    seed: int | torch.Tensor,
+    step: int | torch.Tensor,
+    global_shape: tuple[int, ...],
+    offsets: tuple[int, ...] | None = None,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 ``x`` (a block of a tensor of ``global_shape`` at ``offsets``) rounded to
+    bfloat16 stochastically: up or down (in magnitude) with probabilities proportional to the
+    distance to each, the random 16 bits keyed by (seed, step, the element's global index) as
+    dropout's mask is, so every slice, chunk and rank rounds an element alike.
+
+    In integers, exactly: a bfloat16 is a float32 whose low 16 bits are zero, so adding 16
+    random bits to the float32 pattern (its magnitude: the sign bit stays) and clearing them
+    rounds up exactly when the random value reaches the dropped fraction. inf stays inf, a value
+    next to the largest finite one may round to inf (as the rounding should); nan stays nan."""
+    index = global_index(global_shape, tuple(x.shape), offsets, x.device, rows)
+    bits = (random_bits(seed, step, index) & 0xFFFF).to(torch.int32)
+    pattern = x.contiguous().view(torch.int32)
+    rounded = ((pattern + bits) & -65536).view(torch.float32)
+    return torch.where(torch.isnan(x), x, rounded).to(torch.bfloat16)

@@ -65,3 +65,17 @@ def test_grad_scaler_skips_alike_on_every_rank(transport):
         scales = results[0]["scales"]
         assert results[1]["scales"] == scales
         assert scales[2] == scales[1] / 2 and scales[1] == 2 * scales[0], scales  # grew, backed off
+
+
+@pytest.mark.timeout(200)
+def test_stochastic_rounding_is_the_same_bits_at_every_world_size():
+    """``rounding="stochastic"``: 1, 2 and 3 ranks (slices of 1001, 501/500, 334/334/333), both
+    transports: the same parameters bit for bit (coconet's counter-based bits are keyed by the
+    element's place in the bucket, not by the rank that rounds it)."""
+    seen = set()
+    for world in (1, 2, 3):
+        for transport in TRANSPORTS:
+            options = CommOptions(timeout=60, transport=transport)
+            out = spawn(precision_workers.stochastic, world, options=options, timeout=120)
+            seen.update(out)
+    assert len(seen) == 1

@@ -181,3 +181,19 @@ def scaled(comm, dtype: torch.dtype, groups: int, clip: float | None) -> dict:
         "skipped": skipped,
         "steps": float(sd[0]["step"]),
     }
+
+
+def stochastic(comm) -> bytes:
+    """``rounding="stochastic"`` over a bucket sliced ``comm.world`` ways: the parameters after
+    3 steps, as bytes. Every rank's gradient is the same multiple of 1/8 (so the average is
+    exact whatever the world size), so the masters, and the random bits keyed by each element's
+    place in the bucket, are the same at every world size and on every schedule: the rounded
+    parameters must be too."""
+    torch.manual_seed(0)
+    p = P(torch.randn(1001).to(torch.bfloat16))
+    opt = coconet.optim.AdamW([p], comm=comm, options=EAGER, lr=1e-3, rounding="stochastic")
+    for t in range(3):
+        g = torch.Generator().manual_seed(t)
+        p.grad = (torch.randint(-8, 9, (1001,), generator=g) / 8).to(torch.bfloat16)
+        opt.step()
+    return p.detach().view(torch.int16).numpy().tobytes()

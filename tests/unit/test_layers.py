@@ -50,7 +50,8 @@ ALLOWED: dict[str, set[str]] = {
         "ir", "dsl", "accounting", "codegen", "schedule", "compiler", "runtime", "cache",
         "options",
     },
-    "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options", "tune"},
+    # (random: the seeds of stochastic rounding's streams, one per bucket)
+    "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options", "tune", "random"},
     # tensor-parallel layers: DSL programs, their gradients, compiled steps, and the
     # counter-based dropout masks and seeds of the attention they write out (random)
     "nn": {

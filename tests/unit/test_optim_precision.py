@@ -360,3 +360,54 @@ def test_grad_scaler_after_the_users_unscale(comm):
         sd = opt.state_dict()["state"]
         for j, q in enumerate(ref_params):
             assert rel(sd[j].get(MASTER_STATE_KEY, params[j].detach()), q.detach()) < OPTIM_RTOL
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
+def test_stochastic_rounding_keeps_updates_a_nearest_rounding_loses(comm, fused):
+    """``rounding="stochastic"``: weights of 1.0 moved by 1e-4 a step (bfloat16's spacing below
+    1 is 2**-8) never move in 10 steps when rounded to nearest; rounded stochastically they
+    follow the master on average (unbiased), and the master itself is the same either way."""
+    results = {}
+    for rounding in ("nearest", "stochastic"):
+        p = P(torch.ones(20000, dtype=torch.bfloat16))
+        opt = coconet.optim.SGD([p], comm=comm, options=None if fused else EAGER, lr=1e-4,
+                                rounding=rounding)  # fmt: skip
+        for _ in range(10):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        master = opt.state_dict()["state"][0][MASTER_STATE_KEY]
+        results[rounding] = (p.detach().double().mean().item(), master)
+    nearest, stochastic = results["nearest"], results["stochastic"]
+    assert nearest[0] == 1.0
+    assert torch.equal(nearest[1], stochastic[1])
+    expected = stochastic[1].double().mean().item()  # 1 - 10 * 1e-4
+    assert abs(stochastic[0] - expected) < 3e-5, (stochastic[0], expected)
+
+
+def test_stochastic_rounding_draws_the_same_bits_compiled_or_not(comm):
+    """The counter-based bits inside Inductor's kernel (an integer view of the float32 pattern)
+    are the simulator's: the compiled step's parameters equal the eager step's, bit for bit."""
+    torch.manual_seed(8)
+    w = torch.randn(4099)
+    params = {}
+    for fused in (False, True):
+        p = P(w.to(torch.bfloat16))
+        opt = coconet.optim.AdamW([p], comm=comm, options=None if fused else EAGER, lr=1e-3,
+                                  rounding="stochastic")  # fmt: skip
+        for t in range(3):
+            p.grad = (torch.randn(4099, generator=torch.Generator().manual_seed(t))
+                      ).to(torch.bfloat16)  # fmt: skip
+            opt.step()
+        params[fused] = p.detach().clone()
+    assert torch.equal(params[False], params[True])
+
+
+def test_rounding_misuse(comm):
+    with pytest.raises(ConfigError, match="rounding='up' is not one of"):
+        coconet.optim.AdamW([P(torch.zeros(3))], comm=comm, rounding="up")
+    with pytest.raises(ConfigError, match="rounds into bfloat16 parameters, these are "
+                                          "torch.float16"):
+        coconet.optim.AdamW([P(torch.zeros(3, dtype=torch.float16))], comm=comm,
+                            rounding="stochastic")
+    # float32 parameters have nothing to round: accepted, a plain step
+    coconet.optim.AdamW([P(torch.zeros(3))], comm=comm, rounding="stochastic")

@@ -207,6 +207,13 @@ LEGAL: list[tuple[str, Callable[[], Tensor], TensorType]] = [
         lambda: cc.dropout(T("a", [N], Local, float16), 0.5, seed=Scalar("seed", int32)),
         ty(float16, [N], Local),
     ),
+    # -- stochastic rounding ---------------------------------------------------------------------
+    (
+        "round_stochastic to bfloat16 keeps the layout",
+        lambda: cc.round_stochastic(T("a", [B, H], Sliced(0)), cc.bfloat16, seed=3,
+                                    step=Scalar("step", int64)),
+        ty(cc.bfloat16, [B, H], Sliced(0)),
+    ),
     # -- reductions -----------------------------------------------------------------------------
     ("sum all of Replicated", lambda: cc.sum(T("a", [N, M])), ty(float32, [], Replicated)),
     ("sum all of Local", lambda: T("a", [N, M], Local).sum(), ty(float32, [], Local)),
@@ -578,6 +585,30 @@ ILLEGAL: list[tuple[str, Callable[[], object], type, str]] = [
         lambda: cc.dropout(T("a", [N]), 0.1, step=T("step", [], Local, int64)),
         cc.LayoutError,
         "must be Replicated",
+    ),
+    (
+        "round_stochastic to float16",
+        lambda: cc.round_stochastic(T("a", [N]), cc.float16),
+        cc.DTypeError,
+        "rounds float32 to bfloat16, got float32 to float16",
+    ),
+    (
+        "round_stochastic of bfloat16",
+        lambda: cc.round_stochastic(T("a", [N], dtype=cc.bfloat16), cc.bfloat16),
+        cc.DTypeError,
+        "got bfloat16 to bfloat16",
+    ),
+    (
+        "round_stochastic Local seed",
+        lambda: cc.round_stochastic(T("a", [N]), cc.bfloat16, seed=T("s", [], Local, int64)),
+        cc.LayoutError,
+        "round_stochastic's seed must be Replicated so every rank rounds alike",
+    ),
+    (
+        "round_stochastic float step",
+        lambda: cc.round_stochastic(T("a", [N]), cc.bfloat16, step=0.5),
+        cc.DTypeError,
+        "must be an integer scalar",
     ),
     (
         "reduction dim out of range",

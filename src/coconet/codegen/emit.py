@@ -195,7 +195,7 @@ class _Emitter:
             self._geo_cache[k.name] = [
                 (n, f, self.namer.claim(f"{self.var[n.name]}_{f[:-1]}"))
                 for n in k.nodes
-                if n.op is Op.DROPOUT
+                if spec(n.op).lowering is Lowering.RANDOM
                 for f in ("shapes", "offsets", "rows")
                 if f != "rows" or k.chunked
             ]
@@ -386,17 +386,18 @@ def _reduction_expr(n: Node, a: list[str], geo: GeoRef) -> str:
     return e
 
 
-def _dropout_expr(n: Node, a: list[str], geo: GeoRef) -> str:
+def _random_expr(n: Node, a: list[str], geo: GeoRef) -> str:
     rows = geo(n, "rows")
-    return (
-        f"_ops.apply_dropout({a[0]}, {n.attr('p')!r}, {a[1]}, {a[2]}, "
-        f"{geo(n, 'shapes')}, {geo(n, 'offsets')}{', ' + rows if rows else ''})"
-    )
+    where = f"{geo(n, 'shapes')}, {geo(n, 'offsets')}{', ' + rows if rows else ''}"
+    if n.op is Op.ROUND_STOCHASTIC:
+        return (f"_ops.apply_round_stochastic({a[0]}, {_dtype(n.type.dtype)}, {a[1]}, {a[2]}, "
+                f"{where})")
+    return f"_ops.apply_dropout({a[0]}, {n.attr('p')!r}, {a[1]}, {a[2]}, {where})"
 
 
 _EXPRESSIONS: dict[Lowering, Callable[[Node, list[str], GeoRef], str]] = {
     Lowering.CAST: lambda n, a, geo: f"{a[0]}.to({_dtype(n.type.dtype)})",
-    Lowering.DROPOUT: _dropout_expr,
+    Lowering.RANDOM: _random_expr,
     Lowering.POINTWISE: lambda n, a, geo: f"_{n.op.value}({', '.join(a)})",
     Lowering.REDUCTION: _reduction_expr,
     Lowering.MATMUL: lambda n, a, geo: f"torch.matmul({a[0]}, {a[1]})",

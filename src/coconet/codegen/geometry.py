@@ -149,7 +149,7 @@ def geometry(program: Program, mesh: Mesh, rank: int, sizes: Mapping[str, int]) 
             geo.parts[node.name] = tuple(
                 hi - lo for lo, hi in (slice_bounds(total, n, i) for i in range(n))
             )
-        elif form.lowering is Lowering.DROPOUT:  # the block's place in the whole tensor
+        elif form.lowering is Lowering.RANDOM:  # the block's place in the whole tensor
             gshape = resolve_shape(node.type.shape, sizes)
             offs = [0] * len(gshape)
             lay = node.type.layout

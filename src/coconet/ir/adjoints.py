@@ -132,6 +132,12 @@ def _dropout(n: Node, ct: Node, b: Builder) -> tuple[Node | None, ...]:
     return (b.op(Op.DROPOUT, ct, seed, step, p=n.attr("p")), None, None)
 
 
+def _round_stochastic(n: Node, ct: Node, b: Builder) -> tuple[Node | None, ...]:
+    # straight through, as a cast's: the rounding's expected value is its operand
+    x = n.inputs[0]
+    return (b.op(Op.CAST, ct, dtype=x.type.dtype), None, None)
+
+
 def _relu(n: Node, ct: Node, b: Builder) -> tuple[Node | None, ...]:
     return (b.where(b.op(Op.GT, n, b.num(0.0, n)), ct, b.num(0.0, ct)),)
 
@@ -324,6 +330,7 @@ RULES: dict[Op, Rule] = {
     Op.SILU: _unary(_silu),
     Op.CAST: _cast,
     Op.DROPOUT: _dropout,
+    Op.ROUND_STOCHASTIC: _round_stochastic,
     Op.ADD: _add,
     Op.SUB: _sub,
     Op.MUL: _mul,

@@ -51,6 +51,9 @@ class Op(enum.Enum):
     SILU = "silu"
     CAST = "cast"
     DROPOUT = "dropout"  # operands: x, seed, step (the mask is keyed by seed, step, element index)
+    # operands: x (float32), seed, step; attr dtype (bfloat16): x rounded to dtype up or down at
+    # random, with the probabilities of its distance to each (keyed as dropout's mask)
+    ROUND_STOCHASTIC = "round_stochastic"
     # pointwise, two operands
     ADD = "add"
     SUB = "sub"
@@ -117,8 +120,11 @@ SIZES = frozenset({Op.SIZE, Op.WORLD_SIZE, Op.AXIS_INDEX})
 LEAVES = frozenset({Op.INPUT, Op.CONST}) | SIZES
 UNARY = frozenset(
     {Op.NEG, Op.SQRT, Op.RSQRT, Op.EXP, Op.LOG, Op.ABS, Op.RELU, Op.GELU, Op.CAST, Op.DROPOUT}
-    | {Op.SIGN, Op.TANH, Op.SIGMOID, Op.ERF, Op.SILU}
+    | {Op.SIGN, Op.TANH, Op.SIGMOID, Op.ERF, Op.SILU, Op.ROUND_STOCHASTIC}
 )
+# counter-based randomness (operands: x, seed, step): its value depends on the element's place
+# in the whole tensor, so every slice, chunk and rank draws the same bits
+RANDOM = frozenset({Op.DROPOUT, Op.ROUND_STOCHASTIC})
 COMPARISONS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAXIMUM, Op.MINIMUM}) | COMPARISONS
 POINTWISE = UNARY | BINARY | {Op.WHERE, Op.EXPAND_AS}

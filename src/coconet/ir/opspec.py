@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from coconet.ir import adjoints, semantics
-from coconet.ir.ops import BINARY, LEAVES, UNARY, Op
+from coconet.ir.ops import BINARY, LEAVES, RANDOM, UNARY, Op
 from coconet.ir.rules import RULES
 from coconet.ir.types import Layout, Sliced, TensorType
 
@@ -64,7 +64,7 @@ class Lowering(enum.Enum):
     SIZE = "size"  # a size known when the step runs (semantics.size_value), as a 0-d tensor
     POINTWISE = "pointwise"  # local(*operands), elementwise with broadcasting
     CAST = "cast"  # a dtype conversion
-    DROPOUT = "dropout"  # the counter-based mask needs the block's place in the whole tensor
+    RANDOM = "random"  # counter-based randomness needs the block's place in the whole tensor
     REDUCTION = "reduction"  # semantics.reduction(op, x, dim, keepdim)
     MATMUL = "matmul"
     FUNCTION = "function"  # semantics.FUNCTIONS[op](*operands, **the node's attributes)
@@ -269,9 +269,9 @@ def _pointwise(op: Op) -> OpSpec:
     if op is Op.CAST:
         # a cast to the same dtype returns its operand: not a fresh tensor
         return OpSpec(op, Lowering.CAST, _COMPUTE & ~Prop.FRESH, work=_elementwise_work, vjp=vjp)
-    if op is Op.DROPOUT:
+    if op in RANDOM:
         return OpSpec(
-            op, Lowering.DROPOUT, _COMPUTE, work=_elementwise_work,
+            op, Lowering.RANDOM, _COMPUTE, work=_elementwise_work,
             whole_operands=frozenset({1, 2}), vjp=vjp,
         )
     if op is Op.EXPAND_AS:

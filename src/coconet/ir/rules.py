@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from coconet.errors import DSLError, DTypeError, LayoutError, ShapeError, SourceLoc
-from coconet.ir.ops import BINARY, COMPARISONS, UNARY, Op, ReduceOp
+from coconet.ir.ops import BINARY, COMPARISONS, RANDOM, UNARY, Op, ReduceOp
 from coconet.ir.types import (
     Dim,
     DType,
@@ -274,13 +274,17 @@ def _size(op: Op) -> Callable:
 
 def _pointwise(op: Op) -> Callable:
     def rule(inputs, attrs) -> TensorType:
-        operands = inputs[:1] if op is Op.DROPOUT else inputs
+        operands = inputs[:1] if op in RANDOM else inputs
         shape = broadcast_shapes([n.type.shape for n in operands])
         layout = pointwise_layout(operands, shape)
         dtype = _pointwise_dtype(operands)
         if op in COMPARISONS:
             return TensorType(DType.bool, shape, layout)
         if op is Op.CAST:
+            return TensorType(attrs["dtype"], shape, layout)
+        if op is Op.ROUND_STOCHASTIC:
+            _check_round_stochastic(dtype, attrs)
+            _check_seed_step("round_stochastic", inputs, "every rank rounds alike")
             return TensorType(attrs["dtype"], shape, layout)
         float_only = {Op.SQRT, Op.RSQRT, Op.EXP, Op.LOG, Op.GELU, Op.DIV, Op.DROPOUT, Op.POW}
         float_only |= {Op.TANH, Op.SIGMOID, Op.ERF, Op.SILU}
@@ -307,17 +311,35 @@ def _check_dropout(inputs, attrs) -> None:
             f"dropout probability p={p} is not in [0, 1)",
             "p is the probability of zeroing an element, e.g. dropout(x, 0.1)",
         )
+    _check_seed_step("dropout", inputs, "every rank draws the same mask")
+
+
+def _check_round_stochastic(dtype: DType, attrs) -> None:
+    """float32 rounded to bfloat16: the rounding drops the low 16 bits of the float32 pattern,
+    which is what makes it exact in integers (float16's other exponent range has no such
+    form)."""
+    if dtype is not DType.float32 or attrs["dtype"] is not DType.bfloat16:
+        raise _Violation(
+            DTypeError,
+            f"round_stochastic rounds float32 to bfloat16, got {dtype.value} to "
+            f"{attrs['dtype'].value}",
+            "cast(x, float32) first; for float16 use cast (round to nearest)",
+        )
+
+
+def _check_seed_step(op: str, inputs, why: str) -> None:
+    """A counter-based random op's seed and step: integer scalars, Replicated."""
     for role, n in zip(("seed", "step"), inputs[1:], strict=True):
         if n.type.rank != 0 or n.type.dtype not in (DType.int64, DType.int32):
             raise _Violation(
                 DTypeError,
-                f"dropout's {role} must be an integer scalar, got {n.describe()}",
+                f"{op}'s {role} must be an integer scalar, got {n.describe()}",
                 "declare it with Scalar(name, int64) or pass a Python int",
             )
         if not n.type.layout.is_replicated:
             raise _Violation(
                 LayoutError,
-                f"dropout's {role} must be Replicated so every rank draws the same mask",
+                f"{op}'s {role} must be Replicated so {why}",
                 f"declare {role} as a Scalar (Replicated), or pass a Python int",
             )
 

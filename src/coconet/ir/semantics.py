@@ -16,13 +16,14 @@ import torch.nn.functional as F
 
 from coconet.ir.ops import Op, ReduceOp
 from coconet.ir.types import Dim, slice_bounds
-from coconet.random import dropout_mask
+from coconet.random import dropout_mask, round_stochastic
 
 __all__ = [
     "COLLECTIVES",
     "FUNCTIONS",
     "POINTWISE",
     "apply_dropout",
+    "apply_round_stochastic",
     "combine",
     "reduce_values",
     "reduction",
@@ -102,6 +103,21 @@ def apply_dropout(
         return x.clone()
     keep = dropout_mask(seed, step, p, global_shape, tuple(x.shape), offsets, x.device, rows)
     return torch.where(keep, x * (1.0 / (1.0 - p)), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def apply_round_stochastic(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    seed: int | torch.Tensor,
+    step: int | torch.Tensor,
+    global_shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The block ``x`` (float32, at ``offsets`` in a tensor of ``global_shape``) rounded to
+    ``dtype`` (bfloat16) stochastically (``coconet.random.round_stochastic``)."""
+    del dtype  # (bfloat16: the rules refuse any other)
+    return round_stochastic(x, seed, step, global_shape, offsets, rows)
 
 
 def reduction(op: Op, x: torch.Tensor, dim: int | None, keepdim: bool) -> torch.Tensor:

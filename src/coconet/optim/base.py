@@ -66,7 +66,7 @@ from coconet.optim.params import LocalGradientEditWarning, ParamWatch
 from coconet.optim.recipes import Recipes
 from coconet.optim.scaling import Scaling
 from coconet.optim.stepping import Stepper
-from coconet.options import CommitMode, CompileOptions, ParamStorage
+from coconet.options import CommitMode, CompileOptions, ParamStorage, Rounding
 from coconet.runtime import interrupts
 from coconet.runtime.comm import Communicator
 from coconet.runtime.shards import placement_of
@@ -112,6 +112,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         param_storage: ParamStorage | str | None = None,
         max_grad_norm: float | None = None,
         reduce_dtype: torch.dtype | None = None,
+        rounding: Rounding | str | None = None,
     ) -> None:
         name = type(self).__name__
         max_norm = settings.checked_max_grad_norm(max_grad_norm, name, ddp,
@@ -120,6 +121,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.storage = settings.param_storage(param_storage, name, ddp)
         # the dtype the gradients are reduced in (None: their own; settings.checked_reduce_dtype)
         self.reduce_dtype = settings.checked_reduce_dtype(reduce_dtype, name, ddp)
+        # how the float32 masters of 16-bit parameters are rounded into them
+        self.rounding = settings.rounding(rounding, name)
         self.ddp = ddp
         # State updates take the new storage (no copy); the parameters are always written in
         # place (they are views of a bucket).
@@ -333,14 +336,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         scaling = Scaling.begin(grad_scaler, self)
         if self.ddp is not None:
-            if scaling is not None:
-                raise ConfigError(
-                    "GradScaler.step(opt) with ddp=: the update already happened inside "
-                    "backward(), before the scaler could check the gradients",
-                    op=f"coconet.optim.{type(self).__name__}.step",
-                    hint="leave ddp= out (the step then unscales and checks the gradients "
-                    "itself), or use bfloat16, which needs no scaler",
-                )
             return loss
         watch = self.watch
         for b in self.buckets:

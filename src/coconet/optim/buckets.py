@@ -86,6 +86,9 @@ class Bucket:
     master: bool = False
     # the dtype the gradients are reduced in (None: their own)
     reduce: Any = None
+    # rounding="stochastic" of 16-bit parameters: the seed of this bucket's random bits (None:
+    # rounded to nearest)
+    round_seed: int | None = None
     # each parameter's version counter when the master copy last matched it (``sync_master``;
     # a parameter's ``.data`` set to a view keeps a counter of its own, not ``flat``'s)
     written: list[int] = field(default_factory=list)

@@ -111,6 +111,7 @@ class _AdamFamily(DistributedOptimizer):
         decoupled_weight_decay: bool = False,
         max_grad_norm: float | None = None,
         reduce_dtype: torch.dtype | None = None,
+        rounding: str | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -122,6 +123,7 @@ class _AdamFamily(DistributedOptimizer):
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
             param_storage=param_storage, max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
+            rounding=rounding,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -134,8 +136,9 @@ class _AdamFamily(DistributedOptimizer):
         _unsupported(name, where, group, "amsgrad", "capturable", "differentiable")
 
     def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
-                averaged: bool = False, reduce: DType | None = None) -> Program:  # fmt: skip
-        return programs.adam(dtype, clip, averaged, reduce)
+                averaged: bool = False, reduce: DType | None = None,
+                stochastic: bool = False) -> Program:  # fmt: skip
+        return programs.adam(dtype, clip, averaged, reduce, stochastic)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"m": "exp_avg", "v": "exp_avg_sq"}
@@ -238,6 +241,7 @@ class SGD(DistributedOptimizer):
         fused: bool | None = None,
         max_grad_norm: float | None = None,
         reduce_dtype: torch.dtype | None = None,
+        rounding: str | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -248,6 +252,7 @@ class SGD(DistributedOptimizer):
         super().__init__(
             params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
             param_storage=param_storage, max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
+            rounding=rounding,
         )
 
     def check_group(self, group: dict[str, Any], where: str) -> None:
@@ -269,10 +274,11 @@ class SGD(DistributedOptimizer):
         _unsupported("SGD", where, group, "differentiable")
 
     def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
-                averaged: bool = False, reduce: DType | None = None) -> Program:  # fmt: skip
+                averaged: bool = False, reduce: DType | None = None,
+                stochastic: bool = False) -> Program:  # fmt: skip
         if group["momentum"]:
-            return programs.sgd_momentum(dtype, clip, averaged, reduce)
-        return programs.sgd(dtype, clip, averaged, reduce)
+            return programs.sgd_momentum(dtype, clip, averaged, reduce, stochastic)
+        return programs.sgd(dtype, clip, averaged, reduce, stochastic)
 
     def state_names(self, group: dict[str, Any]) -> dict[str, str]:
         return {"buf": "momentum_buffer"} if group["momentum"] else {}
@@ -366,6 +372,7 @@ class LAMB(_AdamFamily):
         ddp=None,
         param_storage=None,
         reduce_dtype: torch.dtype | None = None,
+        rounding: str | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, weight_decay=weight_decay, weight_decouple=weight_decouple,
@@ -379,7 +386,7 @@ class LAMB(_AdamFamily):
         DistributedOptimizer.__init__(
             self, params, defaults, comm=comm, schedule=schedule, options=options, ddp=ddp,
             param_storage=param_storage, max_grad_norm=max_grad_norm if scaling else None,
-            reduce_dtype=reduce_dtype,
+            reduce_dtype=reduce_dtype, rounding=rounding,
         )
 
     def clip_factor(self, norm: torch.Tensor) -> torch.Tensor:
@@ -407,8 +414,8 @@ class LAMB(_AdamFamily):
 
     def program(self, group: dict[str, Any], dtype: DType, clip: Clip = Clip.OFF,
                 rows: bool = False, averaged: bool = False,
-                reduce: DType | None = None) -> Program:  # fmt: skip
-        return programs.lamb(dtype, clip, rows, averaged, reduce)
+                reduce: DType | None = None, stochastic: bool = False) -> Program:  # fmt: skip
+        return programs.lamb(dtype, clip, rows, averaged, reduce, stochastic)
 
     SCALAR_SOURCES = {
         "grad_scale": "maximize (and the world size)",

@@ -20,7 +20,8 @@ from coconet.ir.types import DType
 from coconet.optim import state
 from coconet.optim.buckets import Bucket, is_sliced, master_values, pack, tensor_buckets
 from coconet.optim.programs import MASTER, MASTER_STATE_KEY, Clip, Precision
-from coconet.options import ParamStorage
+from coconet.options import ParamStorage, Rounding
+from coconet.random import derive_seed
 from coconet.runtime.shards import placement_of
 
 __all__ = ["Packer"]
@@ -73,6 +74,18 @@ class Packer:
         b.placement = placement_of(params[0])
         b.averaged = opt.gradients_averaged_by is not None
         b.master, b.reduce = precision.master, _dtype(opt.reduce_dtype)
+        if b.master and opt.rounding is Rounding.STOCHASTIC:
+            if dtype != torch.bfloat16:
+                raise ConfigError(
+                    f"param group {index}: rounding='stochastic' rounds into bfloat16 "
+                    f"parameters, these are {dtype}",
+                    op=f"coconet.optim.{type(opt).__name__}",
+                    hint="model.to(torch.bfloat16), or leave rounding= out for float16 (round "
+                    "to nearest)",
+                )
+            # (a stream of its own per bucket: the same on every rank, which make the same
+            # buckets in the same order)
+            b.round_seed = derive_seed(0, f"coconet.optim bucket {len(opt.buckets)}")
         b.forms[clip] = step_fn = self.compile_form(b, clip)
         if b.master and MASTER not in {n.name for n in step_fn.program.inputs}:
             raise ConfigError(
@@ -97,21 +110,25 @@ class Packer:
         opt = self.opt
         group = opt.param_groups[b.group]
         dtype = DType.from_torch(b.params[0].dtype)
-        # (``reduce=`` only where it is asked for: a subclass's program may not take it)
-        extra = {} if b.reduce is None else {"reduce": b.reduce}
+        # (``reduce=`` and ``stochastic=`` only where asked for: a subclass's program may not
+        # take them)
+        extra: dict[str, Any] = {} if b.reduce is None else {"reduce": b.reduce}
+        if b.round_seed is not None:
+            extra["stochastic"] = True
 
         def program(**kwargs: Any) -> Program:
             try:
                 return opt.program(group, dtype, **extra, **kwargs)
             except TypeError as e:
-                if not extra or "reduce" not in str(e):
+                missing = [k for k in extra if k in str(e)]
+                if not missing:
                     raise
                 raise ConfigError(
-                    f"reduce_dtype={opt.reduce_dtype}: {type(opt).__name__}.program takes no "
-                    "reduce= (the dtype its gradients are reduced in)",
+                    f"{type(opt).__name__}.program takes no {missing[0]}= (asked for by "
+                    f"{'reduce_dtype=' if missing[0] == 'reduce' else 'rounding='})",
                     op=f"coconet.optim.{type(opt).__name__}",
-                    hint="give its program a reduce= parameter (see coconet.optim.programs."
-                    "adam), or leave reduce_dtype out",
+                    hint=f"give its program a {missing[0]}= parameter (see coconet.optim."
+                    "programs.adam), or leave the option out",
                 ) from e
 
         averaged = b.averaged if averaged is None else averaged

@@ -63,6 +63,9 @@ class Precision:
 
     param: DType = DType.float32
     reduce: DType = DType.float32
+    # the master's rounding into the parameters is stochastic (``round_stochastic``, scalar
+    # inputs ``round_seed`` and ``round_step``), not to nearest
+    stochastic: bool = False
 
     @property
     def math(self) -> DType:
@@ -79,8 +82,9 @@ class Precision:
         return self.param is self.reduce is DType.float32
 
     @classmethod
-    def of(cls, param: DType, reduce: DType | None = None) -> Precision:
-        return cls(param, param if reduce is None else reduce)
+    def of(cls, param: DType, reduce: DType | None = None, stochastic: bool = False
+           ) -> Precision:  # fmt: skip
+        return cls(param, param if reduce is None else reduce, stochastic)
 
 
 _SIXTEEN = (DType.float16, DType.bfloat16)
@@ -122,6 +126,8 @@ def _name(base: str, clip: Clip, averaged: bool = False,
         base = f"{base}_{precision.param.short}"
         if precision.reduce is not precision.param:
             base = f"{base}_reduce_{precision.reduce.short}"
+        if precision.stochastic:
+            base = f"{base}_sr"
     base = f"{base}_averaged" if averaged else base
     return base if clip is Clip.OFF else f"{base}_clip_{clip.name.lower()}"
 
@@ -174,17 +180,23 @@ def _bucket(dtype: DType, state: tuple[str, ...], rows: bool = False, averaged: 
     return g, p, states, p
 
 
-def _written(p: cc.Tensor, w: cc.Tensor, w_new: cc.Tensor) -> list[cc.Tensor]:
-    """The updates of the weights: ``p`` itself, or the master copy ``w`` and ``p`` its
-    rounding to the parameters' dtype (what the gather publishes)."""
+def _written(p: cc.Tensor, w: cc.Tensor, w_new: cc.Tensor, precision: Precision
+             ) -> tuple[list[cc.Tensor], list[cc.Tensor]]:  # fmt: skip
+    """(the updates of the weights, the scalar inputs their rounding takes): ``p`` itself, or
+    the master copy ``w`` and ``p`` its rounding to the parameters' dtype (what the gather
+    publishes), to nearest or stochastically (``round_seed``, ``round_step``)."""
     if w is p:
-        return [cc.update(p, w_new)]
+        return [cc.update(p, w_new)], []
+    if precision.stochastic:
+        seed, step = cc.Scalar("round_seed", DType.int64), cc.Scalar("round_step", DType.int64)
+        rounded = cc.round_stochastic(w_new, p.dtype, seed, step).named("p_rounded")
+        return [cc.update(w, w_new), cc.update(p, rounded)], [seed, step]
     rounded = cc.cast(w_new, p.dtype).named("p_rounded")
-    return [cc.update(w, w_new), cc.update(p, rounded)]
+    return [cc.update(w, w_new), cc.update(p, rounded)], []
 
 
 def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = False,
-         reduce: DType | None = None) -> Program:  # fmt: skip
+         reduce: DType | None = None, stochastic: bool = False) -> Program:  # fmt: skip
     """torch.optim.Adam and AdamW (``amsgrad=False``), one program for both:
 
     ``d = avg(g) + weight_decay * p`` (Adam's L2; AdamW passes 0),
@@ -193,9 +205,10 @@ def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = F
     ``decay = 1 - lr * weight_decay`` for AdamW (1 for Adam), ``step_size = lr / (1 - beta1 ** t)``
     and ``bc2_sqrt = sqrt(1 - beta2 ** t)``. ``clip``: ``avg(g)`` clipped by its norm first
     (see ``Clip``). ``dtype``: the parameters'; 16-bit ones are updated through a float32
-    master copy (``Precision``); ``reduce``: the dtype the gradients are sent in.
+    master copy (``Precision``); ``reduce``: the dtype the gradients are sent in;
+    ``stochastic``: the master rounded into 16-bit parameters stochastically.
     """
-    precision = Precision.of(dtype, reduce)
+    precision = Precision.of(dtype, reduce, stochastic)
     g, p, (m, v, *master), w = _bucket(dtype, ("m", "v"), averaged=averaged,
                                        precision=precision)  # fmt: skip
     names = (
@@ -210,36 +223,40 @@ def adam(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = F
     v_new = (s["beta2"] * v + s["one_minus_beta2"] * (d * d)).named("v_new")
     denom = (cc.sqrt(v_new) / s["bc2_sqrt"] + s["eps"]).named("denom")
     p_new = (s["decay"] * w - s["step_size"] * (m_new / denom)).named("p_new")
+    written, rounding = _written(p, w, p_new, precision)
     return Program(
         _name("adam", clip, averaged, precision),
-        [g, p, m, v, *master, *s.values(), *extra_in],
-        _outputs([*_written(p, w, p_new), cc.update(m, m_new), cc.update(v, v_new)], extra_out),
+        [g, p, m, v, *master, *s.values(), *extra_in, *rounding],
+        _outputs([*written, cc.update(m, m_new), cc.update(v, v_new)], extra_out),
     )
 
 
 def sgd(dtype: DType = DType.float32, clip: Clip = Clip.OFF, averaged: bool = False,
-        reduce: DType | None = None) -> Program:  # fmt: skip
+        reduce: DType | None = None, stochastic: bool = False) -> Program:  # fmt: skip
     """torch.optim.SGD without momentum: ``p = p - lr * (avg(g) + weight_decay * p)``
-    (``dtype``, ``reduce``: as ``adam``'s)."""
-    precision = Precision.of(dtype, reduce)
+    (``dtype``, ``reduce``, ``stochastic``: as ``adam``'s)."""
+    precision = Precision.of(dtype, reduce, stochastic)
     g, p, master, w = _bucket(dtype, (), averaged=averaged, precision=precision)
     grad_scale, weight_decay, lr = (cc.Scalar(n) for n in ("grad_scale", "weight_decay", "lr"))
     g_sum = _summed(g, averaged, None if precision.plain else precision)
     grad, extra_in, extra_out = _averaged(g_sum, grad_scale, clip)
     d = (grad + weight_decay * w).named("d_p")
     p_new = (w - lr * d).named("p_new")
+    written, rounding = _written(p, w, p_new, precision)
     return Program(_name("sgd", clip, averaged, precision),
-                   [g, p, *master, grad_scale, weight_decay, lr, *extra_in],
-                   _outputs(_written(p, w, p_new), extra_out))
+                   [g, p, *master, grad_scale, weight_decay, lr, *extra_in, *rounding],
+                   _outputs(written, extra_out))
 
 
 def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF,
-                 averaged: bool = False, reduce: DType | None = None) -> Program:  # fmt: skip
+                 averaged: bool = False, reduce: DType | None = None,
+                 stochastic: bool = False) -> Program:  # fmt: skip
     """torch.optim.SGD with momentum: ``buf = buf_momentum * buf + buf_damp * d`` (on the first
     step ``buf_momentum = 0, buf_damp = 1``: torch starts the buffer at ``d``; then
     ``momentum, 1 - dampening``), ``p = p - lr * (a d + b buf)`` with ``(a, b) = (1, momentum)``
-    for Nesterov and ``(0, 1)`` otherwise (``dtype``, ``reduce``: as ``adam``'s)."""
-    precision = Precision.of(dtype, reduce)
+    for Nesterov and ``(0, 1)`` otherwise (``dtype``, ``reduce``, ``stochastic``: as
+    ``adam``'s)."""
+    precision = Precision.of(dtype, reduce, stochastic)
     g, p, (buf, *master), w = _bucket(dtype, ("buf",), averaged=averaged, precision=precision)
     names = ("grad_scale", "weight_decay", "buf_momentum", "buf_damp", "a", "b", "lr")
     s = {name: cc.Scalar(name) for name in names}
@@ -249,10 +266,11 @@ def sgd_momentum(dtype: DType = DType.float32, clip: Clip = Clip.OFF,
     buf_new = (s["buf_momentum"] * buf + s["buf_damp"] * d).named("buf_new")
     direction = (s["a"] * d + s["b"] * buf_new).named("direction")
     p_new = (w - s["lr"] * direction).named("p_new")
+    written, rounding = _written(p, w, p_new, precision)
     return Program(
         _name("sgd_momentum", clip, averaged, precision),
-        [g, p, buf, *master, *s.values(), *extra_in],
-        _outputs([*_written(p, w, p_new), cc.update(buf, buf_new)], extra_out),
+        [g, p, buf, *master, *s.values(), *extra_in, *rounding],
+        _outputs([*written, cc.update(buf, buf_new)], extra_out),
     )
 
 
@@ -261,7 +279,8 @@ LAMB_WEIGHT_NORM_CLAMP = 10.0
 
 
 def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False,
-         averaged: bool = False, reduce: DType | None = None) -> Program:  # fmt: skip
+         averaged: bool = False, reduce: DType | None = None,
+         stochastic: bool = False) -> Program:  # fmt: skip
     """``pytorch_optimizer.Lamb`` (4.x; its defaults ``weight_decouple=True``, ``rectify=False``,
     ``adam=False``, ``pre_norm=False``) over **one parameter tensor**: its trust ratio is that
     tensor's (layer-wise), so ``coconet.optim.LAMB`` runs it per tensor (or ``rows=True``,
@@ -281,9 +300,10 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
     collective: the step is one pass over shared memory (the flat program's norms over a
     sliced tensor are partial sums and an all_reduce each, which cut it in two).
 
-    ``dtype``, ``reduce``: as ``adam``'s (the norms are the float32 master copy's).
+    ``dtype``, ``reduce``, ``stochastic``: as ``adam``'s (the norms are the float32 master
+    copy's).
     """
-    precision = Precision.of(dtype, reduce)
+    precision = Precision.of(dtype, reduce, stochastic)
     g, p, (m, v, *master), w = _bucket(dtype, ("m", "v"), rows, averaged, precision)
     # the per-tensor norms: whole (flat), or each row's, kept as a column to scale its row
     over = {"dim": 1, "keepdim": True} if rows else {}
@@ -315,10 +335,11 @@ def lamb(dtype: DType = DType.float32, clip: Clip = Clip.OFF, rows: bool = False
     # those on the host from the rows each rank holds whole (LAMB.after_bucket)
     diagnostics = {} if rows else {"weight_norm": weight_norm.named("weight_norm"),
                                    "adam_norm": u_norm, "trust_ratio": ratio}  # fmt: skip
+    written, rounding = _written(p, w, p_new, precision)
     return Program(
         _name("lamb_rows" if rows else "lamb", clip, averaged, precision),
-        [g, p, m, v, *master, *s.values(), *extra_in],
-        _outputs([*_written(p, w, p_new), cc.update(m, m_new), cc.update(v, v_new)],
+        [g, p, m, v, *master, *s.values(), *extra_in, *rounding],
+        _outputs([*written, cc.update(m, m_new), cc.update(v, v_new)],
                  {**extra_out, **diagnostics}),
     )
 

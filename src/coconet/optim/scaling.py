@@ -61,6 +61,14 @@ class Scaling:
             )
         if not scaler.is_enabled():
             return None
+        if opt.ddp is not None:
+            raise ConfigError(
+                "GradScaler.step(opt) with ddp=: the update already happened inside "
+                "backward(), before the scaler could check the gradients",
+                op=f"coconet.optim.{type(opt).__name__}.step",
+                hint="leave ddp= out (the step then unscales and checks the gradients itself), "
+                "or use bfloat16, which needs no scaler",
+            )
         stage = scaler._per_optimizer_states[id(opt)]["stage"]
         unscale = 1.0 if stage is OptState.UNSCALED else 1.0 / float(scaler.get_scale())
         return cls(scaler, unscale)

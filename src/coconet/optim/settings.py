@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from coconet.errors import ConfigError, ConfigValueError
-from coconet.options import ParamStorage
+from coconet.options import ParamStorage, Rounding
 from coconet.runtime.comm import Communicator
 
 __all__ = ["PARAM_DTYPES", "checked_max_grad_norm", "checked_reduce_dtype", "default_comm",
-           "param_storage"]
+           "param_storage", "rounding"]
 
 # The parameter dtypes an optimizer steps: float32 as torch.optim does; 16-bit ones through a
 # float32 master copy of this rank's slice (coconet.optim.programs.Precision)
@@ -133,3 +133,19 @@ def checked_reduce_dtype(value: Any, name: str, ddp: Any) -> torch.dtype | None:
             "reduce_dtype",
         )
     return value
+
+
+def rounding(value: Any, name: str) -> Rounding:
+    """``rounding=``: a ``Rounding`` or its value (``"nearest"``, the default;
+    ``"stochastic"``)."""
+    if value is None:
+        return Rounding.NEAREST
+    try:
+        return Rounding(value)
+    except ValueError:
+        raise ConfigError(
+            f"{name}: rounding={value!r} is not one of {[r.value for r in Rounding]}",
+            op=f"coconet.optim.{name}",
+            hint="rounding='stochastic' rounds the float32 master into bfloat16 parameters "
+            "up or down at random (unbiased); 'nearest' is the default",
+        ) from None

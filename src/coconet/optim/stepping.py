@@ -188,6 +188,10 @@ class Stepper:
         or declined by ``commit_if``)."""
         if b.averaged and "grad_scale" in scalars:  # (the average's sign only: +1, or -1)
             scalars = {**scalars, "grad_scale": scalars["grad_scale"] * self.opt.comm.world}
+        if b.round_seed is not None:
+            # stochastic rounding's bits: keyed by the bucket and its step (the same on every
+            # rank; a step run again, declined or skipped, draws the same)
+            scalars = {**scalars, "round_seed": b.round_seed, "round_step": max(b.steps) + 1}
         unscale = self.opt.clipper.unscale  # a GradScaler's 1 / scale (a power of two: exact)
         if unscale != 1.0 and "grad_scale" in scalars:
             scalars = {**scalars, "grad_scale": scalars["grad_scale"] * unscale}

@@ -31,7 +31,7 @@ from typing import Any
 
 from coconet.errors import ScheduleError
 from coconet.ir.node import Node
-from coconet.ir.ops import REDUCTIONS, Op, ReduceOp
+from coconet.ir.ops import RANDOM, REDUCTIONS, Op, ReduceOp
 from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
 from coconet.schedule.graph import a_or_an, fresh_name, new_node, resolve, rewrite, value_list
@@ -188,7 +188,7 @@ class _Reorder:
     def transform(self, c: Node) -> Node:
         inputs = [self.new.get(i.name, i) for i in c.inputs]
         # dropout's seed and step are not data: never slice them
-        data = range(1) if c.op is Op.DROPOUT else range(len(inputs))
+        data = range(1) if c.op in RANDOM else range(len(inputs))
         spans = {
             k
             for k in data

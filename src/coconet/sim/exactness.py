@@ -9,7 +9,8 @@ torch supports:
 - pure data movement: slicing, ``scatter``, ``all_gather``, ``broadcast``, ``send``, ``cast``,
   chunking a pointwise chain;
 - correctly rounded pointwise ops (``+ - * /``, ``sqrt``, ``rsqrt`` as ``1/sqrt``, ``neg``,
-  ``abs``, ``relu``, ``maximum``/``minimum``, comparisons, ``where``, ``dropout``'s mask): each
+  ``abs``, ``relu``, ``maximum``/``minimum``, comparisons, ``where``, ``dropout``'s mask,
+  ``round_stochastic``, integer arithmetic on the float32 pattern): each
   element's result depends only on that element, whichever kernel (vectorized or scalar tail)
   computes it, and whatever the slice or chunk size;
 - ``max`` reductions (order-independent);

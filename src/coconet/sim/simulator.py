@@ -340,20 +340,19 @@ class _Simulator:
     def _cast(self, node: Node, args: list[PerRank], rows) -> PerRank:
         return [a.to(node.type.dtype.torch) for a in args[0]]
 
-    def _dropout(self, node: Node, args: list[PerRank], rows) -> PerRank:
+    def _random(self, node: Node, args: list[PerRank], rows) -> PerRank:
+        """dropout and stochastic rounding: keyed by each element's place in the whole."""
         gshape = self.shape(node.type.shape)
-        return [
-            semantics.apply_dropout(
-                args[0][r],
-                node.attr("p"),
-                int(args[1][r]),
-                int(args[2][r]),
-                gshape,
-                self.offsets(node, r),
-                rows[r] if rows else None,
-            )
-            for r in range(self.world)
-        ]
+
+        def one(r: int) -> torch.Tensor:
+            where = (int(args[1][r]), int(args[2][r]), gshape, self.offsets(node, r),
+                     rows[r] if rows else None)  # fmt: skip
+            if node.op is Op.ROUND_STOCHASTIC:
+                return semantics.apply_round_stochastic(args[0][r], node.type.dtype.torch,
+                                                        *where)  # fmt: skip
+            return semantics.apply_dropout(args[0][r], node.attr("p"), *where)
+
+        return [one(r) for r in range(self.world)]
 
     def _pointwise(self, node: Node, args: list[PerRank], rows) -> PerRank:
         fn = spec(node.op).local
@@ -401,7 +400,7 @@ class _Simulator:
         Lowering.LEAF: _leaf,
         Lowering.SIZE: _size,
         Lowering.CAST: _cast,
-        Lowering.DROPOUT: _dropout,
+        Lowering.RANDOM: _random,
         Lowering.POINTWISE: _pointwise,
         Lowering.REDUCTION: _reduction,
         Lowering.MATMUL: _matmul,
