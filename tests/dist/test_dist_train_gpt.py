@@ -30,6 +30,28 @@ def test_the_training_example_follows_one_process(tmp_path):
     assert "communication + optimizer are" in proc.stdout
 
 
+@pytest.mark.timeout(240)
+def test_the_training_example_in_bfloat16_follows_one_process(tmp_path):
+    """``--dtype bfloat16``: coconet.optim.AdamW's float32 masters of a bfloat16 model, DDP's
+    bfloat16 gradients over torch.optim.AdamW's float32 masters, and one process doing the
+    same: the losses follow one another (10-step means; the first steps, before the runs'
+    different bfloat16 roundings compound, to 1e-3)."""
+    out = tmp_path / "run.json"
+    argv = ["--steps", "10", "--d-model", "32", "--layers", "1", "--dtype", "bfloat16",
+            "--tolerance", "1e-3"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_gpt.py"), *argv, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["config"]["dtype"] == "bfloat16"
+    assert summary["loss_drift_window"] == 10
+    assert summary["loss_drift"]["coconet"] <= 1e-3
+
+
 @pytest.mark.timeout(300)
 def test_a_nanogpt_style_loop_ported_to_coconet_follows_ddp(tmp_path):
     # two param groups, nanoGPT's lr schedule, 4 accumulation micro-steps, clipping (0.3: active
