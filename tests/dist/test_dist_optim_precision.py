@@ -1,4 +1,4 @@
-"""16-bit parameters and ``reduce_dtype=`` in coconet.optim on 2 and 3 ranks (uneven slices:
+"""16-bit parameters and ``reduce_dtype=`` in coconet.optim on 2, 3 and 4 ranks (uneven slices:
 63 values), over shared memory and over torch.distributed (gloo), against torch's optimizer
 over a float32 master copy (tests/support/precision_workers.py says how the reference averages
 the gradient); a state dict saved on 2 ranks resumed on 3."""
@@ -21,7 +21,7 @@ def saved():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_16bit_steps_follow_torch_over_a_float32_master(saved, world, transport):
     options = CommOptions(timeout=60, transport=transport)
     results = spawn(precision_workers.cases, world, options=options, timeout=280)
@@ -79,3 +79,13 @@ def test_stochastic_rounding_is_the_same_bits_at_every_world_size():
             out = spawn(precision_workers.stochastic, world, options=options, timeout=120)
             seen.update(out)
     assert len(seen) == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(("world", "fused"), [(2, True), (3, False)], ids=["2-compiled", "3"])
+def test_16bit_programs_are_bitwise_the_simulators(world, fused, transport):
+    options = CommOptions(timeout=60, transport=transport)
+    results = spawn(precision_workers.exactness, world, fused, options=options, timeout=280)
+    for rank, out in enumerate(results):
+        assert all(out.values()), (rank, out)

@@ -197,3 +197,51 @@ def stochastic(comm) -> bytes:
         p.grad = (torch.randint(-8, 9, (1001,), generator=g) / 8).to(torch.bfloat16)
         opt.step()
     return p.detach().view(torch.int16).numpy().tobytes()
+
+
+def exactness(comm, fused: bool) -> dict[str, bool]:
+    """The 16-bit programs of coconet.optim (bfloat16 and float16 parameters, a bfloat16
+    reduction of float32 gradients, stochastic rounding) under their schedules, bitwise the
+    simulator's (``rtol=0``): 16-bit reductions accumulate in float32 in rank order and round
+    once, on every transport and inside the fused kernels (Inductor keeps the rounding:
+    ``emulate_precision_casts``). LAMB's norms over slices are partial sums (re-associated:
+    ``schedule_rtol``, float32 as its master). 37 elements: uneven slices."""
+    from coconet import schedule as schedules
+    from coconet.ir.types import DType
+    from coconet.optim import programs
+    from coconet.testing import check_schedules
+    from support.tolerances import schedule_rtol
+
+    n = 37
+    out = {}
+    cases = [
+        (programs.adam(DType.bfloat16), ("m", "v", "master")),
+        (programs.adam(DType.float32, reduce=DType.bfloat16), ("m", "v")),
+        (programs.adam(DType.bfloat16, reduce=DType.float32), ("m", "v", "master")),
+        (programs.sgd_momentum(DType.float16), ("buf", "master")),
+        (programs.lamb(DType.bfloat16), ("m", "v", "master")),
+        (programs.adam(DType.bfloat16, stochastic=True), ("m", "v", "master")),
+    ]
+    for program, state in cases:
+        g = torch.Generator().manual_seed(len(out))
+        inputs: dict = {}
+        for node in program.inputs:
+            dtype = node.type.dtype.torch
+            if node.type.rank == 0:
+                inputs[node.name] = (7 if node.name.startswith("round") else
+                                     0.5 if node.name == "grad_scale" else 0.9)  # fmt: skip
+            elif node.name == "g":
+                inputs["g"] = [torch.randn(n, generator=g).to(dtype) for _ in range(comm.world)]
+            else:
+                x = torch.randn(n, generator=g)
+                inputs[node.name] = (x.abs() if node.name == "v" else x).to(dtype)
+        if "master" in inputs:
+            inputs["p"] = inputs["master"].to(inputs["p"].dtype)
+        made = {
+            "fuse_RS_C_AG": lambda p, st=state: schedules.fuse_RS_C_AG(p, state=st),
+            "RS_C_AG": lambda p, st=state: schedules.RS_C_AG(p, state=st),
+        }
+        rtol = max(schedule_rtol(program, make(program).program) for make in made.values())
+        out[program.name] = check_schedules(program, made, inputs, comm=comm, rtol=rtol,
+                                            fused_kernels=fused)  # fmt: skip
+    return out

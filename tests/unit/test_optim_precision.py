@@ -25,6 +25,9 @@ from coconet.runtime import CommOptions
 
 EAGER = CompileOptions(fused_kernels=False)
 P = torch.nn.Parameter
+# float16 stepped without a scaler on purpose here (the warning's own test checks it)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::coconet.optim.scaling.Float16WithoutScalerWarning")
 SHAPES = [(7, 5), (13,), (3, 3, 2)]
 SIXTEEN = [torch.bfloat16, torch.float16]
 
@@ -411,3 +414,52 @@ def test_rounding_misuse(comm):
                             rounding="stochastic")
     # float32 parameters have nothing to round: accepted, a plain step
     coconet.optim.AdamW([P(torch.zeros(3))], comm=comm, rounding="stochastic")
+
+
+def test_float16_without_a_scaler_warns_once_and_overflows_as_torch(comm):
+    """The misuse table's last row: float16 parameters stepped without a GradScaler warn once
+    (Float16WithoutScalerWarning), and an overflowing gradient then does what torch's optimizer
+    over a float32 master does: the parameters become non-finite."""
+    from coconet.optim.scaling import Float16WithoutScalerWarning
+
+    p = P(torch.ones(4, dtype=torch.float16))
+    m = P(torch.ones(4))
+    opt = coconet.optim.AdamW([p], comm=comm, options=EAGER, lr=1e-2)
+    ref = torch.optim.AdamW([m], lr=1e-2)
+    p.grad = torch.full((4,), 70000.0).to(torch.float16)  # beyond float16's range: inf
+    m.grad = p.grad.float()
+    with pytest.warns(Float16WithoutScalerWarning, match="without torch.amp.GradScaler"):
+        opt.step()
+    ref.step()
+    assert not torch.isfinite(p.detach()).any()
+    assert not torch.isfinite(m.detach()).any()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Float16WithoutScalerWarning)
+        p.grad = torch.ones(4, dtype=torch.float16)
+        opt.step()  # once per optimizer
+
+
+def test_autocast_with_float32_parameters_is_todays_step(comm):
+    """``torch.autocast`` (bfloat16 compute, float32 parameters): the gradients are float32, the
+    step is the float32 one, equal to torch's AdamW on the same gradients."""
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    twin.load_state_dict(model.state_dict())
+    opt = coconet.optim.AdamW(model.parameters(), comm=comm, options=EAGER, lr=1e-2)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    for t in range(5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t))
+        for net, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = net(x).float().pow(2).mean()
+            loss.backward()
+        for p in model.parameters():
+            assert p.grad.dtype == torch.float32
+        opt.step()
+        ref.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert rel(p.detach(), q.detach()) < OPTIM_RTOL

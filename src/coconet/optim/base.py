@@ -64,7 +64,7 @@ from coconet.optim.clip import Clipper
 from coconet.optim.packing import Packer
 from coconet.optim.params import LocalGradientEditWarning, ParamWatch
 from coconet.optim.recipes import Recipes
-from coconet.optim.scaling import Scaling
+from coconet.optim.scaling import Scaling, warn_unscaled
 from coconet.optim.stepping import Stepper
 from coconet.options import CommitMode, CompileOptions, ParamStorage, Rounding
 from coconet.runtime import interrupts
@@ -337,6 +337,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         scaling = Scaling.begin(grad_scaler, self)
         if self.ddp is not None:
             return loss
+        if scaling is None:
+            warn_unscaled(self)
         watch = self.watch
         for b in self.buckets:
             b.sync_master()  # 16-bit parameters written in place since the last step

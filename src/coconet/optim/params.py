@@ -57,6 +57,7 @@ class ParamWatch:
         self.frozen: list[torch.Tensor] = []  # parameters that did not require grad: not packed
         self.warned_edit = False  # LocalGradientEditWarning given (once per optimizer)
         self.wrapper_looked = False  # a DDP wrapper looked for (once)
+        self.warned_unscaled = False  # Float16WithoutScalerWarning given (once per optimizer)
 
     @property
     def _name(self) -> str:

@@ -35,7 +35,35 @@ import torch
 
 from coconet.errors import ConfigError
 
-__all__ = ["Scaling"]
+__all__ = ["Float16WithoutScalerWarning", "Scaling", "warn_unscaled"]
+
+
+class Float16WithoutScalerWarning(UserWarning):
+    """float16 parameters stepped without ``torch.amp.GradScaler``: float16's range ends at
+    65504 and its smallest normal is 6e-5, so gradients overflow to inf or vanish; an inf makes
+    the step's update, then the master copy and the parameters, non-finite (as torch's optimizer
+    would). Use ``scaler.step(opt)``, or bfloat16 (float32's range: no scaler needed)."""
+
+
+def warn_unscaled(opt: Any) -> None:
+    """Warn once per optimizer when it steps float16 parameters without a GradScaler."""
+    if opt.watch.warned_unscaled:
+        return
+    if any(b.flat is not None and b.flat.dtype == torch.float16 for b in opt.buckets):
+        import warnings
+
+        from coconet.optim.params import user_stacklevel
+
+        opt.watch.warned_unscaled = True
+        warnings.warn(
+            f"coconet.optim.{type(opt).__name__}: float16 parameters stepped without "
+            "torch.amp.GradScaler: a gradient that overflows float16 makes the parameters "
+            "non-finite, as with torch's optimizers. Scale the loss (scaler = "
+            "torch.amp.GradScaler(); scaler.scale(loss).backward(); scaler.step(opt); "
+            "scaler.update()) or use bfloat16.",
+            Float16WithoutScalerWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 @dataclass

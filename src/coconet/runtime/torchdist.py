@@ -47,6 +47,22 @@ ALGORITHMS: dict[Op, dict[Algorithm, Callable[..., Pending]]] = {
 }
 
 
+_SIXTEEN = (torch.float16, torch.bfloat16)
+
+
+def _reducing(x: torch.Tensor, group: Group, reduce_op: ReduceOp,
+              algorithm: Algorithm | None) -> Algorithm:  # fmt: skip
+    """The algorithm a reduction runs: ``algorithm`` (None: gloo's own), except a 16-bit sum
+    or product over more than 2 ranks, which runs the all_to_all form: gloo reduces 16-bit
+    values in 16 bits, a running sum rounded at every rank, where coconet's reductions
+    accumulate in float32 in rank order and round once (``semantics.reduce_values``). With 2
+    ranks there is one addition, rounded once either way; max and min round nothing."""
+    exact = reduce_op in (ReduceOp.SUM, ReduceOp.PROD) and group.size > 2
+    if exact and x.dtype in _SIXTEEN:
+        return Algorithm.ALL_TO_ALL
+    return algorithm or Algorithm.NATIVE
+
+
 def _parts(total: int, n: int) -> list[int]:
     return [hi - lo for lo, hi in (slice_bounds(total, n, i) for i in range(n))]
 
@@ -90,7 +106,7 @@ class TorchDistributedTransport(Transport):
         if group.size == 1:
             return ready(x if donate else x.clone())
         x0, owned, parts = _flat(x, donate, group.size)
-        p = ALGORITHMS[Op.ALL_REDUCE][algorithm or Algorithm.NATIVE](
+        p = ALGORITHMS[Op.ALL_REDUCE][_reducing(x, group, reduce_op, algorithm)](
             x0, reduce_op, group.handle, parts, group.index, owned
         )
         return Pending(p.works, lambda: p.finish().view(x.shape))
@@ -110,7 +126,7 @@ class TorchDistributedTransport(Transport):
         parts = _parts(x.shape[dim], group.size)
         x0 = x.movedim(dim, 0).contiguous()
         owned = donate or x0.data_ptr() != x.data_ptr()
-        fn = ALGORITHMS[Op.REDUCE_SCATTER][algorithm or Algorithm.NATIVE]
+        fn = ALGORITHMS[Op.REDUCE_SCATTER][_reducing(x, group, reduce_op, algorithm)]
         p = fn(x0, reduce_op, group.handle, parts, group.index, owned)
         return Pending(p.works, lambda: p.finish().movedim(0, dim))
 
@@ -157,7 +173,7 @@ class TorchDistributedTransport(Transport):
         if group.size == 1:
             return ready(x if donate else x.clone())
         x0, owned, parts = _flat(x, donate, group.size)
-        fn = ALGORITHMS[Op.REDUCE][algorithm or Algorithm.NATIVE]
+        fn = ALGORITHMS[Op.REDUCE][_reducing(x, group, reduce_op, algorithm)]
         p = fn(x0, reduce_op, group.handle, parts, group.index, owned, root)
         return Pending(p.works, lambda: p.finish().view(x.shape))
 
