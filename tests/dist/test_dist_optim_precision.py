@@ -89,3 +89,16 @@ def test_16bit_programs_are_bitwise_the_simulators(world, fused, transport):
     results = spawn(precision_workers.exactness, world, fused, options=options, timeout=280)
     for rank, out in enumerate(results):
         assert all(out.values()), (rank, out)
+
+
+@pytest.mark.timeout(200)
+def test_a_bfloat16_tensor_parallel_model_follows_one_process():
+    """bfloat16 parameters split over tp (ShardedParameters) and whole, stepped over dp with
+    clipping: the losses follow one process's within bfloat16's rounding (the row-parallel
+    layer's partial sums are reduced over tp, rounded once more than one process's matmul)."""
+    from coconet.ir.mesh import Mesh
+
+    results = spawn(precision_workers.tensor_parallel, Mesh(dp=1, tp=2),
+                    options=CommOptions(timeout=60), timeout=180)  # fmt: skip
+    for ours, theirs in results[0]:
+        assert abs(ours - theirs) <= 2 * 2**-8 * abs(theirs), results[0]  # two bfloat16 ulps

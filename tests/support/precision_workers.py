@@ -43,7 +43,8 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def run_case(comm, name: str, dtype: torch.dtype, reduce: torch.dtype | None, steps: int,
-             clip: float | None = None, fused: bool = False) -> dict:  # fmt: skip
+             clip: float | None = None, fused: bool = False, storage: str | None = None
+             ) -> dict:  # fmt: skip
     """``steps`` steps of coconet.optim.<name> over 16-bit (or float32) parameters and of the
     reference; the worst relative error of the master weights (float32 parameters: the
     parameters), whether every parameter is its master's rounding, and the norms' error."""
@@ -55,7 +56,8 @@ def run_case(comm, name: str, dtype: torch.dtype, reduce: torch.dtype | None, st
         "lr": 0.05, "momentum": 0.9}
     extra = {} if clip is None else {"max_grad_norm": clip}
     opt = getattr(coconet.optim, name)(ours, comm=comm, options=None if fused else EAGER,
-                                       reduce_dtype=reduce, **kwargs, **extra)  # fmt: skip
+                                       reduce_dtype=reduce, param_storage=storage, **kwargs,
+                                       **extra)  # fmt: skip
     ref = getattr(torch.optim, name)(master, **kwargs)
     worst_norm = 0.0
     for t in range(steps):
@@ -94,6 +96,10 @@ def cases(comm) -> dict:
     out["AdamW bf16 max_grad_norm=0.5"] = {k: v for k, v in clipped.items() if k != "state"}
     fused = run_case(comm, "AdamW", torch.bfloat16, None, 5, fused=True)
     out["AdamW bf16 compiled"] = {k: v for k, v in fused.items() if k != "state"}
+    if comm.transport_of(None).value == "shared memory":  # one copy of the parameters per host
+        shared = run_case(comm, "AdamW", torch.bfloat16, None, 5, fused=True,
+                          storage="host-shared")  # fmt: skip
+        out["AdamW bf16 host-shared"] = {k: v for k, v in shared.items() if k != "state"}
     # the state dict of this world size, saved for a run at another (rank 0's copy: every rank
     # holds the same)
     saved = run_case(comm, "AdamW", torch.bfloat16, None, 3)["state"]
@@ -245,3 +251,44 @@ def exactness(comm, fused: bool) -> dict[str, bool]:
         out[program.name] = check_schedules(program, made, inputs, comm=comm, rtol=rtol,
                                             fused_kernels=fused)  # fmt: skip
     return out
+
+
+def tensor_parallel(comm) -> list[tuple[float, float]]:
+    """A bfloat16 nanoGPT, its MLPs split over tp (``coconet.nn.parallelize``), stepped by
+    ``coconet.optim.AdamW(comm=comm.along("dp"), max_grad_norm=0.5)`` (float32 masters of
+    the parts and of the whole tensors; the norm of the parts summed over tp), against one
+    process stepping torch's AdamW over float32 masters of the same bfloat16 model with
+    ``clip_grad_norm_``: the losses of 4 steps, (ours, one process's)."""
+    import copy
+
+    from coconet.nn import parallelize
+    from support.nanogpt import GPT, GPTConfig
+    from support.tp_clip_workers import MLP_PLAN, _batch
+
+    torch.manual_seed(3)
+    reference = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=16)).to(torch.bfloat16)
+    model = parallelize(copy.deepcopy(reference), comm, MLP_PLAN, axis="tp")
+    opt = coconet.optim.AdamW(model.parameters(), comm=comm.along("dp"), lr=1e-2,
+                              max_grad_norm=0.5)  # fmt: skip
+    masters = [p.detach().float().clone().requires_grad_(True) for p in reference.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
+    losses = []
+    for step in range(4):
+        idx, targets = _batch(step, 4)
+        opt.zero_grad()
+        loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        for p in reference.parameters():
+            p.grad = None
+        ref_loss = reference(idx, targets)
+        ref_loss.backward()
+        for m, p in zip(masters, reference.parameters(), strict=True):
+            m.grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(masters, 0.5)
+        ref_opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, reference.parameters(), strict=True):
+                p.copy_(m)
+        losses.append((loss.item(), ref_loss.item()))
+    return losses
