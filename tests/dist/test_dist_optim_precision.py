@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from support import precision_workers
-from support.tolerances import OPTIM_RTOL
+from support.tolerances import OPTIM_RTOL, REASSOCIATED_RTOL
 
 from coconet.runtime import CommOptions, spawn
 
@@ -27,7 +27,9 @@ def test_16bit_steps_follow_torch_over_a_float32_master(saved, world, transport)
     results = spawn(precision_workers.cases, world, options=options, timeout=280)
     for rank, out in enumerate(results):
         for label, case in out["cases"].items():
-            assert case["rel"] <= OPTIM_RTOL, (rank, label, case)
+            # LAMB's norms over slices are partial sums (re-associated, as in float32)
+            rtol = REASSOCIATED_RTOL["float32"] if label.startswith("LAMB") else OPTIM_RTOL
+            assert case["rel"] <= rtol, (rank, label, case)
             assert case["rounded"], (rank, label)
             assert case["norm"] <= OPTIM_RTOL, (rank, label, case)
     if world == 2:

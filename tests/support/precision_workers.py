@@ -58,7 +58,12 @@ def run_case(comm, name: str, dtype: torch.dtype, reduce: torch.dtype | None, st
     opt = getattr(coconet.optim, name)(ours, comm=comm, options=None if fused else EAGER,
                                        reduce_dtype=reduce, param_storage=storage, **kwargs,
                                        **extra)  # fmt: skip
-    ref = getattr(torch.optim, name)(master, **kwargs)
+    if name == "LAMB":
+        import pytorch_optimizer
+
+        ref = pytorch_optimizer.Lamb(master, **kwargs)
+    else:
+        ref = getattr(torch.optim, name)(master, **kwargs)
     worst_norm = 0.0
     for t in range(steps):
         for j, (p, m) in enumerate(zip(ours, master, strict=True)):
@@ -88,6 +93,7 @@ def cases(comm) -> dict:
         ("AdamW", torch.bfloat16, torch.float32),  # Megatron's grad_reduce_in_fp32
         ("AdamW", torch.float32, torch.bfloat16),  # bf16_compress_hook's trade
         ("SGD", torch.bfloat16, None),
+        ("LAMB", torch.bfloat16, None),
     ]:
         label = f"{name} {dtype} reduce={reduce}"
         out[label] = {k: v for k, v in run_case(comm, name, dtype, reduce, 30).items()

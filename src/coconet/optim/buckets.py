@@ -166,6 +166,13 @@ class Bucket:
         if self.master:
             self.written = [p._version for p in self.params]
 
+    def stores_whole(self, name: str) -> bool:
+        """Whether state ``name`` is kept whole on every rank (a schedule that does not slice
+        it: ``AR_C``, gradients averaged before the step), from the step's program: the same
+        answer on every rank. (Not from the size this rank holds: a rank whose slice is the
+        whole bucket, its peers' empty, holds as many elements as a whole state.)"""
+        return not is_sliced(self.step_fn.program, name)
+
     @property
     def numel(self) -> int:
         return self.size

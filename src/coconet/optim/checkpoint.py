@@ -50,7 +50,7 @@ def sharded_state_dict(opt: torch.optim.Optimizer, groups: list[dict], index: di
         state = {}
         for name, key in b.names.items():
             x = b.state[name]
-            whole = x.numel() == b.numel  # a schedule that keeps the state whole (AR_C)
+            whole = b.stores_whole(name)  # a schedule that keeps the state whole (AR_C)
             state[key] = (x[lo:hi] if whole else x).clone()
         buckets.append({
             "params": [index[id(p)] for p in b.params],
@@ -145,7 +145,7 @@ def check_shard(opt: torch.optim.Optimizer, shard: dict[str, Any]) -> None:
             hint="build the optimizer over the same parameters and param groups as when saving",
         )
     for b in opt.buckets:
-        if any(x.numel() == b.numel for x in b.state.values()) and opt.comm.world > 1:
+        if any(b.stores_whole(name) for name in b.state) and opt.comm.world > 1:
             # kept whole: the shard has only this rank's slice of it
             raise ConfigError(
                 "this schedule keeps the state whole on every rank: a shard cannot restore it",

@@ -58,7 +58,7 @@ def packed_groups(param_groups: list[dict[str, Any]]) -> tuple[list[dict[str, An
 def whole(comm: Any, b: Bucket, name: str) -> torch.Tensor:
     """State ``name`` of ``b`` whole (gathered from every rank's slice: collective)."""
     x = b.state[name]
-    if x.numel() == b.numel:
+    if b.stores_whole(name):
         return x
     bounds = (b.bounds_of(r, comm.world) for r in range(comm.world))
     parts = [hi - lo for lo, hi in bounds]
