@@ -9,7 +9,14 @@ costs ~1e-6 relative after 20 steps). The elementwise maths is torch's, op for o
 ``torch.optim``'s single-tensor implementation writes it.
 
 The gradient is all-reduced and scaled by ``grad_scale`` (``1 / world``: the average a DDP user
-gets; negative for ``maximize``).
+gets; negative for ``maximize``; a GradScaler's ``1 / scale`` folded in).
+
+**16-bit parameters** (``Precision``): the program's ``p`` and ``g`` are bfloat16 or float16,
+and a float32 input ``master`` (after the state, stored sliced with it) holds the weights the
+update reads and writes in float32; ``p`` is updated with the master's rounding (``cast``, or
+``round_stochastic``), which the schedule's gather publishes. ``reduce=`` casts the gradient
+before its all_reduce (a 16-bit sum accumulates in float32 and rounds once) and widens the sum
+after it. float32 parameters without ``reduce=`` build the programs as they always were.
 
 **Gradient clipping** (``max_grad_norm=``, ``Clip``): torch's ``clip_grad_norm_`` of the
 averaged gradient, ``grad * min(max_norm / (||grad||_2 + 1e-6), 1)``. With ``Clip.IN_STEP`` the
