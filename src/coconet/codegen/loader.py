@@ -12,6 +12,7 @@ import importlib.util
 import linecache
 import os
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -50,7 +51,15 @@ def _write(directory: Path, filename: str, source: str) -> Path:
         except OSError:
             pass  # a read-only cache is never pruned either
         return path
-    tmp = directory / f".{filename}.{os.getpid()}.tmp"
-    tmp.write_text(source)
-    os.replace(tmp, path)
+    # A name no other writer can take (mkstemp): a pid is not one, since the ranks of two hosts
+    # in their own PID namespaces can share it and the cache directory, and two writers of one
+    # temporary file leave a truncated module behind (seen: a step module without its ``step``).
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{filename}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
