@@ -556,24 +556,22 @@ def dropout(x: Tensor, p: float, seed: Any = 0, step: Any = 0) -> Tensor:
             loc=capture_loc(),
             hint="p is fixed when the program is built, e.g. dropout(x, 0.1)",
         )
+    return _wrap(Op.DROPOUT, _random_operands(Op.DROPOUT, x, seed, step), p=float(p))
+
+
+def _random_operands(op: Op, x: Any, seed: Any, step: Any) -> tuple:
+    """The operands of a counter-based random op (dropout, round_stochastic): ``x``, and its
+    seed and step as integer scalars (a float is refused: the bits are keyed by integers)."""
     for role, v in (("seed", seed), ("step", step)):
         if isinstance(v, float):
             raise DTypeError(
-                f"dropout's {role} must be an integer scalar, got {v!r}",
-                op="dropout",
+                f"{op.value}'s {role} must be an integer scalar, got {v!r}",
+                op=op.value,
                 loc=capture_loc(),
                 hint="declare it with Scalar(name, int64) or pass a Python int",
             )
     int_like = make_node(Op.CONST, (), {"value": 0, "dtype": DType.int64})
-    return _wrap(
-        Op.DROPOUT,
-        (
-            _node(x, None, Op.DROPOUT),
-            _node(seed, int_like, Op.DROPOUT),
-            _node(step, int_like, Op.DROPOUT),
-        ),
-        p=float(p),
-    )
+    return _node(x, None, op), _node(seed, int_like, op), _node(step, int_like, op)
 
 
 def round_stochastic(x: Tensor, dtype: DType, seed: Any = 0, step: Any = 0) -> Tensor:
@@ -589,18 +587,8 @@ def round_stochastic(x: Tensor, dtype: DType, seed: Any = 0, step: Any = 0) -> T
             loc=capture_loc(),
             hint="round_stochastic(x, coconet.bfloat16, seed, step)",
         )
-    for role, v in (("seed", seed), ("step", step)):
-        if isinstance(v, float):
-            raise DTypeError(
-                f"round_stochastic's {role} must be an integer scalar, got {v!r}",
-                op="round_stochastic",
-                loc=capture_loc(),
-                hint="declare it with Scalar(name, int64) or pass a Python int",
-            )
-    int_like = make_node(Op.CONST, (), {"value": 0, "dtype": DType.int64})
     op = Op.ROUND_STOCHASTIC
-    return _wrap(op, (_node(x, None, op), _node(seed, int_like, op), _node(step, int_like, op)),
-                 dtype=dtype)  # fmt: skip
+    return _wrap(op, _random_operands(op, x, seed, step), dtype=dtype)
 
 
 def _sum(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
