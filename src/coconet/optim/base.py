@@ -65,6 +65,7 @@ from coconet.optim.packing import Packer
 from coconet.optim.params import LocalGradientEditWarning, ParamWatch
 from coconet.optim.recipes import Recipes
 from coconet.optim.scaling import Scaling, warn_unscaled
+from coconet.optim.sharded import ShardedSteps, is_fully_sharded
 from coconet.optim.stepping import Stepper
 from coconet.options import CommitMode, CompileOptions, ParamStorage, Rounding
 from coconet.runtime import interrupts
@@ -141,6 +142,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # found around the parameters (params.ParamWatch.take_wrapper); None: the step does.
         self.gradients_averaged_by: str | None = None
         self.hooks: list[Any] = []  # the post-accumulate-grad hooks' handles
+        # the steps of fully sharded parameters (coconet.fsdp), which run in the backward
+        self.sharded: ShardedSteps | None = None
         # how this optimizer's steps are named in the calls its rank made (Communicator.progress:
         # what a rank that leaves the job tells its peers)
         self._progress_key, n = f"coconet.optim.{name}.step", 1
@@ -273,6 +276,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         added = len(self.param_groups) > before
         index = len(self.param_groups) - 1
         group = self.param_groups[index] if added else {"params": []}
+        if refusal is None and added and (self.sharded is not None
+                                          or is_fully_sharded(group["params"])):  # fmt: skip
+            self._add_sharded_group(index, group)
+            return
         trainable = []
         if refusal is None:
             try:
@@ -311,6 +318,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.packer.settle_clipping()
         self.agreement.refresh(self.param_groups)
 
+    def _add_sharded_group(self, index: int, group: dict[str, Any]) -> None:
+        """A group of fully sharded parameters (``coconet.fsdp``): their steps are
+        ``coconet.optim.sharded``'s, run in the backward. Collective."""
+        from coconet.fsdp.model import sharded_model_of
+
+        name = f"coconet.optim.{type(self).__name__}"
+        try:
+            unsupported = [what for what, on in (
+                ("ddp=", self.ddp is not None),
+                ("param_storage='host_shared'", self.storage is ParamStorage.HOST_SHARED),
+                ("max_grad_norm=", self.clipper.max_norm is not None),
+                (f"{type(self).__name__} (its norms are each whole tensor's)",
+                 self.bucket_per_parameter),
+                ("rounding='stochastic'", self.rounding is Rounding.STOCHASTIC),
+                ("parameters packed before (a group of plain parameters)", len(self.buckets) > 0),
+            ) if on]  # fmt: skip
+            if unsupported:
+                raise ConfigError(
+                    f"fully sharded parameters (coconet.fsdp) do not take {unsupported[0]} yet",
+                    op=name,
+                    hint="leave it out; clipping and gradient scaling of fully sharded "
+                    "parameters, and LAMB over them, are not built yet",
+                )
+            self.check_group(group, f"param group {index}")
+            trainable = [p for p in group["params"] if p.requires_grad]
+            if self.sharded is None:
+                model = sharded_model_of(group["params"][0]) if group["params"] else None
+                if model is None:
+                    raise ConfigError(
+                        "a param group mixes fully sharded parameters with others",
+                        op=name,
+                        hint="fully_shard the whole model and build the optimizer over "
+                        "model.parameters()",
+                    )
+                self.sharded = ShardedSteps(self, model)
+            self.sharded.add_group(index, trainable)
+        except BaseException:
+            self.param_groups.pop()  # as if never added
+            raise
+
     def agree_call(self, kind: CallKind, content: str = "",
                    refusal: BaseException | None = None) -> None:  # fmt: skip
         """Every rank makes this same collective call (``CallAgreement.agree``), through the
@@ -334,6 +381,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.sharded is not None:
+            if grad_scaler is not None:
+                raise ConfigError(
+                    "a GradScaler over fully sharded parameters (coconet.fsdp) is not built yet",
+                    op=f"coconet.optim.{type(self).__name__}.step",
+                    hint="train in bfloat16 or float32 without a scaler",
+                )
+            return loss  # each block stepped in the backward (coconet.fsdp.model)
         scaling = Scaling.begin(grad_scaler, self)
         if self.ddp is not None:
             return loss
@@ -391,6 +446,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         With ``ddp=``, torch's ``zero_grad`` (DDP owns the gradient buffers)."""
         if self.ddp is not None:
             return super().zero_grad(set_to_none)
+        if self.sharded is not None:
+            return None  # the backward's step consumed the gradients (coconet.fsdp)
         self.watch.zero_grads(set_to_none)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -398,6 +455,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's slices of the state with their offsets, no communication (see
         ``coconet.optim.checkpoint``: when to use it rather than ``state_dict``)."""
+        if self.sharded is not None:
+            raise ConfigError(
+                "sharded_state_dict() of fully sharded parameters is not built yet",
+                op=f"coconet.optim.{type(self).__name__}.sharded_state_dict",
+                hint="save state_dict() (torch's format, gathered)",
+            )
         for b in self.buckets:
             b.sync_master()
         groups, index = state.packed_groups(self.param_groups)
@@ -409,6 +472,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the torch optimizer or into this one at any world size. Runs the state-dict hooks as
         torch does (pre-hooks first; a post-hook's result replaces the state dict)."""
         self.agree_call(CallKind.STATE_DICT)  # every rank calls it now (not a step)
+        if self.sharded is not None:
+            return self.sharded.state_dict()
         for b in self.buckets:
             b.sync_master()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
@@ -433,6 +498,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 state_dict = result
         # Collective: every rank checks all of it before anything changes, then the ranks agree
         # on the verdict (and, torch's format, on loading the same state): all load or none.
+        if self.sharded is not None:
+            self.agree_call(CallKind.LOAD_STATE_DICT)
+            self.sharded.load_state_dict(state_dict)
+            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+                post_hook(self)
+            return
         shard = checkpoint.is_shard(state_dict)
         refusal: CoconetError | None = None
         load = None

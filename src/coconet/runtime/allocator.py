@@ -40,7 +40,7 @@ import ctypes.util
 import sys
 from collections.abc import Mapping
 
-__all__ = ["TCACHE_OFF", "keep_large_buffers_mapped", "rank_environment"]
+__all__ = ["TCACHE_OFF", "keep_large_buffers_mapped", "rank_environment", "trim_heap"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -63,6 +63,16 @@ def keep_large_buffers_mapped() -> bool:
     # one such step was seen faulting 2.25 GiB in again after the heap had settled.
     trimmed = mallopt(_M_TRIM_THRESHOLD, -1)
     return bool(mapped and trimmed)
+
+
+def trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: return the freed heap to the system (nothing elsewhere).
+    For a one-off release of much memory (the tuner between candidates; a model just sharded,
+    ``coconet.fsdp``, whose whole parameters were freed)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # glibc's tunable that turns the per-thread cache of small chunks off (see the module docstring)

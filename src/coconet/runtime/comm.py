@@ -383,13 +383,17 @@ class Communicator:
         )
 
     def all_gather_start(
-        self, x: torch.Tensor, *, dim: int, parts: Sequence[int], axis: str | None, label: str
+        self, x: torch.Tensor, *, dim: int, parts: Sequence[int], axis: str | None, label: str,
+        out: torch.Tensor | None = None,
     ) -> Work:
+        """``out``: where the whole goes (the transport writes it there where it can, else
+        copies it in; a fully sharded block's buffer), or None: a new tensor."""
         # tuned by the size of what it gathers
         nbytes = sum(parts) * (x.numel() // max(x.shape[dim], 1)) * x.element_size()
+        extra = {} if out is None else {"out": out}
         return self._start(
             Op.ALL_GATHER, label, axis, nbytes,
-            lambda t, g, a: t.all_gather(x, g, dim=dim, parts=parts, algorithm=a),
+            lambda t, g, a: t.all_gather(x, g, dim=dim, parts=parts, algorithm=a, **extra),
         )
 
     def broadcast_start(

@@ -368,9 +368,13 @@ class HierarchicalTransport(Transport):
         dim: int,
         parts: Sequence[int],
         algorithm: Algorithm | None = None,
+        out: torch.Tensor | None = None,
     ) -> Pending:
         h: HierGroup = group.handle
         x0 = x.movedim(dim, 0).contiguous()
+        if out is not None:  # (written whole, then copied: the phases' layouts differ)
+            p = self.all_gather(x, group, dim=dim, parts=parts, algorithm=algorithm)
+            return ready(out.copy_(p.wait()))
         if h.plan is CrossHost.THROUGH_LEADERS:
             return ready(self._leaders_all_gather(x0, parts, h).movedim(0, dim))
         layout = h.layout

@@ -138,13 +138,19 @@ class TorchDistributedTransport(Transport):
         dim: int,
         parts: Sequence[int],
         algorithm: Algorithm | None = None,
+        out: torch.Tensor | None = None,
     ) -> Pending:
         if group.size == 1:
-            return ready(x)
+            return ready(x if out is None else out.copy_(x))
         x0 = x.movedim(dim, 0).contiguous()
         fn = ALGORITHMS[Op.ALL_GATHER][algorithm or Algorithm.NATIVE]
         p = fn(x0, group.handle, list(parts), group.index)
-        return Pending(p.works, lambda: p.finish().movedim(0, dim))
+
+        def finish() -> torch.Tensor:
+            whole = p.finish().movedim(0, dim)
+            return whole if out is None else out.copy_(whole)
+
+        return Pending(p.works, finish)
 
     def broadcast(self, x, group: Group, *, root: int, donate: bool) -> Pending:
         if group.size == 1:

@@ -224,6 +224,7 @@ class Transport(Protocol):
         dim: int,
         parts: Sequence[int],
         algorithm: Algorithm | None = None,
+        out: torch.Tensor | None = None,
     ) -> Pending: ...
 
     def broadcast(self, x: torch.Tensor, group: Group, *, root: int, donate: bool) -> Pending: ...

@@ -3,7 +3,8 @@
 Data-parallel optimizers (SGD, Adam, AdamW, LAMB):
   ``AR_C``          all_reduce the gradients, then one fused kernel for the update;
   ``RS_C_AG``       reduce_scatter, update each rank's slice (state kept sliced), all_gather;
-  ``fuse_RS_C_AG``  the same as one fused collective (the update runs inside the collective).
+  ``fuse_RS_C_AG``  the same as one fused collective (the update runs inside the collective);
+  ``fuse_RS_C``     the same with the parameters sliced too (fully sharded: no all_gather).
 Tensor-parallel layer (matmul, all_reduce, + bias, dropout, + residual):
   ``MM_AR_C``, ``MM_RS_C_AG``, ``ol_MM_fuse_RS_C_AG`` (the matmul overlapped with the rest).
 Its sequence-parallel form (the all_reduce already split: all_gather in, reduce_scatter out):
@@ -41,6 +42,7 @@ __all__ = [
     "MM_RS_C_AG",
     "RS_C_AG",
     "RS_P2P_C_AG",
+    "fuse_RS_C",
     "fuse_RS_C_AG",
     "fuse_after",
     "ol_AG_MM",
@@ -198,6 +200,29 @@ def fuse_RS_C_AG(  # noqa: N802
     ``state``: the inputs to store sliced, as in ``RS_C_AG``.
     """
     s, rs = _rs_c_ag("fuse_RS_C_AG", program, state, all_reduce)
+    fuse_after(s, rs)
+    return s
+
+
+def fuse_RS_C(  # noqa: N802
+    program: Program, state: Iterable[str] = ("p",), all_reduce: Any = None
+) -> Schedule:
+    """fuse_RS_C_AG with the parameters stored sliced too: the all_gather leaves the step.
+
+    ``state`` must name the parameters (``p``) with the optimizer's state: each rank then
+    stores its slice of them and the step ends with the update of that slice, inside the
+    reduce_scatter; fully sharded parameters (``coconet.fsdp``) gather at their next use
+    instead, the paper's ``fuse(RS, C, AG)`` with the all_gather moved across the step
+    boundary.
+    """
+    if "p" not in tuple(state):
+        raise ScheduleError(
+            f"fuse_RS_C stores the parameters sliced: state= must name them, got {tuple(state)}",
+            op="fuse_RS_C",
+            hint="fuse_RS_C(program, state=('p', 'm', 'v')); with the parameters whole, use "
+            "fuse_RS_C_AG",
+        )
+    s, rs = _rs_c_ag("fuse_RS_C", program, state, all_reduce)
     fuse_after(s, rs)
     return s
 

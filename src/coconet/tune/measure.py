@@ -23,8 +23,6 @@ coconet communicator does not affect.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import gc
 import math
@@ -40,6 +38,7 @@ import torch.distributed as dist
 
 from coconet.accounting import Counter
 from coconet.options import CommOptions, CompileOptions, TransportKind, TransportPolicy
+from coconet.runtime.allocator import trim_heap
 from coconet.runtime.comm import Communicator
 from coconet.tune.candidates import Candidate
 from coconet.tune.cost import collective_inputs
@@ -416,14 +415,6 @@ def rematch(
     return Rematch(first, second, ms[:steps], ms[steps:])
 
 
-def _trim_heap() -> None:
-    """glibc's ``malloc_trim(0)``: return the freed heap to the system (nothing elsewhere)."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _refill(inputs: dict, originals: dict) -> None:
     for k, v in originals.items():
         inputs[k].copy_(v)  # a donated input is overwritten by each step
@@ -452,7 +443,7 @@ def measure(
         # Each candidate's buffers are garbage now; hand the heap back (the runtime keeps large
         # freed buffers mapped for the next step, which across 20 candidates adds up).
         gc.collect()
-        _trim_heap()
+        trim_heap()
         if progress is not None:
             progress(c, m)
     return out

@@ -1,0 +1,277 @@
+"""Fully sharded parameters: the optimizer's side of ``coconet.fsdp``.
+
+A model sharded by ``coconet.fsdp.fully_shard`` stores each block's parameters as flat
+segments, one slice per rank (``coconet.fsdp.blocks``). An optimizer built over its parameters
+takes each segment as one of its steps: the segments are laid out again so that each holds one
+param group's parameters of one dtype (``Block.layout``), and each gets a ``SegmentStep``: the
+optimizer's program scheduled ``fuse_RS_C`` (the reduce_scatter of the gradient with the update
+of this rank's slice of the parameters and of the state, one fused collective, no all_gather:
+the next forward gathers), its state slices and its step count. The model's backward hands each
+segment's gradient to ``SegmentStep.step`` as soon as its block's backward is done.
+
+The state in torch's format (``state_dict``/``load_state_dict``) is gathered from and sliced
+into the segments' state, keyed by the parameters' indices as torch numbers them, so a state
+dict moves between this optimizer at any world size, the same one unsharded, and
+``torch.optim``'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from coconet import schedule as schedules
+from coconet.compiler import compile as coconet_compile
+from coconet.errors import ConfigError
+from coconet.fsdp.blocks import Block, Segment, Unsharded
+from coconet.fsdp.model import FullyShardedModel, sharded_model_of
+from coconet.ir.types import DType
+from coconet.optim.programs import MASTER, MASTER_STATE_KEY, Precision
+
+__all__ = ["SegmentStep", "ShardedSteps", "is_fully_sharded"]
+
+
+def is_fully_sharded(params: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``params`` is a fully sharded parameter (``coconet.fsdp``)."""
+    return any(sharded_model_of(p) is not None for p in params)
+
+
+class SegmentStep:
+    """One segment's step: the compiled fused step, the state slices and the step count."""
+
+    def __init__(self, room: ShardedSteps, group: int, seg: Segment) -> None:
+        opt = room.opt
+        self.room, self.group = room, group
+        dtype = DType.from_torch(seg.dtype)
+        reduce = None if opt.reduce_dtype is None else DType.from_torch(opt.reduce_dtype)
+        precision = Precision.of(dtype, reduce)
+        names = dict(opt.state_names(opt.param_groups[group]))
+        if precision.master:
+            names[MASTER] = MASTER_STATE_KEY
+        self.names = names
+        extra: dict[str, Any] = {} if reduce is None else {"reduce": reduce}
+        program = opt.program(opt.param_groups[group], dtype, **extra)
+        # the parameters are sliced like the state: the update ends the step, the all_gather
+        # moves to the block's next forward
+        target = schedules.fuse_RS_C(program, state=("p", *names))
+        self.step_fn = coconet_compile(target, comm=opt.comm, options=opt.recipes.options)
+        n = seg.bounds[1] - seg.bounds[0]
+        self.state = {name: torch.zeros(n, dtype=precision.math.torch, device=opt.comm.device)
+                      for name in names}  # fmt: skip
+        if precision.master:
+            self.state[MASTER].copy_(seg.shard.float())
+        self.steps = 0
+
+    def took_values(self, seg: Segment) -> None:
+        """The segment's slice was written (``gathered(writeback=True)``): a float32 master
+        copy starts again from it."""
+        if MASTER in self.state:
+            self.state[MASTER].copy_(seg.shard.float())
+
+    def gradient_buffer(self, seg: Segment) -> torch.Tensor:
+        """Where the segment's gradient is accumulated: a buffer the step's collective reads in
+        place, one per size and dtype (blocks of one shape share it: one steps at a time)."""
+        return self.room.buffer(self.step_fn, seg.size, seg.dtype)
+
+    def step(self, seg: Segment) -> None:
+        """The fused reduce_scatter and update of this rank's slice (collective)."""
+        opt = self.room.opt
+        scalars = opt.scalars(opt.param_groups[self.group], self.steps + 1)
+        self.step_fn.run({"g": seg.grad, "p": seg.shard, **self.state, **scalars})
+        self.steps += 1
+
+
+class ShardedSteps:
+    """An optimizer's steps of fully sharded parameters (see the module docstring); ``opt``:
+    the optimizer, through its public surface."""
+
+    def __init__(self, opt: Any, model: FullyShardedModel) -> None:
+        self.opt, self.model = opt, model
+        if model.comm is not opt.comm and (model.comm.world, model.comm.rank) != (
+                opt.comm.world, opt.comm.rank):  # fmt: skip
+            raise ConfigError(
+                f"the model is sharded over {model.comm.world} ranks and the optimizer's "
+                f"communicator has {opt.comm.world}",
+                op=f"coconet.optim.{type(opt).__name__}",
+                hint="give the optimizer the communicator the model was sharded with (comm=)",
+            )
+        self.group_of: dict[int, int] = {}  # id(parameter) -> its param group
+        self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    # -- taking parameters -----------------------------------------------------------------------
+
+    def add_group(self, index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        """Take group ``index``'s trainable parameters: lay out again the blocks they are in,
+        so that each segment is one group's of one dtype (collective)."""
+        opt = self.opt
+        for p in params:
+            if sharded_model_of(p) is not self.model:
+                raise ConfigError(
+                    "a param group mixes fully sharded parameters with others (or with another "
+                    "sharded model's)",
+                    op=f"coconet.optim.{type(opt).__name__}",
+                    hint="fully_shard the whole model (its leftover parameters form the root "
+                    "block) and build the optimizer over model.parameters()",
+                )
+            if id(p) in self.group_of:
+                raise ConfigError(
+                    "a parameter appears in more than one param group",
+                    op=f"coconet.optim.{type(opt).__name__}",
+                    hint="give each parameter to one group",
+                )
+        _agree_on_shapes(opt, index, params)
+        for p in params:
+            self.group_of[id(p)] = index
+        touched = [b for b in self.model.blocks if any(id(q) in self.group_of for q in b.params)]
+        for b in touched:
+            self._relayout(b)
+
+    def _relayout(self, b: Block) -> None:
+        keys = [(self.group_of.get(id(p)), p.dtype) for p in b.params]
+        kept = {(seg.key, tuple(id(b.params[i]) for i in seg.members)): seg.owner
+                for seg in b.segments}  # fmt: skip
+        if [seg.key for seg in b.segments] != list(dict.fromkeys(map(tuple, keys))):
+            was_freed = b.state is not Unsharded.WHOLE
+            b.finish_gather()
+            values = [v.clone() for v in b.values()]
+            b.layout(keys, values)
+            if was_freed:
+                b.free()
+        for seg in b.segments:
+            group = seg.key[0] if len(seg.key) == 2 else None
+            owner = kept.get((seg.key, tuple(id(b.params[i]) for i in seg.members)))
+            if owner is None and group is not None:
+                owner = SegmentStep(self, group, seg)
+            seg.owner = owner
+
+    def buffer(self, step_fn: Any, size: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (size, dtype)
+        if key not in self._buffers:
+            if step_fn.collective_reads("g"):
+                self._buffers[key] = step_fn.input_buffer("g", (size,))
+            else:  # cast before it is sent (reduce_dtype=): an ordinary tensor
+                self._buffers[key] = torch.empty(size, dtype=dtype, device=self.opt.comm.device)
+        return self._buffers[key]
+
+    def segments(self) -> list[tuple[Block, Segment]]:
+        """Every stepped segment, in the blocks' order (the same on every rank)."""
+        return [(b, seg) for b in self.model.blocks for seg in b.segments
+                if seg.owner is not None]  # fmt: skip
+
+    # -- torch's state dict ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format, whole tensors gathered from the slices (collective)."""
+        from coconet.optim.state import packed_groups
+
+        opt = self.opt
+        groups, index = packed_groups(opt.param_groups)
+        out: dict[int, dict[str, Any]] = {}
+        for b, seg in self.segments():
+            owner = seg.owner
+            if not owner.steps:
+                continue
+            whole = {name: self._gather(seg, x) for name, x in owner.state.items()}
+            for j, i in enumerate(seg.members):
+                p = b.params[i]
+                a, z = seg.span(j)
+                entry: dict[str, Any] = dict(opt.step_state(owner.steps))
+                for name, key in owner.names.items():
+                    entry[key] = whole[name][a:z].view(b.shapes[i]).clone()
+                out[index[id(p)]] = entry
+        return {"state": out, "param_groups": groups}
+
+    def _gather(self, seg: Segment, x: torch.Tensor) -> torch.Tensor:
+        comm = self.opt.comm
+        work = comm.all_gather_start(x, dim=0, parts=seg.parts, axis=None,
+                                     label="coconet.fsdp state gather")  # fmt: skip
+        return comm.wait(work)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's format (from this optimizer at any world size, unsharded, or torch's):
+        checked whole before anything changes; each rank keeps its slices (no
+        communication)."""
+        from coconet.optim.state import packed_groups
+
+        opt = self.opt
+        groups, index = packed_groups(opt.param_groups)
+        saved_groups = state_dict.get("param_groups")
+        saved_state = state_dict.get("state")
+        name = f"coconet.optim.{type(opt).__name__}.load_state_dict"
+        if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+            raise ConfigError("not a state dict in torch's format ('state', 'param_groups')",
+                              op=name, hint="pass what state_dict() returned")  # fmt: skip
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+            raise ConfigError(
+                f"the state dict has param groups of "
+                f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
+                f"{[len(g['params']) for g in groups]}",
+                op=name, hint="load a state dict of the same model's optimizer")  # fmt: skip
+        plan = []
+        for b, seg in self.segments():
+            owner = seg.owner
+            entries = [saved_state.get(index[id(b.params[i])]) for i in seg.members]
+            have = [e for e in entries if e is not None]
+            if not have:
+                plan.append((seg, None, 0))
+                continue
+            steps = {opt.step_of(e) for e in have}
+            if len(have) != len(entries) or len(steps) != 1:
+                raise ConfigError(
+                    f"block {b.name}: its parameters' saved states differ in step count or "
+                    "presence, and a fully sharded segment steps its parameters together",
+                    op=name, hint="load a state dict of a model trained with every parameter "
+                    "stepped at every step")  # fmt: skip
+            values = {}
+            for prog, key in owner.names.items():
+                parts = []
+                for j, (i, e) in enumerate(zip(seg.members, entries, strict=True)):
+                    if key not in e and prog == MASTER:
+                        parts.append(b.params[i].detach().float().reshape(-1)
+                                     if b.state is Unsharded.WHOLE else None)
+                        continue
+                    t = e.get(key)
+                    if not isinstance(t, torch.Tensor) or t.numel() != seg.numels[j]:
+                        raise ConfigError(
+                            f"state {key!r} of {b.names[i]!r}: expected {seg.numels[j]} values, "
+                            f"got {getattr(t, 'shape', t)}",
+                            op=name, hint="load a state dict of the same model's optimizer")
+                    parts.append(t.detach().reshape(-1).to(owner.state[prog].dtype))
+                values[prog] = parts
+            plan.append((seg, values, steps.pop()))
+        for g, saved in zip(opt.param_groups, saved_groups, strict=True):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = copy.deepcopy(v)
+        for seg, values, steps in plan:
+            owner = seg.owner
+            owner.steps = steps
+            lo, hi = seg.bounds
+            for prog, x in owner.state.items():
+                if values is None:
+                    x.zero_()
+                    if prog == MASTER:
+                        x.copy_(seg.shard.float())
+                    continue
+                if any(v is None for v in values[prog]):
+                    x.copy_(seg.shard.float())
+                    continue
+                x.copy_(torch.cat(values[prog])[lo:hi])
+
+
+def _agree_on_shapes(opt: Any, index: int, params: Sequence[torch.nn.Parameter]) -> None:
+    """Every rank takes the same shapes in the same order, else all of them fail."""
+    text = f"{index}|" + ";".join(f"{p.dtype}{tuple(p.shape)}" for p in params)
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    low, high = opt.comm.agree_max([digest, -digest], "fully sharded parameters")
+    if low != digest or -high != digest:
+        raise ConfigError(
+            f"param group {index}: the ranks hold different fully sharded parameters",
+            op=f"coconet.optim.{type(opt).__name__}",
+            hint="build the same model on every rank, fully_shard it alike, and pass its "
+            "parameters in the same order",
+        )
