@@ -12,6 +12,7 @@ the world size, as DDP does), stepped by the torch optimizer.
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,7 +74,8 @@ def groups(net: nn.Module, decay: float) -> list[dict]:
     return [{"params": two, "weight_decay": decay}, {"params": one, "weight_decay": 0.0}]
 
 
-def reference_step(ref: nn.Module, opt: torch.optim.Optimizer, world: int, step: int) -> float:
+def reference_step(ref: nn.Module, opt: torch.optim.Optimizer, world: int, step: int,
+                   clip: float | None = None) -> float:  # fmt: skip
     """One DDP-equivalent step of ``ref`` on the whole batch: the ranks' gradients averaged."""
     x, y = batch(step)
     total, losses = None, []
@@ -86,6 +88,8 @@ def reference_step(ref: nn.Module, opt: torch.optim.Optimizer, world: int, step:
         total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
     for p, g in zip(ref.parameters(), total, strict=True):
         p.grad = g / world
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
     opt.step()
     return sum(losses) / world
 
@@ -96,7 +100,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def follows_torch(comm, optimizer: str = "AdamW", steps: int = 6, groups_on: bool = True,
-                  reshard: bool = True, prefetch: bool | None = None) -> dict:  # fmt: skip
+                  reshard: bool = True, prefetch: bool | None = None,
+                  clip: float | None = None) -> dict:  # fmt: skip
     """``steps`` steps of a fully sharded model and of the reference: the worst relative error
     of the losses and of the parameters, what each rank stores, and the state dict."""
     net, ref = model(), model()
@@ -108,7 +113,8 @@ def follows_torch(comm, optimizer: str = "AdamW", steps: int = 6, groups_on: boo
     if optimizer == "SGD":
         kw["momentum"] = 0.9
     params = groups(net, 0.1) if groups_on else net.parameters()
-    opt = getattr(coconet.optim, optimizer)(params, comm=comm, options=EAGER, **kw)
+    extra = {} if clip is None else {"max_grad_norm": clip}
+    opt = getattr(coconet.optim, optimizer)(params, comm=comm, options=EAGER, **kw, **extra)
     ref_opt = getattr(torch.optim, optimizer)(groups(ref, 0.1) if groups_on
                                               else ref.parameters(), **kw)  # fmt: skip
     x_all, worst_loss, world = None, 0.0, comm.world
@@ -122,8 +128,14 @@ def follows_torch(comm, optimizer: str = "AdamW", steps: int = 6, groups_on: boo
         opt.zero_grad()
         mean = comm.gather_floats([loss.item()], "fsdp test loss")
         ours = sum(v[0] for v in mean) / world
-        theirs = reference_step(ref, ref_opt, world, t)
+        theirs = reference_step(ref, ref_opt, world, t, clip)
         worst_loss = max(worst_loss, abs(ours - theirs) / abs(theirs))
+    from coconet.fsdp.blocks import Unsharded
+
+    # between steps only the slices are stored, and no gradient is left behind
+    freed = all(b.state is Unsharded.FREED for b in fs.blocks)
+    no_grads = all(p.grad is None for p in net.parameters())
+    clipped = opt.last_clip_coef is not None and float(opt.last_clip_coef) < 1.0
     whole = fs.state_dict()
     worst = max(rel(whole[k], v) for k, v in ref.state_dict().items())
     ours, theirs = opt.state_dict(), ref_opt.state_dict()
@@ -133,10 +145,153 @@ def follows_torch(comm, optimizer: str = "AdamW", steps: int = 6, groups_on: boo
     same_keys = ({k: sorted(e) for k, e in ours["state"].items()}
                  == {k: sorted(e) for k, e in theirs["state"].items()})  # fmt: skip
     return {"loss": worst_loss, "params": worst, "memory": fs.memory(), "state": state,
-            "same_keys": same_keys, "saved": _bytes((ours, whole))}
+            "same_keys": same_keys, "saved": _bytes((ours, whole)), "freed": freed,
+            "no_grads": no_grads, "clipped": clipped}
 
 
 def _bytes(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def _step(net: nn.Module, opt: Any, comm, t: int, dtype: torch.dtype = torch.float32) -> float:
+    x, y = batch(t)
+    xs = torch.tensor_split(x, comm.world)[comm.rank]
+    ys = torch.tensor_split(y, comm.world)[comm.rank]
+    logits = net(xs).float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ys.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def resume(comm, saved: bytes, first: int, steps: int = 3, clip: float | None = None) -> dict:
+    """Load a saved (optimizer state dict, whole model) into a fully sharded model at this
+    world size, train ``steps`` more steps (from step ``first``), and the same from the same
+    state with torch.optim.AdamW on one process: the worst relative error of the parameters."""
+    opt_state, weights = torch.load(io.BytesIO(saved), weights_only=False)
+    net, ref = model(), model()
+    ref.load_state_dict(weights)
+    fs = coconet.fsdp.fully_shard(net, comm=comm)
+    extra = {} if clip is None else {"max_grad_norm": clip}
+    opt = coconet.optim.AdamW(groups(net, 0.1), lr=1e-2, betas=(0.8, 0.9), comm=comm,
+                              options=EAGER, **extra)  # fmt: skip
+    fs.load_state_dict(weights)
+    opt.load_state_dict(opt_state)
+    ref_opt = torch.optim.AdamW(groups(ref, 0.1), lr=1e-2, betas=(0.8, 0.9))
+    ref_opt.load_state_dict(opt_state)
+    for t in range(first, first + steps):
+        _step(net, opt, comm, t)
+        reference_step(ref, ref_opt, comm.world, t, clip)
+    whole = fs.state_dict()
+    return {"params": max(rel(whole[k], v) for k, v in ref.state_dict().items())}
+
+
+def torch_state(steps: int = 4) -> bytes:
+    """A state dict of torch.optim.AdamW on one process (the reference's arithmetic at world
+    2) and its model, after ``steps`` steps: what ``resume`` loads."""
+    ref = model()
+    opt = torch.optim.AdamW(groups(ref, 0.1), lr=1e-2, betas=(0.8, 0.9))
+    for t in range(steps):
+        reference_step(ref, opt, 2, t)
+    return _bytes((opt.state_dict(), ref.state_dict()))
+
+
+def like_unsharded(comm, dtype: str = "bfloat16", steps: int = 4) -> dict:
+    """The same model fully sharded and not, each with coconet.optim.AdamW, on the same
+    batches: the worst relative difference of the parameters and of the state (the two run
+    the same program, one sliced: ``fuse_RS_C`` against ``fuse_RS_C_AG``)."""
+    dt = getattr(torch, dtype)
+    a, b = model().to(dt), model().to(dt)
+    fs = coconet.fsdp.fully_shard(a, comm=comm)
+    kw = {"lr": 1e-2, "comm": comm, "options": EAGER}
+    opt_a = coconet.optim.AdamW(groups(a, 0.1), **kw)
+    opt_b = coconet.optim.AdamW(groups(b, 0.1), **kw)
+    for t in range(steps):
+        _step(a, opt_a, comm, t)
+        _step(b, opt_b, comm, t)
+    sa, sb = opt_a.state_dict(), opt_b.state_dict()
+    state = max(rel(sa["state"][k][key], t) for k, e in sb["state"].items()
+                for key, t in e.items() if isinstance(t, torch.Tensor) and t.dim())  # fmt: skip
+    whole = fs.state_dict()
+    params = max(rel(whole[k], v) for k, v in b.state_dict().items())
+    return {"params": params, "state": state, "keys": sorted(next(iter(sa["state"].values())))}
+
+
+def dies(comm, victim: int, where: str) -> dict:
+    """``victim`` kills itself in its second step, at ``where`` ("gather": a block's
+    all_gather in the forward; "update": the commit vote of a block's fused update in the
+    backward). The others must get a RuntimeFault within the timeout, and every slice of
+    theirs be as it was before the step or after it (the blocks stepped before the death are
+    a step ahead, the others as they were)."""
+    import os
+    import signal
+    import time
+
+    from coconet.errors import RuntimeFault
+
+    net = model()
+    fs = coconet.fsdp.fully_shard(net, comm=comm)
+    opt = coconet.optim.AdamW(net.parameters(), lr=1e-2, comm=comm, options=EAGER)
+    _step(net, opt, comm, 0)
+    before = [seg.shard.clone() for b in fs.blocks for seg in b.segments]
+    if comm.rank == victim:
+        if where == "gather":
+            real_gather = comm.all_gather_start
+            calls = [0]
+
+            def gather(*a, **k):
+                calls[0] += 1
+                if calls[0] == 2:  # the second block's gather of the forward
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real_gather(*a, **k)
+
+            comm.all_gather_start = gather
+        else:
+            real_agree = comm.agree_max
+            votes = [0]
+
+            def agree(values, label, op="handshake"):
+                if op == "commit vote":
+                    votes[0] += 1
+                    if votes[0] == 2:  # the second block's update of the backward
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return real_agree(values, label, op)
+
+            comm.agree_max = agree
+    t0 = time.perf_counter()
+    try:
+        _step(net, opt, comm, 1)
+        return {"status": "no error"}
+    except RuntimeFault as e:
+        after = [seg.shard for b in fs.blocks for seg in b.segments]
+        changed = [not torch.equal(x, y) for x, y in zip(before, after, strict=True)]
+        return {"status": "fault", "message": str(e), "seconds": time.perf_counter() - t0,
+                "changed": changed}  # fmt: skip
+
+
+def refusals(comm) -> dict:
+    """What the optimizer refuses over fully sharded parameters, and a backward without one."""
+    from coconet.errors import ConfigError
+
+    out = {}
+
+    def attempt(label, fn):
+        try:
+            fn()
+            out[label] = "no error"
+        except ConfigError as e:
+            out[label] = str(e)
+
+    net = model()
+    coconet.fsdp.fully_shard(net, comm=comm)
+    plain = nn.Linear(2, 2)
+    attempt("mixed", lambda: coconet.optim.AdamW([*net.parameters(), *plain.parameters()],
+                                                 comm=comm))  # fmt: skip
+    attempt("lamb", lambda: coconet.optim.LAMB(net.parameters(), comm=comm))
+    attempt("twice", lambda: coconet.fsdp.fully_shard(net, comm=comm))
+    x, y = batch(0)
+    attempt("no optimizer", lambda: loss_of(net, x[:2], y[:2]).backward())
+    return out

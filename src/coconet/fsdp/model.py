@@ -108,7 +108,7 @@ class FullyShardedModel:
         rest = [p for p in model.parameters() if id(p) not in taken]
         self.root: Block | None = None
         if rest:
-            self.root = Block(len(self.blocks), "the root (parameters of no block)", model,
+            self.root = Block(len(self.blocks), "root", model,
                               rest, [param_names[id(p)] for p in rest], comm, root=True)
             self.blocks.append(self.root)
         for b in self.blocks:

@@ -328,7 +328,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             unsupported = [what for what, on in (
                 ("ddp=", self.ddp is not None),
                 ("param_storage='host_shared'", self.storage is ParamStorage.HOST_SHARED),
-                ("max_grad_norm=", self.clipper.max_norm is not None),
+                ("max_grad_norm= with reduce_dtype=", self.clipper.max_norm is not None
+                 and self.reduce_dtype is not None),
                 (f"{type(self).__name__} (its norms are each whole tensor's)",
                  self.bucket_per_parameter),
                 ("rounding='stochastic'", self.rounding is Rounding.STOCHASTIC),
@@ -338,8 +339,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ConfigError(
                     f"fully sharded parameters (coconet.fsdp) do not take {unsupported[0]} yet",
                     op=name,
-                    hint="leave it out; clipping and gradient scaling of fully sharded "
-                    "parameters, and LAMB over them, are not built yet",
+                    hint="leave it out; these are not built yet for fully sharded parameters",
                 )
             self.check_group(group, f"param group {index}")
             trainable = [p for p in group["params"] if p.requires_grad]
@@ -388,7 +388,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     op=f"coconet.optim.{type(self).__name__}.step",
                     hint="train in bfloat16 or float32 without a scaler",
                 )
-            return loss  # each block stepped in the backward (coconet.fsdp.model)
+            # each block stepped in the backward (coconet.fsdp.model); with max_grad_norm= the
+            # backward reduced the gradients and the clipped updates run now
+            self.sharded.step()
+            return loss
         scaling = Scaling.begin(grad_scaler, self)
         if self.ddp is not None:
             return loss
@@ -499,8 +502,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Collective: every rank checks all of it before anything changes, then the ranks agree
         # on the verdict (and, torch's format, on loading the same state): all load or none.
         if self.sharded is not None:
-            self.agree_call(CallKind.LOAD_STATE_DICT)
-            self.sharded.load_state_dict(state_dict)
+            checked, refusal = None, None
+            try:
+                checked = self.sharded.check_load(state_dict)
+            except CoconetError as e:
+                refusal = e
+            # all load or none (the content: each rank's own slices are loaded)
+            self.agree_call(CallKind.LOAD_STATE_DICT, "fully sharded", refusal)
+            self.sharded.apply_load(checked)
+            self.after_load()
             for post_hook in self._optimizer_load_state_dict_post_hooks.values():
                 post_hook(self)
             return

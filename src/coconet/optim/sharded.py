@@ -29,8 +29,12 @@ from coconet.compiler import compile as coconet_compile
 from coconet.errors import ConfigError
 from coconet.fsdp.blocks import Block, Segment, Unsharded
 from coconet.fsdp.model import FullyShardedModel, sharded_model_of
-from coconet.ir.types import DType
-from coconet.optim.programs import MASTER, MASTER_STATE_KEY, Precision
+from coconet.ir.ops import COMMUNICATION, Op, ReduceOp
+from coconet.ir.program import Program
+from coconet.ir.types import DType, Sliced
+from coconet.optim.programs import MASTER, MASTER_STATE_KEY, Clip, Precision
+from coconet.schedule import Schedule
+from coconet.schedule.graph import new_node, rewrite
 
 __all__ = ["SegmentStep", "ShardedSteps", "is_fully_sharded"]
 
@@ -65,6 +69,15 @@ class SegmentStep:
         if precision.master:
             self.state[MASTER].copy_(seg.shard.float())
         self.steps = 0
+        # max_grad_norm=: the global norm needs every block's gradient before any update, so
+        # the backward only reduce_scatters (into ``grad_sum``, this rank's slice of the
+        # gradients' sum) and ``opt.step()`` updates each slice on its own rank, clipped
+        self.grad_sum: torch.Tensor | None = None
+        self.update_fn = None
+        if room.clipped:
+            local = on_slices(opt.program(opt.param_groups[group], dtype, clip=Clip.GIVEN,
+                                             averaged=True, **extra))  # fmt: skip
+            self.update_fn = coconet_compile(local, comm=opt.comm, options=opt.recipes.options)
 
     def took_values(self, seg: Segment) -> None:
         """The segment's slice was written (``gathered(writeback=True)``): a float32 master
@@ -78,10 +91,39 @@ class SegmentStep:
         return self.room.buffer(self.step_fn, seg.size, seg.dtype)
 
     def step(self, seg: Segment) -> None:
-        """The fused reduce_scatter and update of this rank's slice (collective)."""
+        """The fused reduce_scatter and update of this rank's slice (collective); with
+        clipping, the reduce_scatter alone, summed into ``grad_sum``."""
         opt = self.room.opt
+        if self.update_fn is not None:
+            work = opt.comm.reduce_scatter_start(
+                seg.grad, ReduceOp.SUM, dim=0, axis=None, donate=False,
+                label="coconet.fsdp reduce_scatter of a block's gradient")  # fmt: skip
+            part = opt.comm.wait(work)
+            if self.grad_sum is None:
+                self.grad_sum = part.clone() if part.data_ptr() == seg.grad.data_ptr() else part
+            else:
+                self.grad_sum += part
+            return
         scalars = opt.scalars(opt.param_groups[self.group], self.steps + 1)
         self.step_fn.run({"g": seg.grad, "p": seg.shard, **self.state, **scalars})
+        self.steps += 1
+
+    def squares(self) -> torch.Tensor:
+        """The sum of squares of this rank's slice of the averaged gradient (float64)."""
+        opt = self.room.opt
+        scale = opt.scalars(opt.param_groups[self.group], self.steps + 1)["grad_scale"]
+        if self.grad_sum is None:
+            return torch.zeros((), dtype=torch.float64)
+        return (self.grad_sum.double() * scale).square().sum()
+
+    def update(self, seg: Segment, coef: torch.Tensor) -> None:
+        """This rank's slice updated from ``grad_sum``, clipped by ``coef`` (no communication)."""
+        opt = self.room.opt
+        scalars = opt.scalars(opt.param_groups[self.group], self.steps + 1)
+        grad = self.grad_sum if self.grad_sum is not None else torch.zeros_like(seg.shard)
+        self.update_fn.run({"g": grad, "p": seg.shard, **self.state, **scalars,
+                            "clip_coef": coef})  # fmt: skip
+        self.grad_sum = None
         self.steps += 1
 
 
@@ -101,6 +143,7 @@ class ShardedSteps:
             )
         self.group_of: dict[int, int] = {}  # id(parameter) -> its param group
         self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.clipped = opt.clipper.max_norm is not None
 
     # -- taking parameters -----------------------------------------------------------------------
 
@@ -157,6 +200,26 @@ class ShardedSteps:
                 self._buffers[key] = torch.empty(size, dtype=dtype, device=self.opt.comm.device)
         return self._buffers[key]
 
+    def step(self) -> None:
+        """``opt.step()``: with ``max_grad_norm=``, the global norm of the averaged gradient
+        (every segment's slice, summed over the ranks: one scalar all_reduce) and each slice's
+        update clipped by torch's factor; without, nothing (each block stepped in the
+        backward)."""
+        if not self.clipped:
+            return
+        opt = self.opt
+        pending = [(b, seg) for b, seg in self.segments() if seg.owner.grad_sum is not None]
+        if not pending:
+            return  # no backward since the last step: torch's optimizer steps nothing either
+        squares = torch.stack([seg.owner.squares() for _, seg in self.segments()]).sum()
+        work = opt.comm.all_reduce_start(squares.reshape(1), ReduceOp.SUM, axis=None,
+                                         donate=True, label="coconet.fsdp gradient norm")  # fmt: skip
+        norm = opt.comm.wait(work).reshape(()).sqrt().float()
+        coef = opt.clip_factor(norm)
+        for _, seg in self.segments():
+            seg.owner.update(seg, coef)
+        opt.clipper.last_grad_norm, opt.clipper.last_clip_coef = norm, coef
+
     def segments(self) -> list[tuple[Block, Segment]]:
         """Every stepped segment, in the blocks' order (the same on every rank)."""
         return [(b, seg) for b in self.model.blocks for seg in b.segments
@@ -191,10 +254,10 @@ class ShardedSteps:
                                      label="coconet.fsdp state gather")  # fmt: skip
         return comm.wait(work)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's format (from this optimizer at any world size, unsharded, or torch's):
-        checked whole before anything changes; each rank keeps its slices (no
-        communication)."""
+    def check_load(self, state_dict: dict[str, Any]) -> Any:
+        """torch's format (from this optimizer at any world size, unsharded, or torch's),
+        checked whole before anything changes (a ``ConfigError``): what ``apply_load`` loads,
+        each rank its slices (no communication)."""
         from coconet.optim.state import packed_groups
 
         opt = self.opt
@@ -243,7 +306,12 @@ class ShardedSteps:
                     parts.append(t.detach().reshape(-1).to(owner.state[prog].dtype))
                 values[prog] = parts
             plan.append((seg, values, steps.pop()))
-        for g, saved in zip(opt.param_groups, saved_groups, strict=True):
+        return saved_groups, plan
+
+    def apply_load(self, checked: Any) -> None:
+        """Load what ``check_load`` checked."""
+        saved_groups, plan = checked
+        for g, saved in zip(self.opt.param_groups, saved_groups, strict=True):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = copy.deepcopy(v)
@@ -261,6 +329,28 @@ class ShardedSteps:
                     x.copy_(seg.shard.float())
                     continue
                 x.copy_(torch.cat(values[prog])[lo:hi])
+
+
+def on_slices(program: Program) -> Schedule:
+    """A program that communicates nothing (an optimizer's step of gradients averaged
+    before it) run on slices: its tensor inputs Sliced along dim 0 instead of Replicated (each
+    rank passes its slice of each, the program's own slicing), its computations one fused
+    kernel. Elementwise, so the arithmetic is the same, element by element."""
+    if any(n.op in COMMUNICATION for n in program.nodes):
+        raise ConfigError(f"{program.name} communicates: it cannot run on one rank alone",
+                          op="coconet.optim.sharded")  # fmt: skip
+    mapping = {}
+    for t in program.inputs:
+        if t.type.rank > 0:
+            attrs = {"dtype": t.type.dtype, "shape": t.type.shape, "layout": Sliced(0, None)}
+            mapping[t.name] = new_node("on_slices", Op.INPUT, (), attrs, name=t.name, like=t)
+    local = rewrite("on_slices", program, mapping)
+    s = Schedule(local, "C")
+    computed = [n.name for n in local.nodes
+                if n.op not in (Op.INPUT, Op.UPDATE) and n.type.rank > 0]  # fmt: skip
+    if computed:
+        s.fuse(computed)
+    return s
 
 
 def _agree_on_shapes(opt: Any, index: int, params: Sequence[torch.nn.Parameter]) -> None:
