@@ -213,7 +213,7 @@ class ShardedSteps:
             return  # no backward since the last step: torch's optimizer steps nothing either
         squares = torch.stack([seg.owner.squares() for _, seg in self.segments()]).sum()
         work = opt.comm.all_reduce_start(squares.reshape(1), ReduceOp.SUM, axis=None,
-                                         donate=True, label="coconet.fsdp gradient norm")  # fmt: skip
+                                         donate=True, label="coconet.fsdp gradient norm")
         norm = opt.comm.wait(work).reshape(()).sqrt().float()
         coef = opt.clip_factor(norm)
         for _, seg in self.segments():
