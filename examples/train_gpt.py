@@ -39,6 +39,7 @@ apart slowly over training).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import statistics
@@ -69,6 +70,7 @@ class Config:
     seed: int = 0
     world: int = 2
     dtype: str = "float32"  # the parameters' (bfloat16: float32 masters in the optimizers)
+    fully_shard: bool = False  # a third run: the model fully sharded (coconet.fsdp)
 
 
 class Block(nn.Module):
@@ -179,16 +181,30 @@ def ranks(comm, cfg: Config) -> dict:
     )
     ddp = DistributedDataParallel(model(cfg).to(dtype))
     ddp_opt = MasterAdamW(list(ddp.parameters()), cfg.lr, cfg.weight_decay, fused=True)
+    runs = ("ddp", "coconet", "fsdp") if cfg.fully_shard else ("ddp", "coconet")
+    if cfg.fully_shard:
+        import coconet.fsdp
+
+        sharded = model(cfg).to(dtype)
+        fs = coconet.fsdp.fully_shard(sharded, comm=comm)  # each Block gathered in its turn
+        fs_opt = coconet.optim.AdamW(
+            sharded.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, comm=comm
+        )
     out = {k: [] for k in ("coconet_loss", "ddp_loss", "coconet_ms", "ddp_ms", "compute_ms",
-                           "coconet_step_ms")}
+                           "coconet_step_ms", "fsdp_loss", "fsdp_ms")}
     def one_step(k: int) -> None:
         x, y = batch(data, cfg, k)
         xs = torch.tensor_split(x, comm.world)[comm.rank]
         ys = torch.tensor_split(y, comm.world)[comm.rank]
-        for run in ("ddp", "coconet"):
+        for run in runs:
             dist.barrier()
             t0 = time.perf_counter()
-            if run == "ddp":
+            if run == "fsdp":  # the update of each block runs in its backward
+                fs_opt.zero_grad()
+                loss = loss_of(sharded, xs, ys)
+                loss.backward()
+                fs_opt.step()
+            elif run == "ddp":
                 ddp_opt.zero_grad()
                 loss = loss_of(ddp, xs, ys)
                 loss.backward()  # DDP all-reduces the gradients here, bucket by bucket
@@ -216,19 +232,47 @@ def ranks(comm, cfg: Config) -> dict:
             say(f"  step {k + 1}/{cfg.steps} (rank 0: coconet {out['coconet_ms'][-1]:.1f} ms, "
                 f"DDP {out['ddp_ms'][-1]:.1f} ms)")
     # the global batch's loss: the mean of the ranks' (equal shares)
-    for run in ("ddp", "coconet"):
+    for run in runs:
         t = torch.tensor(out[f"{run}_loss"], dtype=torch.float64)
         dist.all_reduce(t)
         out[f"{run}_loss"] = (t / comm.world).tolist()
-    for key in ("coconet_ms", "ddp_ms", "compute_ms", "coconet_step_ms"):
+    if cfg.fully_shard:
+        # the fully sharded parameters, gathered, against DDP's and coconet.optim's after the
+        # last step (and coconet.optim's against DDP's: what float32 sums in another order do)
+        whole = fs.state_dict()
+        mine, theirs = ours.state_dict(), ddp.module.state_dict()
+        out["param_drift"] = {
+            "fsdp_vs_ddp": _drift(whole, theirs),
+            "fsdp_vs_coconet": _drift(whole, mine),
+            "coconet_vs_ddp": _drift(mine, theirs),
+        }
+        # (bytes: the parent compares them with one process's; tensors do not cross spawn)
+        buf = io.BytesIO()
+        torch.save({"fsdp": whole, "coconet": mine, "ddp": theirs}, buf)
+        out["params"] = buf.getvalue()
+    for key in ("coconet_ms", "ddp_ms", "compute_ms", "coconet_step_ms",
+                *(("fsdp_ms",) if cfg.fully_shard else ())):  # fmt: skip
         t = torch.tensor(out[key], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time, step by step
         out[key] = t.tolist()
     return out
 
 
-def single(cfg: Config) -> list[float]:
-    """One process, the full batch, torch.optim.AdamW: the losses both runs must follow."""
+def _drift(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The largest difference of any parameter of ``a`` from ``b``'s, relative to that
+    parameter's largest value in ``b`` (``max``), and over all of them the largest
+    difference relative to ``b``'s largest value (``global``)."""
+    worst, scale, diff = 0.0, 0.0, 0.0
+    for k, v in b.items():
+        d = (a[k].double() - v.double()).abs().max().item()
+        m = v.double().abs().max().item()
+        worst, scale, diff = max(worst, d / max(m, 1e-30)), max(scale, m), max(diff, d)
+    return {"max": worst, "global": diff / max(scale, 1e-30)}
+
+
+def single(cfg: Config, params: dict | None = None) -> list[float]:
+    """One process, the full batch, torch.optim.AdamW: the losses both runs must follow
+    (``params``: filled with its parameters after the last step)."""
     data = corpus()
     net = model(cfg).to(getattr(torch, cfg.dtype))
     opt = MasterAdamW(list(net.parameters()), cfg.lr, cfg.weight_decay)
@@ -240,6 +284,8 @@ def single(cfg: Config) -> list[float]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    if params is not None:
+        params.update({k: v.detach().clone() for k, v in net.state_dict().items()})
     return losses
 
 
@@ -252,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=Config.seq)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the parameters' dtype (bfloat16: float32 masters in every optimizer)")
+    ap.add_argument("--fully-shard", action="store_true",
+                    help="a third run: the model fully sharded (coconet.fsdp.fully_shard), "
+                    "each block's update in its backward; its parameters are checked against "
+                    "DDP's after the last step")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="relative, on the losses (default 1e-4; 1e-2 with --dtype bfloat16)")
     ap.add_argument("--json", metavar="PATH")
@@ -259,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = Config(
         steps=args.steps, d_model=args.d_model, layers=args.layers, batch=args.batch,
-        seq=args.seq, dtype=args.dtype,
+        seq=args.seq, dtype=args.dtype, fully_shard=args.fully_shard,
     )
     if args.tolerance is None:
         # bfloat16: each run rounds its gradients' sums in its own order (one bfloat16 ulp is
@@ -283,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         res = spawn(ranks, cfg.world, cfg, options=CommOptions(timeout=300), timeout=1800)[0]
     with phase(f"the reference: one process, the full batch, torch.optim.AdamW{masters}, "
                f"{cfg.steps} steps"):  # fmt: skip
-        ref = single(cfg)
+        ref_params: dict[str, torch.Tensor] = {}
+        ref = single(cfg, ref_params)
     wall = time.perf_counter() - t0
 
     window = 10 if cfg.dtype != "float32" else 1  # (bfloat16: the means of 10-step windows)
@@ -297,15 +348,21 @@ def main(argv: list[str] | None = None) -> int:
     def step_drift(run: str) -> float:
         return max(abs(a - b) / abs(b) for a, b in zip(res[f"{run}_loss"], ref, strict=True))
 
+    runs = ("coconet", "ddp", "fsdp") if cfg.fully_shard else ("coconet", "ddp")
+
     say("\nlosses of the global batch, and each data-parallel step's time (the slowest rank's);")
     say("'1 process' is the reference: one process on the full batch with torch.optim.AdamW")
-    say(f"\n{'step':>4} {'1 process':>10} {'coconet':>10} {'ddp':>10}   {'coconet ms':>10} "
-        f"{'ddp ms':>8}")
+    fs_head = f" {'fsdp':>10}" if cfg.fully_shard else ""
+    fs_ms = f" {'fsdp ms':>8}" if cfg.fully_shard else ""
+    say(f"\n{'step':>4} {'1 process':>10} {'coconet':>10} {'ddp':>10}{fs_head}   "
+        f"{'coconet ms':>10} {'ddp ms':>8}{fs_ms}")
     for k in range(cfg.steps):
         note = "   <- the first step compiles coconet's fused kernels (once)" if k == 0 else ""
+        fs_loss = f" {res['fsdp_loss'][k]:>10.5f}" if cfg.fully_shard else ""
+        fs_time = f" {res['fsdp_ms'][k]:>8.1f}" if cfg.fully_shard else ""
         say(f"{k + 1:>4} {ref[k]:>10.5f} {res['coconet_loss'][k]:>10.5f} "
-            f"{res['ddp_loss'][k]:>10.5f}   {res['coconet_ms'][k]:>10.1f} "
-            f"{res['ddp_ms'][k]:>8.1f}{note}")
+            f"{res['ddp_loss'][k]:>10.5f}{fs_loss}   {res['coconet_ms'][k]:>10.1f} "
+            f"{res['ddp_ms'][k]:>8.1f}{fs_time}{note}")
     timed = slice(2, None)  # the first steps compile coconet's kernel and warm DDP's buckets
     med = {k: statistics.median(res[k][timed] or res[k]) for k in (
         "coconet_ms", "ddp_ms", "compute_ms", "coconet_step_ms")}  # fmt: skip
@@ -318,10 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         "forward_backward_ms": med["compute_ms"],
         "coconet_optimizer_step_ms": med["coconet_step_ms"],
         "ddp_share_not_forward_backward": share,
-        "loss_drift": {"coconet": drift("coconet"), "ddp": drift("ddp")},
+        "loss_drift": {run: drift(run) for run in runs},
         "loss_drift_window": window,
-        "loss_drift_per_step": {"coconet": step_drift("coconet"), "ddp": step_drift("ddp")},
-        "losses": {"single": ref, "coconet": res["coconet_loss"], "ddp": res["ddp_loss"]},
+        "loss_drift_per_step": {run: step_drift(run) for run in runs},
+        "losses": {"single": ref, **{run: res[f"{run}_loss"] for run in runs}},
         "wall_s": wall,
     }
     speed = summary["speedup_vs_ddp"]
@@ -342,13 +399,36 @@ def main(argv: list[str] | None = None) -> int:
     say(f"losses vs one process on the full batch (max relative{over}): coconet "
         f"{summary['loss_drift']['coconet']:.1e}, ddp {summary['loss_drift']['ddp']:.1e} "
         f"(tolerance {args.tolerance:g}){also}; wall {wall:.0f} s")
+    if cfg.fully_shard:
+        fs_med = statistics.median(res["fsdp_ms"][timed] or res["fsdp_ms"])
+        summary["median_step_ms"]["fsdp"] = fs_med
+        drift_p = summary["param_drift"] = res["param_drift"]
+        finals = torch.load(io.BytesIO(res.pop("params")), weights_only=True)
+        for run, got in finals.items():
+            drift_p[f"{run}_vs_single"] = _drift(got, ref_params)
+        say(f"fully sharded (coconet.fsdp): median step {fs_med:.1f} ms "
+            f"({fs_med / med['coconet_ms']:.2f}x coconet.optim's, {med['ddp_ms'] / fs_med:.2f}x "
+            f"faster than DDP); its parameters after step {cfg.steps}, relative to each "
+            f"tensor's largest: {drift_p['fsdp_vs_coconet']['max']:.1e} from coconet.optim's, "
+            f"{drift_p['fsdp_vs_ddp']['max']:.1e} from DDP's (coconet.optim's from DDP's: "
+            f"{drift_p['coconet_vs_ddp']['max']:.1e}); from one process's: fsdp "
+            f"{drift_p['fsdp_vs_single']['max']:.1e}, coconet.optim "
+            f"{drift_p['coconet_vs_single']['max']:.1e}, DDP {drift_p['ddp_vs_single']['max']:.1e}"
+            f" (relative to the largest value of all: fsdp "
+            f"{drift_p['fsdp_vs_single']['global']:.1e}, DDP "
+            f"{drift_p['ddp_vs_single']['global']:.1e})")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
         say(f"JSON written to {args.json}")
     if args.plot:
         plot(summary, args.plot)
-    finite = all(math.isfinite(x) for x in res["coconet_loss"] + res["ddp_loss"])
+    finite = all(math.isfinite(x) for run in runs for x in res[f"{run}_loss"])
     worst = max(summary["loss_drift"].values())
+    if cfg.fully_shard and res["param_drift"]["fsdp_vs_coconet"]["max"] > args.tolerance:
+        say(f"FAIL: the fully sharded parameters left coconet.optim's by "
+            f"{res['param_drift']['fsdp_vs_coconet']['max']:.1e} relative (tolerance "
+            f"{args.tolerance:g})")
+        return 1
     if finite and worst <= args.tolerance:
         say(f"ok: both data-parallel runs follow one process (max relative {worst:.1e} <= "
             f"{args.tolerance:g}); {verdict}")

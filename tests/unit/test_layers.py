@@ -50,8 +50,13 @@ ALLOWED: dict[str, set[str]] = {
         "ir", "dsl", "accounting", "codegen", "schedule", "compiler", "runtime", "cache",
         "options",
     },
+    # fully sharded parameters: blocks laid out in slices, gathered by the runtime's
+    # collectives; the optimizer's side of them is optim's (optim.sharded)
+    "fsdp": {"ir", "runtime", "options"},
     # (random: the seeds of stochastic rounding's streams, one per bucket)
-    "optim": {"ir", "dsl", "schedule", "compiler", "runtime", "options", "tune", "random"},
+    "optim": {
+        "ir", "dsl", "schedule", "compiler", "runtime", "options", "tune", "random", "fsdp",
+    },
     # tensor-parallel layers: DSL programs, their gradients, compiled steps, and the
     # counter-based dropout masks and seeds of the attention they write out (random)
     "nn": {

@@ -37,7 +37,9 @@ from torch import nn
 from coconet.errors import ConfigError
 from coconet.fsdp.blocks import Block, Unsharded
 from coconet.options import TransportKind
+from coconet.runtime import launch
 from coconet.runtime.allocator import trim_heap
+from coconet.runtime.comm import Communicator
 
 __all__ = ["FullyShardedModel", "fully_shard", "sharded_model_of"]
 
@@ -63,9 +65,15 @@ def fully_shard(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None,
     ``comm``: default the communicator of ``coconet.runtime.init()``. ``prefetch``: start the
     next block's gather before this one computes (default: where the transport progresses on
     its own, torch.distributed; over shared memory a gather is one synchronous copy)."""
-    from coconet.optim import settings
-
-    comm = settings.default_comm(comm, "coconet.fsdp.fully_shard")
+    if comm is None:
+        comm = launch.current() or launch.init()
+    elif not isinstance(comm, Communicator):
+        raise ConfigError(
+            f"fully_shard needs a communicator, got comm={comm!r}",
+            op="coconet.fsdp.fully_shard",
+            hint="comm = coconet.runtime.init(); coconet.fsdp.fully_shard(model, comm=comm), "
+            "or leave comm out for that default",
+        )
     return FullyShardedModel(model, blocks, comm, reshard_after_forward, prefetch)
 
 

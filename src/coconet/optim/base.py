@@ -278,7 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[index] if added else {"params": []}
         if refusal is None and added and (self.sharded is not None
                                           or is_fully_sharded(group["params"])):  # fmt: skip
-            self._add_sharded_group(index, group)
+            ShardedSteps.take_group(self, index, group)
             return
         trainable = []
         if refusal is None:
@@ -318,46 +318,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.packer.settle_clipping()
         self.agreement.refresh(self.param_groups)
 
-    def _add_sharded_group(self, index: int, group: dict[str, Any]) -> None:
-        """A group of fully sharded parameters (``coconet.fsdp``): their steps are
-        ``coconet.optim.sharded``'s, run in the backward. Collective."""
-        from coconet.fsdp.model import sharded_model_of
-
-        name = f"coconet.optim.{type(self).__name__}"
-        try:
-            unsupported = [what for what, on in (
-                ("ddp=", self.ddp is not None),
-                ("param_storage='host_shared'", self.storage is ParamStorage.HOST_SHARED),
-                ("max_grad_norm= with reduce_dtype=", self.clipper.max_norm is not None
-                 and self.reduce_dtype is not None),
-                (f"{type(self).__name__} (its norms are each whole tensor's)",
-                 self.bucket_per_parameter),
-                ("rounding='stochastic'", self.rounding is Rounding.STOCHASTIC),
-                ("parameters packed before (a group of plain parameters)", len(self.buckets) > 0),
-            ) if on]  # fmt: skip
-            if unsupported:
-                raise ConfigError(
-                    f"fully sharded parameters (coconet.fsdp) do not take {unsupported[0]} yet",
-                    op=name,
-                    hint="leave it out; these are not built yet for fully sharded parameters",
-                )
-            self.check_group(group, f"param group {index}")
-            trainable = [p for p in group["params"] if p.requires_grad]
-            if self.sharded is None:
-                model = sharded_model_of(group["params"][0]) if group["params"] else None
-                if model is None:
-                    raise ConfigError(
-                        "a param group mixes fully sharded parameters with others",
-                        op=name,
-                        hint="fully_shard the whole model and build the optimizer over "
-                        "model.parameters()",
-                    )
-                self.sharded = ShardedSteps(self, model)
-            self.sharded.add_group(index, trainable)
-        except BaseException:
-            self.param_groups.pop()  # as if never added
-            raise
-
     def agree_call(self, kind: CallKind, content: str = "",
                    refusal: BaseException | None = None) -> None:  # fmt: skip
         """Every rank makes this same collective call (``CallAgreement.agree``), through the
@@ -381,16 +341,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.sharded is not None:
-            if grad_scaler is not None:
-                raise ConfigError(
-                    "a GradScaler over fully sharded parameters (coconet.fsdp) is not built yet",
-                    op=f"coconet.optim.{type(self).__name__}.step",
-                    hint="train in bfloat16 or float32 without a scaler",
-                )
-            # each block stepped in the backward (coconet.fsdp.model); with max_grad_norm= the
-            # backward reduced the gradients and the clipped updates run now
-            self.sharded.step()
+        if self.sharded is not None:  # (coconet.optim.sharded: the blocks step in the backward)
+            self.sharded.step(grad_scaler)
             return loss
         scaling = Scaling.begin(grad_scaler, self)
         if self.ddp is not None:
@@ -447,10 +399,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Zero the gradient buckets; every ``.grad`` stays a view of its bucket (with
         ``set_to_none`` the parameters count as without a gradient, as torch's ``None``).
         With ``ddp=``, torch's ``zero_grad`` (DDP owns the gradient buffers)."""
-        if self.ddp is not None:
+        if self.ddp is not None or self.sharded is not None:  # (fsdp: the backward's own)
             return super().zero_grad(set_to_none)
-        if self.sharded is not None:
-            return None  # the backward's step consumed the gradients (coconet.fsdp)
         self.watch.zero_grads(set_to_none)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -459,11 +409,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's slices of the state with their offsets, no communication (see
         ``coconet.optim.checkpoint``: when to use it rather than ``state_dict``)."""
         if self.sharded is not None:
-            raise ConfigError(
-                "sharded_state_dict() of fully sharded parameters is not built yet",
-                op=f"coconet.optim.{type(self).__name__}.sharded_state_dict",
-                hint="save state_dict() (torch's format, gathered)",
-            )
+            return self.sharded.sharded_state_dict()
         for b in self.buckets:
             b.sync_master()
         groups, index = state.packed_groups(self.param_groups)
@@ -499,41 +445,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        # Collective: every rank checks all of it before anything changes, then the ranks agree
-        # on the verdict (and, torch's format, on loading the same state): all load or none.
-        if self.sharded is not None:
-            checked, refusal = None, None
-            try:
-                checked = self.sharded.check_load(state_dict)
-            except CoconetError as e:
-                refusal = e
-            # all load or none (the content: each rank's own slices are loaded)
-            self.agree_call(CallKind.LOAD_STATE_DICT, "fully sharded", refusal)
-            self.sharded.apply_load(checked)
-            self.after_load()
-            for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-                post_hook(self)
-            return
-        shard = checkpoint.is_shard(state_dict)
-        refusal: CoconetError | None = None
-        load = None
-        try:
-            if shard:
-                checkpoint.check_shard(self, state_dict)
-            else:
-                load = state.check_torch_format(self, state_dict)
-        except CoconetError as e:
-            refusal = e
-        # a shard is this rank's own: only its verdict is compared
-        content = ("a shard" if shard or refusal or not self.agreement.enabled
-                   else state.state_digest(state_dict))  # fmt: skip
-        self.agree_call(CallKind.LOAD_STATE_DICT, content, refusal)
-        if shard:
-            checkpoint.apply_shard(self, state_dict)
+        if self.sharded is not None:  # (fully sharded parameters: coconet.optim.sharded's)
+            self.sharded.load_state_dict(state_dict)
         else:
-            state.apply_torch_format(self, load)
-        self.agreement.refresh(self.param_groups)
-        self.after_load()
+            checkpoint.load(self, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

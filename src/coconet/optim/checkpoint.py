@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
-from coconet.errors import ConfigError
+from coconet.errors import CoconetError, ConfigError
+from coconet.optim import state
+from coconet.optim.agreement import CallKind
 
-__all__ = ["FORMAT", "apply_shard", "check_shard", "is_shard", "load_shard", "merge_shards",
-           "sharded_state_dict"]
+__all__ = ["FORMAT", "apply_shard", "check_shard", "is_shard", "load", "load_shard",
+           "merge_shards", "sharded_state_dict"]
 
 # /2: step counts per parameter ("steps" a list, "extra" one entry per parameter); /1 (one count
 # per bucket) is still read.
@@ -180,3 +182,29 @@ def apply_shard(opt: torch.optim.Optimizer, shard: dict[str, Any]) -> None:
         b.steps[:] = _per_param(saved)[0]
         for prog_name, key in b.names.items():
             b.state[prog_name].copy_(saved["state"][key])
+
+
+def load(opt: Any, state_dict: dict[str, Any]) -> None:
+    """``opt.load_state_dict`` of torch's format or of a shard, after the pre-hooks.
+    Collective: every rank checks all of it before anything changes, then the ranks agree on
+    the verdict (and, torch's format, on loading the same state): all load or none."""
+    shard = is_shard(state_dict)
+    refusal: CoconetError | None = None
+    checked = None
+    try:
+        if shard:
+            check_shard(opt, state_dict)
+        else:
+            checked = state.check_torch_format(opt, state_dict)
+    except CoconetError as e:
+        refusal = e
+    # a shard is this rank's own: only its verdict is compared
+    content = ("a shard" if shard or refusal or not opt.agreement.enabled
+               else state.state_digest(state_dict))  # fmt: skip
+    opt.agree_call(CallKind.LOAD_STATE_DICT, content, refusal)
+    if shard:
+        apply_shard(opt, state_dict)
+    else:
+        state.apply_torch_format(opt, checked)
+    opt.agreement.refresh(opt.param_groups)
+    opt.after_load()

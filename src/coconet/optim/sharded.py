@@ -26,13 +26,14 @@ import torch
 
 from coconet import schedule as schedules
 from coconet.compiler import compile as coconet_compile
-from coconet.errors import ConfigError
+from coconet.errors import CoconetError, ConfigError
 from coconet.fsdp.blocks import Block, Segment, Unsharded
 from coconet.fsdp.model import FullyShardedModel, sharded_model_of
 from coconet.ir.ops import COMMUNICATION, Op, ReduceOp
 from coconet.ir.program import Program
 from coconet.ir.types import DType, Sliced
 from coconet.optim.programs import MASTER, MASTER_STATE_KEY, Clip, Precision
+from coconet.options import ParamStorage, Rounding
 from coconet.schedule import Schedule
 from coconet.schedule.graph import new_node, rewrite
 
@@ -145,6 +146,47 @@ class ShardedSteps:
         self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.clipped = opt.clipper.max_norm is not None
 
+    @staticmethod
+    def take_group(opt: Any, index: int, group: dict[str, Any]) -> None:
+        """``opt.add_param_group`` of a group of fully sharded parameters (``coconet.fsdp``),
+        after torch's checks: what this optimizer cannot do over them is refused, the room is
+        made at the first group, the group's parameters taken (collective). A refusal removes
+        the group again."""
+        name = f"coconet.optim.{type(opt).__name__}"
+        try:
+            unsupported = [what for what, on in (
+                ("ddp=", opt.ddp is not None),
+                ("param_storage='host_shared'", opt.storage is ParamStorage.HOST_SHARED),
+                ("max_grad_norm= with reduce_dtype=", opt.clipper.max_norm is not None
+                 and opt.reduce_dtype is not None),
+                (f"{type(opt).__name__} (its norms are each whole tensor's)",
+                 opt.bucket_per_parameter),
+                ("rounding='stochastic'", opt.rounding is Rounding.STOCHASTIC),
+                ("parameters packed before (a group of plain parameters)", len(opt.buckets) > 0),
+            ) if on]  # fmt: skip
+            if unsupported:
+                raise ConfigError(
+                    f"fully sharded parameters (coconet.fsdp) do not take {unsupported[0]} yet",
+                    op=name,
+                    hint="leave it out; these are not built yet for fully sharded parameters",
+                )
+            opt.check_group(group, f"param group {index}")
+            trainable = [p for p in group["params"] if p.requires_grad]
+            if opt.sharded is None:
+                model = sharded_model_of(group["params"][0]) if group["params"] else None
+                if model is None:
+                    raise ConfigError(
+                        "a param group mixes fully sharded parameters with others",
+                        op=name,
+                        hint="fully_shard the whole model and build the optimizer over "
+                        "model.parameters()",
+                    )
+                opt.sharded = ShardedSteps(opt, model)
+            opt.sharded.add_group(index, trainable)
+        except BaseException:
+            opt.param_groups.pop()  # as if never added
+            raise
+
     # -- taking parameters -----------------------------------------------------------------------
 
     def add_group(self, index: int, params: Sequence[torch.nn.Parameter]) -> None:
@@ -200,11 +242,17 @@ class ShardedSteps:
                 self._buffers[key] = torch.empty(size, dtype=dtype, device=self.opt.comm.device)
         return self._buffers[key]
 
-    def step(self) -> None:
+    def step(self, grad_scaler: Any = None) -> None:
         """``opt.step()``: with ``max_grad_norm=``, the global norm of the averaged gradient
         (every segment's slice, summed over the ranks: one scalar all_reduce) and each slice's
         update clipped by torch's factor; without, nothing (each block stepped in the
         backward)."""
+        if grad_scaler is not None:
+            raise ConfigError(
+                "a GradScaler over fully sharded parameters (coconet.fsdp) is not built yet",
+                op=f"coconet.optim.{type(self.opt).__name__}.step",
+                hint="train in bfloat16 or float32 without a scaler",
+            )
         if not self.clipped:
             return
         opt = self.opt
@@ -253,6 +301,27 @@ class ShardedSteps:
         work = comm.all_gather_start(x, dim=0, parts=seg.parts, axis=None,
                                      label="coconet.fsdp state gather")  # fmt: skip
         return comm.wait(work)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        raise ConfigError(
+            "sharded_state_dict() of fully sharded parameters is not built yet",
+            op=f"coconet.optim.{type(self.opt).__name__}.sharded_state_dict",
+            hint="save state_dict() (torch's format, gathered)",
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's format, checked on every rank before the ranks agree (all load or none)."""
+        from coconet.optim.agreement import CallKind
+
+        checked, refusal = None, None
+        try:
+            checked = self.check_load(state_dict)
+        except CoconetError as e:
+            refusal = e
+        # (each rank loads its own slices: the verdicts alone are compared)
+        self.opt.agree_call(CallKind.LOAD_STATE_DICT, "fully sharded", refusal)
+        self.apply_load(checked)
+        self.opt.after_load()
 
     def check_load(self, state_dict: dict[str, Any]) -> Any:
         """torch's format (from this optimizer at any world size, unsharded, or torch's),

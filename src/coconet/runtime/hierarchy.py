@@ -89,6 +89,7 @@ from coconet.runtime.transport import (
     Pending,
     Transport,
     WholeWait,
+    into,
     ready,
     wait_work,
 )
@@ -374,7 +375,7 @@ class HierarchicalTransport(Transport):
         x0 = x.movedim(dim, 0).contiguous()
         if out is not None:  # (written whole, then copied: the phases' layouts differ)
             p = self.all_gather(x, group, dim=dim, parts=parts, algorithm=algorithm)
-            return ready(out.copy_(p.wait()))
+            return ready(into(p.wait(), out))
         if h.plan is CrossHost.THROUGH_LEADERS:
             return ready(self._leaders_all_gather(x0, parts, h).movedim(0, dim))
         layout = h.layout

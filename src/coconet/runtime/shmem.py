@@ -44,6 +44,7 @@ from coconet.runtime.transport import (
     Pending,
     Published,
     Transport,
+    into,
     ready,
 )
 
@@ -727,9 +728,9 @@ class SharedMemoryTransport(Transport):
         x0 = x.movedim(dim, 0).contiguous()
         starts = [sum(parts[:r]) for r in range(len(parts))]
         rows = [[(starts[r], starts[r] + parts[r])] for r in range(len(parts))]
-        into = out if out is not None and dim == 0 and out.is_contiguous() else None
-        whole = self.gather_rows(x0, group, rows=rows, out=into).movedim(0, dim)
-        return ready(_into(whole, out))
+        target = out if out is not None and dim == 0 and out.is_contiguous() else None
+        whole = self.gather_rows(x0, group, rows=rows, out=target).movedim(0, dim)
+        return ready(into(whole, out))
 
     def gather_rows(
         self, x0: torch.Tensor, group: Group, *, rows: Sequence[Sequence[tuple[int, int]]],
@@ -737,9 +738,8 @@ class SharedMemoryTransport(Transport):
     ) -> torch.Tensor:
         """The whole of which each rank's contiguous ``x0`` fills the ``[start, stop)`` row
         ranges ``rows[rank]``, in order (its ``x0`` is their concatenation): an all_gather (one
-        range per rank, in rank order), or the hierarchical transport's last phase. ``out``: a
-        contiguous tensor of the whole's shape to write it into (a fully sharded block's
-        buffer: no copy of the result)."""
+        range per rank, in rank order), or the hierarchical transport's last phase; written into
+        ``out`` where given (contiguous, the whole's shape)."""
         st: ShmGroup = group.handle
         n, i = st.size, st.index
         total = max((hi for ranges in rows for _, hi in ranges), default=0)
@@ -753,10 +753,7 @@ class SharedMemoryTransport(Transport):
             at += hi - lo
         mem.post(Phase.READY, e)
         mem.wait(Phase.READY, e)
-        if out is None:
-            out = torch.empty(shape, dtype=x0.dtype)
-        else:
-            out = out.view(shape)
+        out = torch.empty(shape, dtype=x0.dtype) if out is None else out.view(shape)
         for j in range(n):
             theirs = mem.buffer(j, x0.dtype, numel).view(shape)
             for lo, hi in rows[j]:
@@ -978,15 +975,6 @@ class SharedMemoryTransport(Transport):
             out = torch.zeros_like(flat)
         mem.post(Phase.CONSUMED, e)
         return ready(out.view(x.shape))
-
-
-def _into(whole: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """``whole`` in ``out`` (copied, unless it was written there), or ``whole``."""
-    if out is None:
-        return whole
-    if whole.data_ptr() != out.data_ptr():
-        out.copy_(whole)
-    return out
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -24,6 +24,7 @@ from coconet.runtime.transport import (
     Pending,
     Transport,
     WholeWait,
+    into,
     ready,
 )
 
@@ -141,16 +142,11 @@ class TorchDistributedTransport(Transport):
         out: torch.Tensor | None = None,
     ) -> Pending:
         if group.size == 1:
-            return ready(x if out is None else out.copy_(x))
+            return ready(into(x, out))
         x0 = x.movedim(dim, 0).contiguous()
         fn = ALGORITHMS[Op.ALL_GATHER][algorithm or Algorithm.NATIVE]
         p = fn(x0, group.handle, list(parts), group.index)
-
-        def finish() -> torch.Tensor:
-            whole = p.finish().movedim(0, dim)
-            return whole if out is None else out.copy_(whole)
-
-        return Pending(p.works, finish)
+        return Pending(p.works, lambda: into(p.finish().movedim(0, dim), out))
 
     def broadcast(self, x, group: Group, *, root: int, donate: bool) -> Pending:
         if group.size == 1:

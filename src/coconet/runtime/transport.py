@@ -99,6 +99,16 @@ class WholeWait:
         return self.work.wait() if timeout is None else self.work.wait(timeout)
 
 
+def into(whole: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A gather's result ``whole`` in ``out`` (copied, unless it was written there already),
+    or ``whole`` when no ``out`` was given (``Communicator.all_gather_start(out=)``)."""
+    if out is None:
+        return whole
+    if whole.data_ptr() != out.data_ptr():
+        out.copy_(whole)
+    return out
+
+
 # The waiter of the Pending being waited for on this thread (see Pending.wait).
 _WAITER = threading.local()
 
