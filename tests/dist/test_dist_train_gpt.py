@@ -15,8 +15,11 @@ from support.examples_loader import EXAMPLES
 
 @pytest.mark.timeout(240)
 def test_the_training_example_follows_one_process(tmp_path):
+    """With ``--fully-shard``: a third run, the model fully sharded (coconet.fsdp), whose
+    parameters follow coconet.optim's over the same programs (one sliced, one gathered)."""
     out = tmp_path / "run.json"
-    argv = ["--steps", "4", "--d-model", "32", "--layers", "1", "--tolerance", "1e-5"]
+    argv = ["--steps", "4", "--d-model", "32", "--layers", "2", "--tolerance", "1e-5",
+            "--fully-shard"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_gpt.py"), *argv, "--json", str(out)],
         capture_output=True,
@@ -26,6 +29,8 @@ def test_the_training_example_follows_one_process(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads(out.read_text())
     assert summary["loss_drift"]["coconet"] <= 1e-5
+    assert summary["loss_drift"]["fsdp"] <= 1e-5
+    assert summary["param_drift"]["fsdp_vs_coconet"]["max"] <= 1e-6
     assert len(summary["losses"]["coconet"]) == 4
     assert "communication + optimizer are" in proc.stdout
 
