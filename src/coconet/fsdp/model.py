@@ -8,9 +8,9 @@ What happens in a step (``FullyShardedModel``), block by block:
   (``reshard_after_forward=True``, the default; the root block, whose parameters the model's
   first and last layers share, stays gathered until its backward).
 - **Backward.** When the gradient reaches a block's outputs, the block is gathered again and
-  its parameters' ``.grad`` become views of one zeroed flat gradient per segment, which
-  autograd accumulates into; the previous block's gather is started. Once every trainable
-  parameter of the block has its gradient, each segment's **optimizer step runs: the fused
+  the previous block's gather is started. Once every trainable parameter of the block has
+  its gradient, the gradients are copied into one flat buffer per segment (where the step's
+  collective reads them in place) and each segment's **optimizer step runs: the fused
   reduce_scatter of the gradient and update of this rank's slice** (the paper's
   ``fuse(RS, update)``; the all_gather that would end it is the next forward's), and the block
   is freed. A block some of whose parameters got no gradient (or the root, whose tied
@@ -267,11 +267,11 @@ class FullyShardedModel:
                     hint="build the optimizer over model.parameters() after fully_shard, before "
                     "the first backward (or set requires_grad=False on what you freeze)",
                 )
+            # the buffer the step reads; autograd's own gradients are copied into it when the
+            # block is complete (one pass; a zeroed buffer accumulated into would be three)
             seg.grad = seg.owner.gradient_buffer(seg)
-            seg.grad.zero_()
-            for j, i in enumerate(seg.members):
-                a, z = seg.span(j)
-                b.params[i].grad = seg.grad[a:z].view(b.shapes[i])
+            for i in seg.members:
+                b.params[i].grad = None
         b.prepared = True
         if self.prefetch:
             prev = self._neighbour(b, -1)
@@ -301,6 +301,14 @@ class FullyShardedModel:
                 if seg.grad is None:
                     continue
                 try:
+                    for j, i in enumerate(seg.members):
+                        a, z = seg.span(j)
+                        grad = b.params[i].grad
+                        if grad is None:  # (no gradient reached it: zero, as DDP counts it)
+                            seg.grad[a:z].zero_()
+                        else:
+                            seg.grad[a:z].copy_(grad.reshape(-1))
+                        b.params[i].grad = None
                     seg.owner.step(seg)
                 finally:
                     _lend_back(b, seg)
