@@ -101,7 +101,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def follows_torch(comm, optimizer: str = "AdamW", steps: int = 6, groups_on: bool = True,
                   reshard: bool = True, prefetch: bool | None = None,
-                  clip: float | None = None) -> dict:  # fmt: skip
+                  clip: float | None = None, dcp_dir: str | None = None) -> dict:  # fmt: skip
     """``steps`` steps of a fully sharded model and of the reference: the worst relative error
     of the losses and of the parameters, what each rank stores, and the state dict."""
     net, ref = model(), model()
@@ -138,6 +138,11 @@ def follows_torch(comm, optimizer: str = "AdamW", steps: int = 6, groups_on: boo
     clipped = opt.last_clip_coef is not None and float(opt.last_clip_coef) < 1.0
     whole = fs.state_dict()
     worst = max(rel(whole[k], v) for k, v in ref.state_dict().items())
+    if dcp_dir is not None:  # torch's distributed checkpoint of the slices, each rank its own
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(fs.sharded_state_dict(), checkpoint_id=f"{dcp_dir}/model")
+        dcp.save(opt.sharded_state_dict(), checkpoint_id=f"{dcp_dir}/optim")
     ours, theirs = opt.state_dict(), ref_opt.state_dict()
     state = max((rel(ours["state"][k][key], t) for k, entry in theirs["state"].items()
                  for key, t in entry.items() if isinstance(t, torch.Tensor) and t.dim()),
@@ -187,6 +192,34 @@ def resume(comm, saved: bytes, first: int, steps: int = 3, clip: float | None = 
         reference_step(ref, ref_opt, comm.world, t, clip)
     whole = fs.state_dict()
     return {"params": max(rel(whole[k], v) for k, v in ref.state_dict().items())}
+
+
+def dcp_resume(comm, dcp_dir: str, saved: bytes, first: int, steps: int = 3) -> dict:
+    """Load a distributed checkpoint of the slices (saved at another world size) into a fully
+    sharded model and its optimizer, train ``steps`` more steps, and the same from the
+    gathered state saved alongside with torch.optim.AdamW on one process."""
+    import torch.distributed.checkpoint as dcp
+
+    opt_state, weights = torch.load(io.BytesIO(saved), weights_only=False)
+    net, ref = model(seed=1), model()  # (another initialisation: the checkpoint replaces it)
+    ref.load_state_dict(weights)
+    fs = coconet.fsdp.fully_shard(net, comm=comm)
+    opt = coconet.optim.AdamW(groups(net, 0.1), lr=5e-2, betas=(0.8, 0.9), comm=comm,
+                              options=EAGER)  # fmt: skip
+    sd = fs.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=f"{dcp_dir}/model")
+    fs.load_sharded_state_dict(sd)
+    osd = opt.sharded_state_dict()
+    dcp.load(osd, checkpoint_id=f"{dcp_dir}/optim")
+    opt.load_state_dict(osd)
+    lr = opt.param_groups[0]["lr"]
+    ref_opt = torch.optim.AdamW(groups(ref, 0.1), lr=1e-2, betas=(0.8, 0.9))
+    ref_opt.load_state_dict(opt_state)
+    for t in range(first, first + steps):
+        _step(net, opt, comm, t)
+        reference_step(ref, ref_opt, comm.world, t)
+    whole = fs.state_dict()
+    return {"params": max(rel(whole[k], v) for k, v in ref.state_dict().items()), "lr": lr}
 
 
 def torch_state(steps: int = 4) -> bytes:

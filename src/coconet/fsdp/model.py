@@ -32,9 +32,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from coconet.errors import ConfigError
+from coconet.fsdp import dcp
 from coconet.fsdp.blocks import Block, Unsharded
 from coconet.options import TransportKind
 from coconet.runtime import launch
@@ -174,6 +176,51 @@ class FullyShardedModel:
         any world size, or of the model unsharded); each rank keeps its slices. Collective."""
         with self.gathered(writeback=True):
             return self.module.load_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's slices as torch's distributed checkpoint takes them (no communication):
+        each parameter, by its name, a flat ``ShardedTensor`` whose local part is a view of
+        this rank's slice (``coconet.fsdp.dcp``); the buffers as they are. Save it with
+        ``torch.distributed.checkpoint.save``; to load, ``dcp.load`` into this model's
+        ``sharded_state_dict()`` (at any world size: it writes the slices in place) and pass
+        the result to ``load_sharded_state_dict``."""
+        dcp.whole_world(self.comm, "sharded_state_dict")
+        rank = dist.get_rank()
+        out: dict[str, Any] = {}
+        for b in self.blocks:
+            for i, seg, offset, at in dcp.flat_parts(b):
+                numel = seg.numels[seg.members.index(i)]
+                local = None if at < 0 else seg.shard[at : at + _part(seg, i, offset, numel)]
+                out[b.names[i]] = dcp.sharded(local, offset, numel, rank)
+        for name, buf in self.module.named_buffers():
+            out[name] = buf
+        return out
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take what ``dcp.load`` wrote into a ``sharded_state_dict()`` of this model: the
+        slices (written in place already, copied otherwise) and the buffers; the optimizer's
+        float32 master copies of 16-bit parameters start again from them."""
+        for b in self.blocks:
+            for i, seg, _, at in dcp.flat_parts(b):
+                if b.names[i] not in state_dict:
+                    raise ConfigError(
+                        f"the sharded state dict has no {b.names[i]!r}",
+                        op="coconet.fsdp.load_sharded_state_dict",
+                        hint="dcp.load into this model's sharded_state_dict(), then pass it",
+                    )
+                local = dcp.local_of(state_dict[b.names[i]])
+                if at >= 0 and local is not None:
+                    here = seg.shard[at : at + local.numel()]
+                    if here.data_ptr() != local.data_ptr():
+                        with torch.no_grad():
+                            here.copy_(local)
+            for seg in b.segments:
+                if seg.owner is not None:
+                    seg.owner.took_values(seg)
+        with torch.no_grad():
+            for name, buf in self.module.named_buffers():
+                if name in state_dict and state_dict[name] is not buf:
+                    buf.copy_(state_dict[name])
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank stores for good (``slices``) and the whole blocks' (``whole``)."""
@@ -328,6 +375,14 @@ class FullyShardedModel:
             for b in self.blocks:
                 b.arrived, b.prepared, b.reduced = set(), False, False
             self._queued = False
+
+
+def _part(seg: Any, i: int, offset: int, numel: int) -> int:
+    """The length of parameter ``i``'s part on this rank (from ``offset`` in the parameter)."""
+    s = seg.members.index(i)
+    a, _ = seg.span(s)
+    lo, hi = seg.bounds
+    return min(a + numel, hi) - (a + offset)
 
 
 def _lend_back(b: Block, seg: Any) -> None:

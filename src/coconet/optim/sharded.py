@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from coconet import schedule as schedules
 from coconet.compiler import compile as coconet_compile
 from coconet.errors import CoconetError, ConfigError
+from coconet.fsdp import dcp
 from coconet.fsdp.blocks import Block, Segment, Unsharded
 from coconet.fsdp.model import FullyShardedModel, sharded_model_of
 from coconet.ir.ops import COMMUNICATION, Op, ReduceOp
@@ -37,7 +40,10 @@ from coconet.options import ParamStorage, Rounding
 from coconet.schedule import Schedule
 from coconet.schedule.graph import new_node, rewrite
 
-__all__ = ["SegmentStep", "ShardedSteps", "is_fully_sharded"]
+__all__ = ["DCP_FORMAT", "SegmentStep", "ShardedSteps", "is_fully_sharded", "on_slices"]
+
+# a sharded_state_dict() of fully sharded parameters (torch's distributed checkpoint's tensors)
+DCP_FORMAT = "coconet.fsdp.sharded/1"
 
 
 def is_fully_sharded(params: Sequence[torch.Tensor]) -> bool:
@@ -303,11 +309,35 @@ class ShardedSteps:
         return comm.wait(work)
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        raise ConfigError(
-            "sharded_state_dict() of fully sharded parameters is not built yet",
-            op=f"coconet.optim.{type(self.opt).__name__}.sharded_state_dict",
-            hint="save state_dict() (torch's format, gathered)",
-        )
+        """This rank's state slices as torch's distributed checkpoint takes them (no
+        communication; ``coconet.fsdp.dcp``): per parameter (torch's index), each state
+        tensor a flat ``ShardedTensor`` whose local part is a view of this rank's slice, and
+        its step count. ``dcp.load`` into this optimizer's ``sharded_state_dict()`` (at any
+        world size) and pass the result to ``load_state_dict``."""
+        from coconet.optim.state import packed_groups
+
+        opt = self.opt
+        dcp.whole_world(opt.comm, f"{type(opt).__name__}.sharded_state_dict")
+        rank = dist.get_rank()
+        groups, index = packed_groups(opt.param_groups)
+        out: dict[str, Any] = {}
+        for b, seg in self.segments():
+            owner = seg.owner
+            for i, part_seg, offset, at in dcp.flat_parts(b):
+                if part_seg is not seg:
+                    continue
+                j = seg.members.index(i)
+                a, z = seg.span(j)
+                size = min(z, seg.bounds[1]) - (a + offset) if at >= 0 else 0
+                entry: dict[str, Any] = {"step": torch.tensor(float(owner.steps))}
+                for name, key in owner.names.items():
+                    local = owner.state[name][at : at + size] if at >= 0 else None
+                    entry[key] = dcp.sharded(local, offset, z - a, rank)
+                out[str(index[id(b.params[i])])] = entry
+        # (the groups' settings as one string: torch's checkpoint flattens nested lists when
+        # it saves and may not when it loads)
+        settings = json.dumps([{k: v for k, v in g.items() if k != "params"} for g in groups])
+        return {"format": DCP_FORMAT, "state": out, "param_groups": settings}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format, checked on every rank before the ranks agree (all load or none)."""
@@ -315,7 +345,10 @@ class ShardedSteps:
 
         checked, refusal = None, None
         try:
-            checked = self.check_load(state_dict)
+            if state_dict.get("format") == DCP_FORMAT:
+                checked = ("dcp", self.check_dcp(state_dict))
+            else:
+                checked = self.check_load(state_dict)
         except CoconetError as e:
             refusal = e
         # (each rank loads its own slices: the verdicts alone are compared)
@@ -377,13 +410,61 @@ class ShardedSteps:
             plan.append((seg, values, steps.pop()))
         return saved_groups, plan
 
+    def check_dcp(self, state_dict: dict[str, Any]) -> list:
+        """A ``sharded_state_dict()`` that ``dcp.load`` filled: each segment's step count and
+        each state tensor's local part, checked (what ``apply_load`` copies)."""
+        from coconet.optim.state import packed_groups
+
+        opt = self.opt
+        name = f"coconet.optim.{type(opt).__name__}.load_state_dict"
+        _, index = packed_groups(opt.param_groups)
+        saved = state_dict["state"]
+        plan = []
+        for b, seg in self.segments():
+            keys = [str(index[id(b.params[i])]) for i in seg.members]
+            missing = [b.names[i] for i, k in zip(seg.members, keys, strict=True)
+                       if k not in saved]  # fmt: skip
+            if missing:
+                raise ConfigError(f"the sharded state dict has no state of {missing[0]!r}",
+                                  op=name, hint="dcp.load into this optimizer's "
+                                  "sharded_state_dict(), then pass it")  # fmt: skip
+            steps = {int(saved[k]["step"]) for k in keys}
+            if len(steps) != 1:
+                raise ConfigError(f"block {b.name}: its parameters' step counts differ "
+                                  f"({sorted(steps)})", op=name,
+                                  hint="load a checkpoint of this model's optimizer")  # fmt: skip
+            parts = []
+            for i, part_seg, _, at in dcp.flat_parts(b):
+                if part_seg is not seg or at < 0:
+                    continue
+                entry = saved[str(index[id(b.params[i])])]
+                for prog, key in seg.owner.names.items():
+                    local = dcp.local_of(entry[key])
+                    if local is not None:
+                        parts.append((seg.owner.state[prog], at, local))
+            plan.append((seg, steps.pop(), parts))
+        groups = state_dict.get("param_groups")
+        groups = json.loads(groups) if isinstance(groups, str) else groups
+        if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+            raise ConfigError("the sharded state dict's param groups differ from this "
+                              "optimizer's", op=name,
+                              hint="load a checkpoint of this model's optimizer")  # fmt: skip
+        return [groups, plan]
+
     def apply_load(self, checked: Any) -> None:
-        """Load what ``check_load`` checked."""
+        """Load what ``check_load`` (or ``check_dcp``) checked."""
+        if checked[0] == "dcp":
+            saved_groups, plan = checked[1]
+            _set_hyperparameters(self.opt.param_groups, saved_groups)
+            for seg, steps, parts in plan:
+                seg.owner.steps = steps
+                for x, at, local in parts:
+                    here = x[at : at + local.numel()]
+                    if here.data_ptr() != local.data_ptr():
+                        here.copy_(local)
+            return
         saved_groups, plan = checked
-        for g, saved in zip(self.opt.param_groups, saved_groups, strict=True):
-            for k, v in saved.items():
-                if k != "params":
-                    g[k] = copy.deepcopy(v)
+        _set_hyperparameters(self.opt.param_groups, saved_groups)
         for seg, values, steps in plan:
             owner = seg.owner
             owner.steps = steps
@@ -398,6 +479,14 @@ class ShardedSteps:
                     x.copy_(seg.shard.float())
                     continue
                 x.copy_(torch.cat(values[prog])[lo:hi])
+
+
+def _set_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
+    for g, s in zip(groups, saved, strict=True):
+        for k, v in s.items():
+            if k != "params":  # (a tuple that came back a list: JSON's, betas)
+                v = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+                g[k] = copy.deepcopy(v)
 
 
 def on_slices(program: Program) -> Schedule:
