@@ -134,3 +134,14 @@ def test_what_is_refused():
     assert "LAMB" in out["lamb"] and "fully sharded" in out["lamb"]
     assert "fully sharded already" in out["twice"]
     assert "no coconet.optim optimizer steps it" in out["no optimizer"]
+
+
+@pytest.mark.timeout(240)
+def test_compiled_blocks_follow_eager():
+    """Each layer of the fully sharded model ``compile()``d: its gathers and frees are graph
+    breaks, and the losses are the eager model's (float32: the compiled kernels' own
+    roundings)."""
+    out = spawn(fsdp_workers.compiled_blocks, 2, options=CommOptions(timeout=120),
+                timeout=220)[0]  # fmt: skip
+    for a, b in zip(out["eager"], out["compiled"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), out

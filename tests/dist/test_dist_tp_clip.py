@@ -82,3 +82,24 @@ def test_a_replicated_parameter_that_drifts_apart_is_named():
         assert "'transformer.h.1.ln_2.weight'" in r["error"], r["error"]
         assert "differs between the ranks of the group" in r["error"], r["error"]
     assert len({r["error"] for r in results}) == 1
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("clip", [tp_clip_workers.MAX_NORM, None])
+def test_a_dp_x_tp_model_fully_sharded_over_dp_follows_one_process(clip):
+    """The tensor-parallel model fully sharded over each replica group (coconet.fsdp, the
+    parts too): the fused update in the backward, or with max_grad_norm= the norm of every
+    slice, the parts' squares summed over tp; the weights follow one process and the
+    replicated parameters stay bitwise equal across the tp ranks."""
+    mesh = Mesh(dp=2, tp=2)
+    results = spawn(tp_clip_workers.dp_x_tp_fully_sharded, mesh, clip,
+                    options=CommOptions(timeout=60), timeout=220)  # fmt: skip
+    tp_groups = [[r for r in range(mesh.size) if mesh.index_in(r, "dp") == d] for d in range(2)]
+    if clip is not None:
+        _check(results, tp_groups)
+        return
+    for rank, r in enumerate(results):
+        bad = {k: v for k, v in r["errors"].items() if not v <= TOL}
+        assert bad == {}, f"rank {rank}: {bad}"
+    for group in tp_groups:
+        assert results[group[0]]["bits"] == results[group[1]]["bits"]

@@ -328,3 +328,18 @@ def refusals(comm) -> dict:
     x, y = batch(0)
     attempt("no optimizer", lambda: loss_of(net, x[:2], y[:2]).backward())
     return out
+
+
+def compiled_blocks(comm, steps: int = 3) -> dict:
+    """The same fully sharded model eager and with each layer ``compile()``d (the gathers
+    and frees are graph breaks): the losses of each."""
+    out = {}
+    for compiled in (False, True):
+        net = model()
+        coconet.fsdp.fully_shard(net, comm=comm)
+        if compiled:
+            for layer in net.layers:
+                layer.compile()
+        opt = coconet.optim.AdamW(groups(net, 0.1), lr=1e-2, comm=comm, options=EAGER)
+        out["compiled" if compiled else "eager"] = [_step(net, opt, comm, t) for t in range(steps)]
+    return out

@@ -172,3 +172,39 @@ def replicated_drift(comm) -> dict:
     except ConfigError as e:
         out["error"] = str(e)
     return out
+
+
+def dp_x_tp_fully_sharded(comm, clip: float | None = None, steps: int = 4) -> dict:
+    """Mesh(dp=2, tp=2): the tensor-parallel model fully sharded over each replica group
+    (``coconet.fsdp.fully_shard(model, comm=comm.along("dp"))``: every block's parameters, the
+    tp parts included, stored 1/dp per rank) and ``coconet.optim.AdamW`` over it, each replica
+    half of every batch; ``clip``: ``max_grad_norm=``, whose norm sums the parts' squares over
+    tp too. The weights against one process."""
+    import coconet.fsdp
+    import coconet.optim
+
+    model, reference = _models(comm, BLOCK_PLAN)
+    dp = comm.along("dp")
+    fs = coconet.fsdp.fully_shard(model, comm=dp, blocks=model.transformer.h)
+    extra = {} if clip is None else {"max_grad_norm": clip}
+    opt = coconet.optim.AdamW(model.parameters(), comm=dp, **ADAMW, **extra)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    replica = comm.mesh.index_in(comm.rank, "dp")
+    errors: dict[str, float] = {}
+    clipped = 0
+    for step in range(steps):
+        idx, targets = _batch(step, 4)
+        share = 4 // comm.mesh.axis_size("dp")
+        mine = slice(share * replica, share * (replica + 1))
+        opt.zero_grad()
+        model(idx[mine], targets[mine]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        reference(idx, targets).backward()
+        if clip is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            clipped += bool(ref_norm > clip)
+            errors[f"norm step {step}"] = _err(opt.last_grad_norm, ref_norm)
+        ref_opt.step()
+    with fs.gathered():
+        return _compared(model, reference, errors, clipped)

@@ -169,8 +169,23 @@ class Block:
         if self.state is Unsharded.GATHERING:
             self.finish_gather()
         for seg in self.segments:
-            seg.full.untyped_storage().resize_(0)
+            storage = seg.full.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
+            else:  # pinned by a view outside torch (``.numpy()`` of a parameter): a new buffer
+                self._rebuffer(seg)
         self.state = Unsharded.FREED
+
+    def _rebuffer(self, seg: Segment) -> None:
+        """A new, freed whole buffer for ``seg``, its parameters views of it (the old one stays
+        with whoever holds a view of it)."""
+        full = torch.empty(seg.size, dtype=seg.full.dtype, device=seg.full.device)
+        with torch.no_grad():
+            for j, i in enumerate(seg.members):
+                a, z = seg.span(j)
+                self.params[i].data = full[a:z].view(self.shapes[i])
+        full.untyped_storage().resize_(0)
+        seg.full = full
 
     @torch.no_grad()
     def take_slices(self) -> None:
@@ -181,6 +196,17 @@ class Block:
             seg.shard.copy_(seg.full[lo:hi])
 
     # -- what it holds -------------------------------------------------------------------------
+
+    def stored_part(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's stored part of parameter ``p`` (flattened; a view of its slice, empty
+        where the slice does not reach it): what a rank holds of ``p`` between uses."""
+        i = next(k for k, q in enumerate(self.params) if q is p)
+        s, j = self.where[i]
+        seg = self.segments[s]
+        a, z = seg.span(j)
+        lo, hi = seg.bounds
+        x, y = max(a, lo), min(z, hi)
+        return seg.shard[x - lo : y - lo] if x < y else seg.shard[:0]
 
     def stored_bytes(self) -> int:
         """Bytes this rank stores for good (the slices)."""

@@ -275,7 +275,7 @@ class FullyShardedModel:
                 if nxt is not None and not nxt.root:
                     nxt.start_gather()
 
-        return hook
+        return _outside_graphs(hook)
 
     def _post_forward(self, b: Block) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -292,7 +292,7 @@ class FullyShardedModel:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads: self._pre_backward(b), mode="any")
 
-        return hook
+        return _outside_graphs(hook)
 
     def _pre_backward(self, b: Block) -> None:
         if not self._queued:
@@ -375,6 +375,13 @@ class FullyShardedModel:
             for b in self.blocks:
                 b.arrived, b.prepared, b.reduced = set(), False, False
             self._queued = False
+
+
+def _outside_graphs(hook: Any) -> Any:
+    """A module hook that ``torch.compile`` leaves out of the graphs it captures (a block
+    compiled with ``block.compile()``): gathers and frees are communication and storage
+    changes, a graph break at each of them rather than an attempt to trace them."""
+    return torch.compiler.disable(hook)
 
 
 def _part(seg: Any, i: int, offset: int, numel: int) -> int:

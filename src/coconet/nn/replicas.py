@@ -60,12 +60,15 @@ class ReplicaCheck:
 
     def _samples(self) -> list[torch.Tensor]:
         """Each parameter's sample, as views kept from one check to the next (an update in
-        place shows through them; a parameter re-pointed is sampled anew)."""
-        where = [p.data_ptr() for _, p in self.params]
+        place shows through them; a parameter re-pointed is sampled anew). A fully sharded
+        parameter (``coconet.fsdp``: its values are there only while its block is gathered)
+        is sampled in this rank's stored part of it, which the tp ranks of one data-parallel
+        index hold alike."""
+        sources = [_stored(p) for _, p in self.params]
+        where = [s.data_ptr() for s in sources]
         if where != getattr(self, "_where", None):
             views = []
-            for _, p in self.params:
-                flat = p.detach().reshape(-1)
+            for flat in sources:
                 stride = max(1, flat.numel() // SAMPLE)
                 views.append(flat[::stride][:SAMPLE])
             self._views, self._where = views, where
@@ -114,3 +117,10 @@ class ReplicaCheck:
 
     def __reduce__(self) -> Any:
         return (ReplicaCheck, (None, []))  # saved without the group (coconet.nn.attach)
+
+
+def _stored(p: nn.Parameter) -> torch.Tensor:
+    """What this rank holds of ``p`` for good, flattened: its values, or its stored part of a
+    fully sharded parameter (the block it belongs to says which)."""
+    block = getattr(p, "_coconet_fsdp_block", None)
+    return p.detach().reshape(-1) if block is None else block.stored_part(p)

@@ -37,6 +37,7 @@ from coconet.ir.program import Program
 from coconet.ir.types import DType, Sliced
 from coconet.optim.programs import MASTER, MASTER_STATE_KEY, Clip, Precision
 from coconet.options import ParamStorage, Rounding
+from coconet.runtime.shards import placement_of
 from coconet.schedule import Schedule
 from coconet.schedule.graph import new_node, rewrite
 
@@ -222,7 +223,9 @@ class ShardedSteps:
             self._relayout(b)
 
     def _relayout(self, b: Block) -> None:
-        keys = [(self.group_of.get(id(p)), p.dtype) for p in b.params]
+        # (parts of tensors split over a tp group apart from whole tensors: their squares count
+        # over that group too in the global norm)
+        keys = [(self.group_of.get(id(p)), p.dtype, _parts_key(p)) for p in b.params]
         kept = {(seg.key, tuple(id(b.params[i]) for i in seg.members)): seg.owner
                 for seg in b.segments}  # fmt: skip
         if [seg.key for seg in b.segments] != list(dict.fromkeys(map(tuple, keys))):
@@ -233,7 +236,7 @@ class ShardedSteps:
             if was_freed:
                 b.free()
         for seg in b.segments:
-            group = seg.key[0] if len(seg.key) == 2 else None
+            group = seg.key[0] if len(seg.key) == 3 else None
             owner = kept.get((seg.key, tuple(id(b.params[i]) for i in seg.members)))
             if owner is None and group is not None:
                 owner = SegmentStep(self, group, seg)
@@ -265,8 +268,20 @@ class ShardedSteps:
         pending = [(b, seg) for b, seg in self.segments() if seg.owner.grad_sum is not None]
         if not pending:
             return  # no backward since the last step: torch's optimizer steps nothing either
-        squares = torch.stack([seg.owner.squares() for _, seg in self.segments()]).sum()
-        work = opt.comm.all_reduce_start(squares.reshape(1), ReduceOp.SUM, axis=None,
+        whole = torch.zeros((), dtype=torch.float64)
+        parts: dict[tuple, tuple[Any, torch.Tensor]] = {}
+        for b, seg in self.segments():
+            placement = placement_of(b.params[seg.members[0]])
+            if placement is None:
+                whole = whole + seg.owner.squares()
+            else:  # (one tp group per rank: the parts' squares summed over it first)
+                comm, sq = parts.get(placement.key, (placement.comm, 0.0))
+                parts[placement.key] = (comm, sq + seg.owner.squares())
+        for comm, sq in parts.values():
+            work = comm.all_reduce_start(sq.reshape(1), ReduceOp.SUM, axis=None, donate=True,
+                                         label="coconet.fsdp gradient norm (parts)")  # fmt: skip
+            whole = whole + comm.wait(work).reshape(())
+        work = opt.comm.all_reduce_start(whole.reshape(1), ReduceOp.SUM, axis=None,
                                          donate=True, label="coconet.fsdp gradient norm")
         norm = opt.comm.wait(work).reshape(()).sqrt().float()
         coef = opt.clip_factor(norm)
@@ -479,6 +494,11 @@ class ShardedSteps:
                     x.copy_(seg.shard.float())
                     continue
                 x.copy_(torch.cat(values[prog])[lo:hi])
+
+
+def _parts_key(p: torch.Tensor) -> tuple:
+    placement = placement_of(p)
+    return () if placement is None else placement.key
 
 
 def _set_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
