@@ -145,3 +145,14 @@ def test_compiled_blocks_follow_eager():
                 timeout=220)[0]  # fmt: skip
     for a, b in zip(out["eager"], out["compiled"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("world", "clip"), [(2, None), (3, 0.5)])
+def test_gradients_accumulated_over_micro_batches(world, clip):
+    """``update_in_backward=False``: three backwards a step (each reduce_scattered into the
+    slice's sum), one update at ``opt.step()``: DDP's accumulation, to 1e-5."""
+    results = spawn(fsdp_workers.accumulated, world, 3, 3, clip,
+                    options=CommOptions(timeout=60), timeout=180)  # fmt: skip
+    for rank, out in enumerate(results):
+        assert out["params"] <= 1e-5, (rank, out)

@@ -330,6 +330,43 @@ def refusals(comm) -> dict:
     return out
 
 
+def accumulated(comm, micro: int = 3, steps: int = 3, clip: float | None = None) -> dict:
+    """``update_in_backward=False``: each step ``micro`` backwards of a share of the batch
+    (``loss / micro``), then ``opt.step()``; the reference averages the same micro-batches'
+    gradients over the ranks (DDP's ``no_sync`` accumulation). The parameters' worst error."""
+    net, ref = model(), model()
+    fs = coconet.fsdp.fully_shard(net, comm=comm, update_in_backward=False)
+    extra = {} if clip is None else {"max_grad_norm": clip}
+    opt = coconet.optim.AdamW(groups(net, 0.1), lr=1e-2, comm=comm, options=EAGER, **extra)
+    ref_opt = torch.optim.AdamW(groups(ref, 0.1), lr=1e-2)
+    world = comm.world
+    for t in range(steps):
+        x, y = batch(t)
+        for k in range(micro):  # this rank's share of micro-batch k
+            xs = torch.tensor_split(torch.tensor_split(x, micro)[k], world)[comm.rank]
+            ys = torch.tensor_split(torch.tensor_split(y, micro)[k], world)[comm.rank]
+            (loss_of(net, xs, ys) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.zero_grad(set_to_none=True)
+        total = None
+        for k in range(micro):
+            for r in range(world):
+                ref.zero_grad(set_to_none=True)
+                xs = torch.tensor_split(torch.tensor_split(x, micro)[k], world)[r]
+                ys = torch.tensor_split(torch.tensor_split(y, micro)[k], world)[r]
+                (loss_of(ref, xs, ys) / micro).backward()
+                g = [p.grad.clone() for p in ref.parameters()]
+                total = g if total is None else [a + b for a, b in zip(total, g, strict=True)]
+        for p, g in zip(ref.parameters(), total, strict=True):
+            p.grad = g / world
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+    whole = fs.state_dict()
+    return {"params": max(rel(whole[k], v) for k, v in ref.state_dict().items())}
+
+
 def compiled_blocks(comm, steps: int = 3) -> dict:
     """The same fully sharded model eager and with each layer ``compile()``d (the gathers
     and frees are graph breaks): the losses of each."""

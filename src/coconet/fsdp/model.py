@@ -20,7 +20,8 @@ What happens in a step (``FullyShardedModel``), block by block:
 The step is the optimizer's: build a ``coconet.optim`` optimizer over ``model.parameters()``
 after ``fully_shard`` (``coconet.optim.sharded`` is its side). ``optimizer.step()`` then has
 nothing left to do (the update ran in the backward, as with ``ddp=``), and every backward is a
-step: accumulating gradients over several backwards is not supported yet.
+step; with ``update_in_backward=False`` (or ``max_grad_norm=``) the backward reduce_scatters
+into a sum that ``optimizer.step()`` updates from: gradients accumulated over micro-batches.
 
 Every rank must build the same model and call ``fully_shard`` with the same blocks.
 """
@@ -57,7 +58,8 @@ def sharded_model_of(p: torch.Tensor) -> FullyShardedModel | None:
 
 def fully_shard(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None,
                 comm: Any = None, reshard_after_forward: bool = True,
-                prefetch: bool | None = None) -> FullyShardedModel:  # fmt: skip
+                prefetch: bool | None = None, update_in_backward: bool = True,
+                ) -> FullyShardedModel:  # fmt: skip
     """Shard ``model``'s parameters over ``comm``'s ranks (in place; see the module
     docstring), and return the handle of the sharded model.
 
@@ -66,7 +68,11 @@ def fully_shard(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None,
     parameters of no block form the root block, gathered for the whole forward and backward.
     ``comm``: default the communicator of ``coconet.runtime.init()``. ``prefetch``: start the
     next block's gather before this one computes (default: where the transport progresses on
-    its own, torch.distributed; over shared memory a gather is one synchronous copy)."""
+    its own, torch.distributed; over shared memory a gather is one synchronous copy).
+    ``update_in_backward=False``: the backward reduce_scatters each block's gradient and adds
+    it to this rank's slice of the sum, and ``optimizer.step()`` updates: gradients
+    accumulated over several backwards (micro-batches), at one more pass over the slices
+    (also what ``max_grad_norm=`` does, whose norm needs every block's gradient first)."""
     if comm is None:
         comm = launch.current() or launch.init()
     elif not isinstance(comm, Communicator):
@@ -76,7 +82,8 @@ def fully_shard(model: nn.Module, *, blocks: Iterable[nn.Module] | None = None,
             hint="comm = coconet.runtime.init(); coconet.fsdp.fully_shard(model, comm=comm), "
             "or leave comm out for that default",
         )
-    return FullyShardedModel(model, blocks, comm, reshard_after_forward, prefetch)
+    return FullyShardedModel(model, blocks, comm, reshard_after_forward, prefetch,
+                             update_in_backward)  # fmt: skip
 
 
 class FullyShardedModel:
@@ -84,7 +91,8 @@ class FullyShardedModel:
     hooks that gather and free them and hand their gradients to the optimizer."""
 
     def __init__(self, model: nn.Module, blocks: Iterable[nn.Module] | None, comm: Any,
-                 reshard_after_forward: bool, prefetch: bool | None) -> None:  # fmt: skip
+                 reshard_after_forward: bool, prefetch: bool | None,
+                 update_in_backward: bool = True) -> None:  # fmt: skip
         if any(getattr(p, BLOCK_ATTR, None) is not None for p in model.parameters()):
             raise ConfigError(
                 "this model's parameters are fully sharded already",
@@ -93,6 +101,7 @@ class FullyShardedModel:
             )
         self.module, self.comm = model, comm
         self.reshard_after_forward = reshard_after_forward
+        self.update_in_backward = update_in_backward
         async_transport = comm.world > 1 and comm.transport_of(None) is not (
             TransportKind.SHARED_MEMORY)
         self.prefetch = async_transport if prefetch is None else bool(prefetch)

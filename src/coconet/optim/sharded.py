@@ -77,12 +77,13 @@ class SegmentStep:
         if precision.master:
             self.state[MASTER].copy_(seg.shard.float())
         self.steps = 0
-        # max_grad_norm=: the global norm needs every block's gradient before any update, so
-        # the backward only reduce_scatters (into ``grad_sum``, this rank's slice of the
+        # max_grad_norm= (the global norm needs every block's gradient before any update) or
+        # update_in_backward=False (gradients accumulated over several backwards): the
+        # backward only reduce_scatters (into ``grad_sum``, this rank's slice of the
         # gradients' sum) and ``opt.step()`` updates each slice on its own rank, clipped
         self.grad_sum: torch.Tensor | None = None
         self.update_fn = None
-        if room.clipped:
+        if room.deferred:
             local = on_slices(opt.program(opt.param_groups[group], dtype, clip=Clip.GIVEN,
                                              averaged=True, **extra))  # fmt: skip
             self.update_fn = coconet_compile(local, comm=opt.comm, options=opt.recipes.options)
@@ -152,6 +153,7 @@ class ShardedSteps:
         self.group_of: dict[int, int] = {}  # id(parameter) -> its param group
         self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self.clipped = opt.clipper.max_norm is not None
+        self.deferred = self.clipped or not model.update_in_backward
 
     @staticmethod
     def take_group(opt: Any, index: int, group: dict[str, Any]) -> None:
@@ -254,20 +256,25 @@ class ShardedSteps:
     def step(self, grad_scaler: Any = None) -> None:
         """``opt.step()``: with ``max_grad_norm=``, the global norm of the averaged gradient
         (every segment's slice, summed over the ranks: one scalar all_reduce) and each slice's
-        update clipped by torch's factor; without, nothing (each block stepped in the
-        backward)."""
+        update clipped by torch's factor; with ``update_in_backward=False`` alone, each
+        slice's update of the gradients accumulated since the last step; otherwise nothing
+        (each block stepped in the backward)."""
         if grad_scaler is not None:
             raise ConfigError(
                 "a GradScaler over fully sharded parameters (coconet.fsdp) is not built yet",
                 op=f"coconet.optim.{type(self.opt).__name__}.step",
                 hint="train in bfloat16 or float32 without a scaler",
             )
-        if not self.clipped:
+        if not self.deferred:
             return
         opt = self.opt
         pending = [(b, seg) for b, seg in self.segments() if seg.owner.grad_sum is not None]
         if not pending:
             return  # no backward since the last step: torch's optimizer steps nothing either
+        if not self.clipped:  # (clip_coef 1: ``grad * 1.0`` is ``grad``, bit for bit)
+            for _, seg in self.segments():
+                seg.owner.update(seg, torch.ones((), device=opt.comm.device))
+            return
         whole = torch.zeros((), dtype=torch.float64)
         parts: dict[tuple, tuple[Any, torch.Tensor]] = {}
         for b, seg in self.segments():
