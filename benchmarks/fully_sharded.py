@@ -283,7 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets,
         "wall_s": wall,
     }
-    lines = [f"\n{'contender':<20} {'median ms':>10} {'peak MiB':>9} {'arith MiB':>10} "
+    lines = [f"GPT {args.layers} x {args.d_model} ({n:,} float32 parameters, {layer:,} a layer), "
+             f"{args.batch} x {args.seq} tokens a step over 2 ranks (1 thread each), AdamW; "
+             f"median of {args.steps} steps after {args.warmup}; torch {torch.__version__}",
+             "peak MiB: each rank's peak PSS above its PSS before the model was built, in a job "
+             "of its own (glibc returning freed memory at once); arith MiB: params + grads + "
+             "AdamW state (+ what is whole at once) by arithmetic",
+             f"\n{'contender':<20} {'median ms':>10} {'peak MiB':>9} {'arith MiB':>10} "
              f"{'loss drift vs ddp':>18}"]
     for name, r in rows.items():
         drift = f"{r['loss_drift']:.1e}" if "loss_drift" in r else "-"

@@ -14,9 +14,9 @@ import sys
 import zlib
 from pathlib import Path
 
-MODULES = ("coconet", "coconet.optim", "coconet.nn", "coconet.pipeline", "coconet.runtime",
-           "coconet.schedule", "coconet.errors", "coconet.options", "coconet.tune",
-           "coconet.testing")  # fmt: skip
+MODULES = ("coconet", "coconet.optim", "coconet.fsdp", "coconet.nn", "coconet.pipeline",
+           "coconet.runtime", "coconet.schedule", "coconet.errors", "coconet.options",
+           "coconet.tune", "coconet.testing")  # fmt: skip
 
 
 def inventory(site: Path) -> set[str]:
