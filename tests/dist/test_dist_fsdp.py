@@ -134,6 +134,8 @@ def test_what_is_refused():
     assert "LAMB" in out["lamb"] and "fully sharded" in out["lamb"]
     assert "fully sharded already" in out["twice"]
     assert "no coconet.optim optimizer steps it" in out["no optimizer"]
+    assert "the ranks shard different models" in out["different models"]
+    assert out["gathered"] == {"whole": True, "same": True, "freed": True}
 
 
 @pytest.mark.timeout(240)

@@ -327,6 +327,20 @@ def refusals(comm) -> dict:
     attempt("twice", lambda: coconet.fsdp.fully_shard(net, comm=comm))
     x, y = batch(0)
     attempt("no optimizer", lambda: loss_of(net, x[:2], y[:2]).backward())
+    attempt("different models", lambda: coconet.fsdp.fully_shard(
+        Tiny(layers=3 if comm.rank == 0 else 2), comm=comm))
+    # a forward inside gathered() keeps every block whole, and they are freed after it
+    from coconet.fsdp.blocks import Unsharded
+
+    other = model()
+    fs = coconet.fsdp.fully_shard(other, comm=comm)
+    with torch.no_grad(), fs.gathered():
+        inside = loss_of(other, x[:2], y[:2]).item()
+        whole = all(b.state is Unsharded.WHOLE for b in fs.blocks)
+    with torch.no_grad():
+        outside = loss_of(other, x[:2], y[:2]).item()
+    out["gathered"] = {"whole": whole, "same": inside == outside,
+                       "freed": all(b.state is Unsharded.FREED for b in fs.blocks)}
     return out
 
 

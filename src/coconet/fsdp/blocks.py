@@ -83,6 +83,12 @@ class Block:
         self.shapes = [tuple(p.shape) for p in self.params]
         self.comm = comm
         self.state = Unsharded.WHOLE  # the parameters hold their values until first sharded
+        self.owner_model: Any = None  # the FullyShardedModel (what an optimizer finds)
+        # a backward's progress through the block: the parameters whose gradient arrived,
+        # whether it was gathered for it, whether its step ran
+        self.arrived: set[int] = set()
+        self.prepared = False
+        self.reduced = False
         self.segments: list[Segment] = []
         self.where: list[tuple[int, int]] = []  # per parameter: (segment, member index)
         values = [p.detach().reshape(-1) for p in self.params]

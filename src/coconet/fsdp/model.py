@@ -29,6 +29,7 @@ Every rank must build the same model and call ``fully_shard`` with the same bloc
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -130,13 +131,14 @@ class FullyShardedModel:
             self.root = Block(len(self.blocks), "root", model,
                               rest, [param_names[id(p)] for p in rest], comm, root=True)
             self.blocks.append(self.root)
+        _agree_on_blocks(comm, self.blocks)
         for b in self.blocks:
             b.owner_model = self
-            b.arrived, b.prepared, b.reduced = set(), False, False
             for p in b.params:
                 setattr(p, BLOCK_ATTR, b)
         self.order: list[Block] = []  # the blocks in the order the first forward ran them
         self._queued = False  # the end-of-backward callback is queued
+        self._held = False  # inside gathered(): the hooks free nothing
         self.handles = [model.register_forward_pre_hook(self._start_forward)]
         for b in self.blocks:
             if not b.root:
@@ -159,9 +161,11 @@ class FullyShardedModel:
         """Every block gathered while inside (collective): read the whole parameters, or, with
         ``writeback=True``, write them in place (the same values on every rank: an
         initialisation, a ``load_state_dict``), and each rank keeps its slices of what was
-        written. The optimizer's float32 master copies of 16-bit parameters are not updated."""
+        written (the optimizer's float32 master copies of 16-bit parameters start again from
+        it). A forward (and backward) run inside keeps every block gathered."""
         for b in self.blocks:
             b.finish_gather()
+        self._held = True
         try:
             yield
             if writeback:
@@ -171,6 +175,7 @@ class FullyShardedModel:
                         if seg.owner is not None:
                             seg.owner.took_values(seg)
         finally:
+            self._held = False
             for b in self.blocks:
                 b.free()
 
@@ -250,6 +255,11 @@ class FullyShardedModel:
 
     # -- the hooks -------------------------------------------------------------------------------
 
+    def _release(self, b: Block) -> None:
+        """Free ``b`` after its use, unless ``gathered()`` holds every block whole."""
+        if not self._held:
+            b.free()
+
     def _start_forward(self, module: nn.Module, args: Any) -> None:
         """A forward of the whole model begins: what a backward that failed half-way left
         (blocks gathered, gradients lent) is put away, and the root gathered."""
@@ -259,7 +269,7 @@ class FullyShardedModel:
                     _lend_back(b, seg)
             b.arrived, b.prepared, b.reduced = set(), False, False
             if not b.root and b.state is not Unsharded.FREED:
-                b.free()
+                self._release(b)
         self._queued = False
         if self.root is not None:
             self._note_order(self.root)
@@ -291,13 +301,13 @@ class FullyShardedModel:
             tensors = [t for t in _tensors(output) if t.requires_grad]
             if not tensors or not torch.is_grad_enabled():
                 if not b.root or not torch.is_grad_enabled():
-                    b.free()  # no backward will come through it
+                    self._release(b)  # no backward will come through it
                 return
             nxt = self._neighbour(b, 1)
             last = b in self.order and (nxt is None or nxt.root)
             # (the last block's backward comes first: it stays gathered, as torchtitan's)
             if self.reshard_after_forward and not b.root and not last:
-                b.free()
+                self._release(b)
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads: self._pre_backward(b), mode="any")
 
@@ -369,7 +379,7 @@ class FullyShardedModel:
                 finally:
                     _lend_back(b, seg)
         b.reduced = True
-        b.free()
+        self._release(b)
 
     def _end_backward(self) -> None:
         """The end of a backward: the blocks whose step has not run yet (a parameter without a
@@ -379,11 +389,26 @@ class FullyShardedModel:
                 if b.prepared and not b.reduced:
                     self._reduce(b)
                 elif b.root and not b.prepared:
-                    b.free()
+                    self._release(b)
         finally:
             for b in self.blocks:
                 b.arrived, b.prepared, b.reduced = set(), False, False
             self._queued = False
+
+
+def _agree_on_blocks(comm: Any, blocks: list[Block]) -> None:
+    """Every rank shards the same blocks of the same shapes and dtypes, else all fail."""
+    text = ";".join(f"{b.name}:" + ",".join(f"{p.dtype}{tuple(p.shape)}" for p in b.params)
+                    for b in blocks)  # fmt: skip
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    low, high = comm.agree_max([digest, -digest], "coconet.fsdp blocks")
+    if low != digest or -high != digest:
+        raise ConfigError(
+            f"the ranks shard different models ({len(blocks)} blocks here, the first "
+            f"{blocks[0].name if blocks else 'none'})",
+            op="coconet.fsdp.fully_shard",
+            hint="build the same model on every rank and pass the same blocks=",
+        )
 
 
 def _outside_graphs(hook: Any) -> Any:
