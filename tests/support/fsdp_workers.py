@@ -386,6 +386,12 @@ def accumulated(comm, micro: int = 3, steps: int = 3, clip: float | None = None)
 def compiled_blocks(comm, steps: int = 3) -> dict:
     """The same fully sharded model eager and with each layer ``compile()``d (the gathers
     and frees are graph breaks): the losses of each."""
+    from coconet.cache import use_inductor_cache
+
+    # the model's own torch.compile is the user's: Inductor's FX-graph cache is not keyed by
+    # ATEN_CPU_CAPABILITY (a run with =default would load the native run's vectorized C++),
+    # so it is keyed as coconet keys its fused kernels (as tests/support/nn_workers.py does)
+    use_inductor_cache()
     out = {}
     for compiled in (False, True):
         net = model()
