@@ -421,13 +421,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the torch optimizer or into this one at any world size. Runs the state-dict hooks as
         torch does (pre-hooks first; a post-hook's result replaces the state dict)."""
         self.agree_call(CallKind.STATE_DICT)  # every rank calls it now (not a step)
-        if self.sharded is not None:
-            return self.sharded.state_dict()
         for b in self.buckets:
             b.sync_master()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = state.torch_state(self)
+        # (fully sharded parameters: gathered from coconet.optim.sharded's segments)
+        state_dict = (state.torch_state(self) if self.sharded is None
+                      else self.sharded.state_dict())  # fmt: skip
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
