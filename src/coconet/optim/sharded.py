@@ -232,9 +232,6 @@ class ShardedSteps:
                 for seg in b.segments}  # fmt: skip
         if [seg.key for seg in b.segments] != list(dict.fromkeys(map(tuple, keys))):
             was_freed = b.state is not Unsharded.WHOLE
-            for seg in b.segments:  # (gone after this: their slices stay where they are)
-                if seg.symmetric is None:
-                    seg.symmetric = False
             b.finish_gather()
             values = [v.clone() for v in b.values()]
             b.layout(keys, values)
