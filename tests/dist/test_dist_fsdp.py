@@ -49,8 +49,6 @@ def test_follows_ddp_and_torch_optim(saved, world, transport, optimizer, groups,
         assert out["memory"]["slices"] <= out["memory"]["whole"] / world + 64 * world, out
         if clip is not None:
             assert out["clipped"], "the case must clip (max_grad_norm below the norm)"
-        if world == 2 and transport == "shared memory":  # the layers' even segments
-            assert out["symmetric"] >= 3, out["symmetric"]
     if two:
         saved["two"] = results[0]["saved"]
 

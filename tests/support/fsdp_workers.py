@@ -151,9 +151,7 @@ def follows_torch(comm, optimizer: str = "AdamW", steps: int = 6, groups_on: boo
                  == {k: sorted(e) for k, e in theirs["state"].items()})  # fmt: skip
     return {"loss": worst_loss, "params": worst, "memory": fs.memory(), "state": state,
             "same_keys": same_keys, "saved": _bytes((ours, whole)), "freed": freed,
-            "no_grads": no_grads, "clipped": clipped,
-            # segments whose slices the peers' gathers read in place (shared memory, even)
-            "symmetric": sum(bool(seg.symmetric) for b in fs.blocks for seg in b.segments)}
+            "no_grads": no_grads, "clipped": clipped}
 
 
 def _bytes(obj) -> bytes:

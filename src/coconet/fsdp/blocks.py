@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from coconet.ir.types import slice_bounds
-from coconet.options import TransportKind
 
 __all__ = ["Block", "Segment", "Unsharded"]
 
@@ -60,14 +59,6 @@ class Segment:
     # set by coconet.optim.sharded when an optimizer takes the segment's parameters
     owner: Any = None
     numels: list[int] = field(default_factory=list)  # each member's elements
-    # whether the slice lives in symmetric memory (None: not decided before the first gather);
-    # the steps then write it in place (``slice_input``) so that it stays there
-    symmetric: bool | None = None
-
-    def slice_input(self) -> torch.Tensor:
-        """The slice as a step's input: a view where it lives in symmetric memory (a step's
-        commit writes a view in place instead of handing it new storage)."""
-        return self.shard[:] if self.symmetric else self.shard
 
     @property
     def dtype(self) -> torch.dtype:
@@ -158,26 +149,11 @@ class Block:
         if self.state is not Unsharded.FREED:
             return
         for s, seg in enumerate(self.segments):
-            if seg.symmetric is None and seg.owner is not None:
-                self._place_slice(seg)
             seg.full.untyped_storage().resize_(seg.size * seg.full.element_size())
             seg.pending = self.comm.all_gather_start(
                 seg.shard, dim=0, parts=seg.parts, axis=None, out=seg.full,
                 label=f"coconet.fsdp gather of {self.name} (segment {s})")  # fmt: skip
         self.state = Unsharded.GATHERING
-
-    def _place_slice(self, seg: Segment) -> None:
-        """At a segment's first gather once an optimizer owns it (its layout final, every rank
-        at the same point): over shared memory with every rank's slice of one size, the slice
-        moves into symmetric memory, where the peers' gathers read it in place (one copy fewer
-        per gather)."""
-        comm = self.comm
-        seg.symmetric = (comm.world > 1 and len(set(seg.parts)) == 1
-                         and comm.transport_of(None) is TransportKind.SHARED_MEMORY)  # fmt: skip
-        if seg.symmetric:
-            placed = comm.symmetric_tensor(tuple(seg.shard.shape), seg.shard.dtype)
-            placed.copy_(seg.shard)
-            seg.shard = placed
 
     def finish_gather(self) -> None:
         """Complete the gather (starting it first if it was not): the parameters hold their

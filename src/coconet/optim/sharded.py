@@ -114,7 +114,7 @@ class SegmentStep:
                 self.grad_sum += part
             return
         scalars = opt.scalars(opt.param_groups[self.group], self.steps + 1)
-        self.step_fn.run({"g": seg.grad, "p": seg.slice_input(), **self.state, **scalars})
+        self.step_fn.run({"g": seg.grad, "p": seg.shard, **self.state, **scalars})
         self.steps += 1
 
     def squares(self) -> torch.Tensor:
@@ -130,7 +130,7 @@ class SegmentStep:
         opt = self.room.opt
         scalars = opt.scalars(opt.param_groups[self.group], self.steps + 1)
         grad = self.grad_sum if self.grad_sum is not None else torch.zeros_like(seg.shard)
-        self.update_fn.run({"g": grad, "p": seg.slice_input(), **self.state, **scalars,
+        self.update_fn.run({"g": grad, "p": seg.shard, **self.state, **scalars,
                             "clip_coef": coef})  # fmt: skip
         self.grad_sum = None
         self.steps += 1

@@ -745,10 +745,6 @@ class SharedMemoryTransport(Transport):
         total = max((hi for ranges in rows for _, hi in ranges), default=0)
         shape = (total, *x0.shape[1:])
         numel = _numel(shape)
-        if all(len(r) == 1 and r[0][1] - r[0][0] == x0.shape[0] for r in rows):
-            peer = st.peer_views(x0)
-            if peer is not None:  # every rank's x0 in symmetric memory of its own
-                return self._gather_registered(st, x0, peer, rows, shape, out)
         mem, e = st.begin(numel * x0.element_size())
         mine = mem.buffer(i, x0.dtype, numel).view(shape)
         at = 0
@@ -763,24 +759,6 @@ class SharedMemoryTransport(Transport):
             for lo, hi in rows[j]:
                 out[lo:hi].copy_(theirs[lo:hi])
         mem.post(Phase.CONSUMED, e)
-        return out
-
-    def _gather_registered(self, st: ShmGroup, x0: torch.Tensor, peer: Callable,
-                           rows: Sequence[Sequence[tuple[int, int]]], shape: tuple,
-                           out: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        """``gather_rows`` of inputs that live in symmetric memory of their own (a fully
-        sharded parameter's slices, every rank's of one size): read in place, nothing
-        published. It returns once every peer has read this rank's input too (CONSUMED from
-        all), so the caller may write it at once."""
-        mem, e = st.begin(0)
-        mem.post(Phase.READY, e)
-        mem.wait(Phase.READY, e)
-        out = torch.empty(shape, dtype=x0.dtype) if out is None else out.view(shape)
-        for j in range(st.size):
-            ((lo, hi),) = rows[j]
-            out[lo:hi].copy_(x0 if j == st.index else peer(j))
-        mem.post(Phase.CONSUMED, e)
-        mem.wait(Phase.CONSUMED, e)
         return out
 
     def broadcast(self, x, group: Group, *, root: int, donate: bool) -> Pending:
