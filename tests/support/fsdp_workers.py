@@ -78,11 +78,21 @@ def reference_step(ref: nn.Module, opt: torch.optim.Optimizer, world: int, step:
                    clip: float | None = None) -> float:  # fmt: skip
     """One DDP-equivalent step of ``ref`` on the whole batch: the ranks' gradients averaged."""
     x, y = batch(step)
+    shares = list(zip(torch.tensor_split(x, world), torch.tensor_split(y, world), strict=True))
+    losses = _averaged_step(ref, opt, [(xs, ys, 1) for xs, ys in shares], world, clip)
+    return sum(losses) / world
+
+
+def _averaged_step(ref: nn.Module, opt: torch.optim.Optimizer, shares: list, world: int,
+                   clip: float | None) -> list[float]:  # fmt: skip
+    """``ref``'s gradients of each (inputs, targets, loss divisor) of ``shares``, summed in
+    that order and divided by ``world`` (DDP's average), clipped by ``clip``, then ``opt``
+    steps: the shares' losses."""
     total, losses = None, []
-    for xs, ys in zip(torch.tensor_split(x, world), torch.tensor_split(y, world), strict=True):
+    for xs, ys, divisor in shares:
         ref.zero_grad(set_to_none=True)
         loss = loss_of(ref, xs, ys)
-        loss.backward()
+        (loss if divisor == 1 else loss / divisor).backward()
         losses.append(loss.item())
         grads = [p.grad.clone() for p in ref.parameters()]
         total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
@@ -91,7 +101,7 @@ def reference_step(ref: nn.Module, opt: torch.optim.Optimizer, world: int, step:
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
     opt.step()
-    return sum(losses) / world
+    return losses
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -362,21 +372,10 @@ def accumulated(comm, micro: int = 3, steps: int = 3, clip: float | None = None)
             (loss_of(net, xs, ys) / micro).backward()
         opt.step()
         opt.zero_grad()
-        ref.zero_grad(set_to_none=True)
-        total = None
-        for k in range(micro):
-            for r in range(world):
-                ref.zero_grad(set_to_none=True)
-                xs = torch.tensor_split(torch.tensor_split(x, micro)[k], world)[r]
-                ys = torch.tensor_split(torch.tensor_split(y, micro)[k], world)[r]
-                (loss_of(ref, xs, ys) / micro).backward()
-                g = [p.grad.clone() for p in ref.parameters()]
-                total = g if total is None else [a + b for a, b in zip(total, g, strict=True)]
-        for p, g in zip(ref.parameters(), total, strict=True):
-            p.grad = g / world
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        ref_opt.step()
+        shares = [(torch.tensor_split(torch.tensor_split(x, micro)[k], world)[r],
+                   torch.tensor_split(torch.tensor_split(y, micro)[k], world)[r], micro)
+                  for k in range(micro) for r in range(world)]  # fmt: skip
+        _averaged_step(ref, ref_opt, shares, world, clip)
     whole = fs.state_dict()
     return {"params": max(rel(whole[k], v) for k, v in ref.state_dict().items())}
 
