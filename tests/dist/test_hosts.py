@@ -142,7 +142,6 @@ def test_hosts_with_different_rank_counts_go_through_leaders(hosts, per_host, vi
     assert out[victim] is None
     for rank in survivors:
         o = out[rank]
-        assert not isinstance(o, BaseException), o
         assert o["transport"] == "hierarchical" and o["plan"] == "through one leader per host"
         assert o["layout"] == layout, o["layout"]
         assert len(o["cases"]) == 20

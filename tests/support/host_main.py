@@ -1,7 +1,7 @@
 """A rank of a namespace-hosts job (``support.hosts.Hosts.run``): ``host_main.py MODULE:FUNCTION
 WORKDIR`` joins torchrun's job, calls ``MODULE.FUNCTION(comm, *args)`` (the arguments pickled in
 WORKDIR/args.pkl; MODULE importable from tests/ or the job's ``path``) and writes what it
-returned, or the exception it raised, to WORKDIR/rank<R>.pkl."""
+returned, or the exception it raised (its traceback as a note), to WORKDIR/rank<R>.pkl."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import importlib
 import os
 import pickle
 import sys
+import traceback
 from pathlib import Path
 
 from coconet import runtime
@@ -25,7 +26,9 @@ def main() -> None:
     rank = comm.rank
     try:
         result = fn(comm, *args)
-    except Exception as exc:  # the caller checks what each rank raised
+    except Exception as exc:  # Hosts.run raises it, with this traceback, for the caller
+        exc.add_note(traceback.format_exc())  # notes travel in the pickle, tracebacks do not
+        traceback.print_exc()  # and into the host's log
         result = exc
     try:
         data = pickle.dumps(result)

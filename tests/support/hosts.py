@@ -162,9 +162,9 @@ class Hosts:
         ranks per host, or ``nproc[i]`` on host ``i`` (hosts holding different numbers of
         ranks: torchrun agents with their own ``--nproc-per-node``; host ``i``'s ranks follow
         host ``i - 1``'s, as torchrun numbers them); returns the ranks' results in rank order
-        (a rank's exception comes back as itself: the caller checks; the ranks in ``dead``,
-        expected to die, give None). Raises ``HostsFailed`` with every host's log when another
-        rank gives no result or the job runs past ``timeout``."""
+        (the ranks in ``dead``, expected to die, give None). Raises ``HostsFailed`` with every
+        host's log when another rank gives no result, raises (its traceback first), or the job
+        runs past ``timeout``."""
         per_host = (nproc,) * self.n if isinstance(nproc, int) else tuple(nproc)
         if len(per_host) != self.n or min(per_host) < 1:
             raise ValueError(f"Hosts.run: nproc={nproc!r} for {self.n} hosts: one count >= 1 "
@@ -190,13 +190,19 @@ class Hosts:
             for r in range(sum(per_host)):
                 out = work / f"rank{r}.pkl"
                 results.append(pickle.loads(out.read_bytes()) if out.exists() else None)
-            if late or any(r is None and i not in dead for i, r in enumerate(results)):
+            raised = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+            if late or raised or any(r is None and i not in dead for i, r in enumerate(results)):
                 text = "\n".join(
                     f"--- host {i} (exit {p.returncode}) ---\n"
                     + (work / f"host{i}.log").read_text()[-6000:]
                     for i, p in enumerate(procs)
                 )
-                why = f"ran past {timeout:.0f} s" if late else "a rank gave no result"
+                why = "".join(f"rank {i} raised {type(r).__name__}: {r}\n"
+                              + "".join(getattr(r, "__notes__", ())) for i, r in raised)
+                if late:
+                    why = f"ran past {timeout:.0f} s\n{why}"
+                elif not raised:
+                    why = "a rank gave no result"
                 raise HostsFailed(f"{fn} on {self.n} hosts x {nproc}: {why}\n{text}")
             return results
         finally:

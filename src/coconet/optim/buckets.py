@@ -35,7 +35,7 @@ __all__ = ["ROW_ELEMENTS", "Bucket", "Buckets", "is_sliced", "master_values", "p
 ROW_ELEMENTS = 1 << 18
 
 
-@dataclass
+@dataclass(eq=False)  # a bucket is itself: `in` and `==` by identity (its fields are tensors)
 class Bucket:
     """One param group's parameters of one dtype, as one flat vector the program steps."""
 

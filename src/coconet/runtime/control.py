@@ -35,6 +35,9 @@ from coconet.runtime.transport import Group, WholeWait
 
 __all__ = ["ControlChannel"]
 
+# How long a collective may still take to end after a peer in it left the job (its last bytes
+# in flight to this rank, which the scheduler held back on an oversubscribed machine)
+LEFT_GRACE_S = 2.0
 _LEAST = -(1 << 63)  # the least int64: the padding of a control round (MAX leaves it alone)
 # the int type of each element size: how a scalar's bits ride in a control word
 _WORD_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -77,6 +80,7 @@ class ControlChannel:
         # benchmarks read them: what a step's safety costs in rounds)
         self.rounds = 0
         self.carried = 0
+        self.exchanges = 0  # full exchanges of objects (an agreement's reports, among others)
 
     def use_shared_memory(self, transport: SharedMemoryTransport, control: Group) -> None:
         """Agree over ``control``: a shared-memory group of the whole world, of its own."""
@@ -246,6 +250,7 @@ class ControlChannel:
         """Every rank's ``obj`` (any picklable value, of any size), in rank order."""
         if self.world == 1:
             return [obj]
+        self.exchanges += 1
         out: list[Any] = [None] * self.world
         self._guard("handshake", label, None, dist.all_gather_object, out, obj,
                     group=self.process_group)  # fmt: skip
@@ -522,6 +527,18 @@ class ControlChannel:
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower() or time.monotonic() > deadline:
                     raise
+            reason = self.peer_reason()
+            if reason is not None and LEFT in reason:
+                # A peer leaves after its last call, so it left this collective complete on
+                # its side (gloo's ring hands a rank the whole result before the last bytes
+                # reach a slower peer): this rank's part ends once those bytes arrive. Only a
+                # collective still unfinished after a grace is one the peer never joined.
+                grace = max(0.0, min(LEFT_GRACE_S, deadline - time.monotonic()))
+                try:
+                    work.wait(datetime.timedelta(seconds=grace))
+                    return
+                except RuntimeError:
+                    pass  # not joined (or the connection closed): the fault that says so
             self.check_peers()
             wait_s = min(2 * wait_s, 0.2)
 
