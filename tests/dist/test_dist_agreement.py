@@ -47,8 +47,27 @@ def test_misuse_is_refused_on_every_rank_when_the_agreement_rides(checked):
     _same_fault(results, "one rank's shape", "do not fit the program together")
     _same_fault(results, "swapped steps", "different compiled steps of the same program")
     # the refused calls are not counted: 6 good, 2 with new shapes, 1 after the local calls, 1
-    # at the end (the three the local steps' divergence refused are not)
-    assert [out["calls"] for out in results] == [10, 10]
+    # after the refusals, 7 with shapes seen, 1 at the end (the three the local steps'
+    # divergence refused are not, nor the two whose verdicts differed)
+    assert [out["calls"] for out in results] == [18, 18]
+
+
+@pytest.mark.timeout(160)
+def test_shapes_seen_before_or_alike_on_every_rank_need_no_exchange(checked):
+    """Shapes that change back to ones a rank had (a decoder's lengths, prompt after prompt),
+    or to new ones that every rank has alike, are agreed in the step's one round: no exchange
+    of reports (an all_gather_object), results bitwise the simulator's. Ranks whose shapes
+    differ are refused on every rank alike, kept verdicts or new."""
+    _, results = checked
+    for rank, out in enumerate(results):
+        seen = out["shapes seen"]
+        assert all(seen["exact"]) and seen["local"], f"rank {rank}: {seen}"
+        assert seen["exchanges"] == [0, 0], f"rank {rank}: {seen}"
+        assert out["usable after"], f"rank {rank}"
+    _same_fault(results, "kept verdicts differ", "do not fit the program together",
+                "size N is 69")  # fmt: skip
+    _same_fault(results, "new verdicts differ", "do not fit the program together",
+                "size N is 75")  # fmt: skip
 
 
 @pytest.mark.timeout(160)

@@ -138,6 +138,26 @@ def checks(comm: Communicator) -> dict:
     # and the communicator is still usable: a good call is exact
     good = _call(step, reduced_inputs(rank, 14))
     out["usable"] = good["status"] == "no error" and torch.equal(good["y"], _want(world, 14))
+
+    # 4. shapes this rank had before, or new ones the same on every rank: no exchange (the
+    # verdict every rank proposes stands); ranks that propose different verdicts are refused
+    exchanges0 = control.exchanges
+    exact = []
+    for seed, n in enumerate([N, N + 5, N, N + 5, N + 7, N + 7, N], start=15):
+        got = _call(step, reduced_inputs(rank, seed, n))
+        exact.append(got["status"] == "no error" and torch.equal(got["y"], _want(world, seed, n)))
+    lstep = fresh("lengths")  # (a step that communicates nothing: a round, no exchange)
+    exchanges1 = control.exchanges
+    lengths = [N + 2, N, N + 2]
+    fine = all(torch.equal(lstep(x=x[:n], c=2.0)["y"], x[:n] * 2.0 + 1.0) for n in lengths)
+    out["shapes seen"] = {"exact": exact, "local": fine,
+                          "exchanges": [exchanges1 - exchanges0 - 1,  # (fresh's first call)
+                                        control.exchanges - exchanges1]}  # fmt: skip
+    out["kept verdicts differ"] = _attempt(step, reduced_inputs(rank, 22, N + 5 * rank))
+    out["new verdicts differ"] = _attempt(step, reduced_inputs(rank, 23, N + 9 + 2 * rank))
+    again = _call(step, reduced_inputs(rank, 24, N + 5))
+    out["usable after"] = again["status"] == "no error" and torch.equal(
+        again["y"], _want(world, 24, N + 5))
     out["calls"] = step.calls
     return out
 

@@ -72,21 +72,28 @@ def bind_sizes(
     ``tensor_split`` part of the global size.
     """
     sizes: dict[str, int] = {}
-    where: dict[str, str] = {}
+    where: dict[str, tuple] = {}
     problems: list[str] = []
 
-    def bind(dim: Dim | int, value: int, what: str) -> None:
+    # Where a size came from: (rank, input, dim) or (group, input), worded only for a problem
+    # (a decoder binds new sizes at every token: the words cost more than the binding)
+    def said(what: tuple) -> str:
+        if len(what) == 3:
+            return f"rank {what[0]}'s {what[1]!r} (dim {what[2]})"
+        return f"the slices of {what[1]!r} on ranks {what[0]}"
+
+    def bind(dim: Dim | int, value: int, what: tuple) -> None:
         if isinstance(dim, int):
             if dim != value:
-                problems.append(f"{what} is {value}, the program declares {dim}")
+                problems.append(f"{said(what)} is {value}, the program declares {dim}")
             return
         if dim.name not in sizes:
             sizes[dim.name] = value
             where[dim.name] = what
         elif sizes[dim.name] != value:
             problems.append(
-                f"size {dim.name} is {value} from {what} but {sizes[dim.name]} from "
-                f"{where[dim.name]}"
+                f"size {dim.name} is {value} from {said(what)} but {sizes[dim.name]} from "
+                f"{said(where[dim.name])}"
             )
 
     for node in program.inputs:
@@ -105,7 +112,7 @@ def bind_sizes(
             for d, (dd, size) in enumerate(zip(declared, local, strict=True)):
                 if lay.is_sliced and d == lay.dim:
                     continue  # checked per group below
-                bind(dd, size, f"rank {rank}'s {node.name!r} (dim {d})")
+                bind(dd, size, (rank, node.name, d))
         if lay.is_sliced:
             _bind_sliced(node, mesh, shapes, bind, problems)
     return sizes, problems
@@ -126,7 +133,7 @@ def _bind_sliced(node: Node, mesh: Mesh, shapes, bind, problems: list[str]) -> N
                     f"{lay.dim}; its part of the group's {total} is {hi - lo} "
                     f"(ranks {group} hold {[x[lay.dim] for x in local]})"
                 )
-        bind(node.type.shape[lay.dim], total, f"the slices of {node.name!r} on ranks {group}")
+        bind(node.type.shape[lay.dim], total, (group, node.name))
 
 
 def geometry(program: Program, mesh: Mesh, rank: int, sizes: Mapping[str, int]) -> Geometry:

@@ -8,16 +8,23 @@ moves, at every step, every rank contributes a few words to one round that canno
 negations on torch.distributed):
 
     [identity hash, ordinal, call, Replicated values' hash, local steps' digest,
-     "I need a full exchange", "my inputs failed", what rides along]
+     the shapes' verdict, "I need a full exchange", "my inputs failed", what rides along]
 
 The identity is the compiled step's (program, schedule, mesh, every option that changes the
 collectives or the numerics); ``call`` counts this rank's calls of steps with that identity, so a
 rank that skipped or repeated a step is caught at the next one instead of pairing its step t with
-a peer's step t+1. When the first five words differ, a rank's input shapes changed (or it is the
-first step), or a rank found a bad input, every rank learns it from the same words and they all
-take part in a full exchange of ``RankReport``s (pickled objects of any size,
-``all_gather_object``). From the same reports every rank reaches the same verdict: the global
-sizes, or one ``RuntimeFault`` naming the difference, raised on every rank.
+a peer's step t+1. When the first six words differ, a rank's input shapes changed to ones it has
+not run with (or it is the first step), or a rank found a bad input, every rank learns it from
+the same words and they all take part in a full exchange of ``RankReport``s (pickled objects of
+any size, ``all_gather_object``). From the same reports every rank reaches the same verdict: the
+global sizes, or one ``RuntimeFault`` naming the difference, raised on every rank.
+
+Shapes seen before cost no exchange (``Verdicts``): a verdict is kept by every rank's shapes,
+and a rank whose shapes change to ones it had under a kept verdict proposes that verdict (the
+sixth word: its hash) instead of asking for an exchange. Every rank's word is equal only when
+every rank proposes the same verdict, which holds its own shapes: then each rank's shapes are
+the verdict's, and the verdict stands without a word more. A decoder's growing context (a new
+length per token, the same lengths prompt after prompt) pays the exchange once per length.
 
 Two ways the round costs less than a round of its own (``coconet.runtime.step``):
 
@@ -42,7 +49,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from coconet.codegen.geometry import bind_sizes
+from coconet.codegen.geometry import Geometry, bind_sizes, geometry
 from coconet.errors import RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import ReduceOp
@@ -54,6 +61,7 @@ __all__ = [
     "Disagreement",
     "LocalSteps",
     "RankReport",
+    "Verdicts",
     "identity_hash",
     "settle",
     "settle_carrying",
@@ -80,6 +88,8 @@ class RankReport:
     # The steps that communicate nothing run since the last round (``LocalSteps.take``): (their
     # number, the first few as (program, ordinal, call, Replicated values))
     local: tuple = (0, ())
+    # The hash of the verdict whose shapes this rank's are (``Verdicts``; 0: none proposed)
+    verdict: int = 0
 
 
 def identity_hash(identity: Sequence[tuple[str, str]]) -> int:
@@ -164,22 +174,23 @@ class Disagreement(Exception):  # noqa: N818 - a control-flow signal inside coco
 def _words(report: RankReport, identity: int, local: int, need_exchange: bool,
            carried: int) -> list[int]:  # fmt: skip
     """The agreement's words: four that must be equal everywhere (identity, ordinal, call, the
-    Replicated values' hash), the local steps' digest (equal everywhere too), two flags that
-    must be 0 everywhere, and what payload rides along (0: none)."""
+    Replicated values' hash), the local steps' digest and the shapes' verdict (equal everywhere
+    too), two flags that must be 0 everywhere, and what payload rides along (0: none)."""
     return [
         identity,
         report.ordinal,
         report.call,
         _replicated_hash(report.replicated),
         local,
+        report.verdict,
         int(need_exchange),
         int(report.error is not None),
         carried,
     ]
 
 
-_EQUAL = 5  # the first five words must be equal on every rank
-_EXCHANGE, _ERROR, _CARRIED = 5, 6, 7
+_EQUAL = 6  # the first six words must be equal on every rank
+_EXCHANGE, _ERROR, _CARRIED = 6, 7, 8
 
 
 def _agreed(high: list[int], low: list[int]) -> bool:
@@ -236,6 +247,83 @@ def settle_carrying(
 # the payloads that can ride (the dtypes and reductions cn_one_shot computes), as numbers
 _DTYPES = {torch.float32: 1, torch.float64: 2, torch.int32: 3, torch.int64: 4}
 _OPS = {ReduceOp.SUM: 1, ReduceOp.PROD: 2, ReduceOp.MAX: 3, ReduceOp.MIN: 4}
+
+
+class Verdicts:
+    """One compiled step's verdicts, kept by every rank's shapes and dtypes (the last ``limit``).
+
+    ``remember`` keeps a verdict (an exchange's, or one every rank proposed) and makes it the
+    current one; ``propose`` is, for this rank's new shapes, the kept verdict under which this
+    rank had them, else the one every rank reaches if every rank has this rank's shapes. A
+    proposal every rank makes alike holds every rank's shapes, so it stands without an exchange
+    (the module's docstring); one that some rank does not make only costs an exchange, never a
+    wrong size."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self.current = 0  # the hash of the verdict the step runs under (0: none yet)
+        # verdict hash -> (the hash, every rank's key, the value: the step's geometry)
+        self._values: dict[int, tuple[int, tuple, object]] = {}
+        self._mine: dict[tuple, int] = {}  # this rank's shapes -> the last verdict holding them
+
+    @staticmethod
+    def key(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]) -> tuple:
+        """One rank's part of a verdict's name."""
+        return (tuple(sorted((k, tuple(v)) for k, v in shapes.items())),
+                tuple(sorted(dtypes.items())))  # fmt: skip
+
+    @staticmethod
+    def hash_of(every: Sequence[tuple]) -> int:
+        """The name of the verdict on every rank's ``key``s (in rank order): never 0."""
+        return identity_hash([("shapes", repr(tuple(every)))]) or 1
+
+    def remember(self, every: Sequence[tuple], rank: int, value: object,
+                 h: int | None = None) -> int:  # fmt: skip
+        """Keep the verdict on every rank's ``key``s (``h``: its ``hash_of`` if known) with
+        ``value``; it becomes the current one. Returns its hash."""
+        h = self.hash_of(every) if h is None else h
+        if h not in self._values and len(self._values) >= self.limit:
+            # a model that never repeats its shapes: start over
+            self._values.clear()
+            self._mine.clear()
+        self._values[h] = (h, tuple(every), value)
+        self._mine[every[rank]] = h
+        self.current = h
+        return h
+
+    @staticmethod
+    def _alike(kept: tuple | None) -> bool:
+        """Whether a kept verdict is of every rank with the same shapes."""
+        return kept is not None and len(set(kept[1])) == 1
+
+    def remember_reports(self, reports: Sequence[RankReport], rank: int, value: object) -> int:
+        """``remember`` the verdict an exchange reached on ``reports`` (in rank order)."""
+        return self.remember([self.key(r.shapes, r.dtypes) for r in reports], rank, value)
+
+    def propose(
+        self, shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
+        program: Program, mesh: Mesh, comm,
+    ) -> tuple[int, tuple, Geometry] | None:  # fmt: skip
+        """The verdict this rank proposes for its new ``shapes``, in place of an exchange: (its
+        hash, every rank's key, the geometry). The kept one under which this rank had these
+        shapes; else the one every rank reaches if every rank has them (a tensor-parallel
+        layer's activations: the same on every rank), which stands only where every rank
+        proposes it. While the ranks run with the same shapes, a kept verdict of ranks with
+        different ones gives way to the worked-out one (so a switch between the two kinds costs
+        one exchange, and staying with either none). None where this rank's shapes alone do
+        not fit ``program`` (the exchange says why)."""
+        mine = self.key(shapes, dtypes)
+        kept = self._values.get(self._mine.get(mine, 0))
+        if kept is not None and (self._alike(kept) or not self._alike(self._values.get(
+                self.current))):  # fmt: skip
+            return kept
+        # (a kept verdict of ranks with other shapes than this one's, while the ranks run with
+        # the same shapes: the one worked out is the likelier to be every rank's)
+        sizes, problems = bind_sizes(program, mesh, [shapes] * comm.world)
+        if problems:
+            return None
+        every = (mine,) * comm.world
+        return self.hash_of(every), every, geometry(program, mesh, comm.rank, sizes)
 
 
 def _with_local(report: RankReport, calls: tuple) -> RankReport:

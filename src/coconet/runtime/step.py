@@ -95,6 +95,8 @@ class CompiledStep:
         self._kernels: KernelSet | None = None
         self._exchanged: dict[str, tuple[int, ...]] | None = None  # shapes at the last exchange
         self._geometry: Geometry | None = None
+        # the verdicts reached, by every rank's shapes: shapes seen before need no exchange
+        self._verdicts = handshake.Verdicts()
         self._updated = {u.inputs[0].name for u in program.updates}
         self.transports = transports  # what runs each axis's collectives (part of the identity)
         self.calls = 0  # calls of this compiled step that every rank agreed on
@@ -285,7 +287,7 @@ class CompiledStep:
         ranks, and each of its ranks votes at the same point (its own such step)."""
         comm = self._communicator()
         try:
-            args, shapes, reports, ordinal, h = self._agree(comm, inputs, agree)
+            args, shapes, reports, ordinal, h, proposed = self._agree(comm, inputs, agree)
         except RuntimeFault as fault:
             if not isinstance(fault, handshake.CallRefused):
                 comm.abort(f"rank {comm.rank} failed before its step: {_first_line(fault)}")
@@ -296,8 +298,15 @@ class CompiledStep:
             # half used, and the peers must hear of it at once, not at their timeout.
             comm.abort(f"rank {comm.rank} failed before its step: {_first_line(exc)}")
             raise
+        before = (self._geometry, self._exchanged, self._verdicts.current)
         if reports is not None:
             self._settle(comm, reports, shapes)
+        elif proposed is not None:
+            # agreed (or to be, in the round the step's all_reduce carries): the verdict every
+            # rank proposed, which holds this rank's shapes
+            name, every, self._geometry = proposed
+            self._verdicts.remember(every, comm.rank, self._geometry, name)
+            self._exchanged = shapes
         if self._ordinal is None:
             self._ordinal = ordinal
             _steps_seen(comm)[h] = ordinal + 1
@@ -317,7 +326,12 @@ class CompiledStep:
                 # on every rank (this call not counted, the communicator usable), or the new
                 # sizes, and the step runs again with its agreement settled.
                 self.calls -= 1
-                self._settle(comm, disagreement.reports, shapes)
+                try:
+                    self._settle(comm, disagreement.reports, shapes)
+                except handshake.CallRefused:
+                    # refused on every rank: the step stays under the verdict it had
+                    self._geometry, self._exchanged, self._verdicts.current = before
+                    raise
                 self.calls += 1
                 outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
             finally:
@@ -397,6 +411,7 @@ class CompiledStep:
             raise handshake.CallRefused(fault, reports) from None
         self._geometry = geometry(self.program, self.mesh, comm.rank, sizes)
         self._exchanged = shapes
+        self._verdicts.remember_reports(reports, comm.rank, self._geometry)
 
     def agree_call(self, agree: dict[str, str]) -> list[handshake.RankReport] | None:
         """Take part in this step's per-step agreement without running the step: a caller
@@ -423,6 +438,7 @@ class CompiledStep:
                 call=self.calls + 1,
                 ordinal=ordinal,
                 replicated=dict(agree),
+                verdict=self._verdicts.current,
             )
             return handshake.settle(comm, report, False)
         except BaseException as exc:
@@ -437,7 +453,8 @@ class CompiledStep:
         all_reduce, which it rides with, or, for a step that moves no data, to the
         communicator's next round. Returns (the generated step's arguments, the input shapes,
         every rank's report or None when there was no exchange, this step's ordinal, the
-        identity's hash)."""
+        identity's hash, and for new shapes the verdict this rank proposed in place of an
+        exchange, ``Verdicts.propose``'s (its hash, every rank's key, its geometry), or None)."""
         args, shapes, dtypes, replicated, error = self._bind(inputs, comm)
         if agree and comm.world > 1:
             replicated.update(agree)
@@ -451,6 +468,11 @@ class CompiledStep:
                 f"input shapes changed since the first step ({change}); compiled with "
                 "check_every_step=False, the shapes must stay"
             )
+        proposed = None
+        if changed and not first and error is None:
+            # shapes this rank had, or every rank with these: no exchange (handshake.Verdicts)
+            proposed = self._verdicts.propose(shapes, dtypes, self.program, self.mesh, comm)
+        exchange = changed and proposed is None
         seen = _steps_seen(comm)
         ordinal = seen.get(h, 0) if self._ordinal is None else self._ordinal
         report = handshake.RankReport(
@@ -462,10 +484,12 @@ class CompiledStep:
             call=self.calls + 1,
             ordinal=ordinal,
             replicated=replicated,
+            verdict=self._verdicts.current if proposed is None else proposed[0],
         )
         if comm.world == 1 or not self.calls:
             # nobody to agree with, or the first call: its geometry comes from the exchange
-            return args, shapes, handshake.settle(comm, report, changed, h), ordinal, h
+            reports = handshake.settle(comm, report, exchange, h)
+            return args, shapes, reports, ordinal, h, proposed
         if self._local:
             # A step that moves no data, past its first call (coconet.runtime.handshake): its
             # calls are agreed at the communicator's next round, and its bad inputs fail this
@@ -479,14 +503,16 @@ class CompiledStep:
                     hint="fix the inputs named above; nothing was computed or updated",
                 ))
             if not changed:
+                # (its calls take no round while its shapes stay: a rank whose shapes changed
+                # has a round, proposed or not, which pairs with its peers')
                 comm.local_steps.add(self.program.name, h, ordinal, report.call, replicated)
-                return args, shapes, None, ordinal, h
-        elif self._rides is not None and error is None and not changed:
+                return args, shapes, None, ordinal, h, proposed
+        elif self._rides is not None and error is None and not exchange:
             # A call like the last one agreed on rides with the step's first all_reduce (or is
             # settled before any other communication of the step): one round instead of two.
             comm.defer_agreement(handshake.Deferred(report, h, self._rides))
-            return args, shapes, None, ordinal, h
-        return args, shapes, handshake.settle(comm, report, changed, h), ordinal, h
+            return args, shapes, None, ordinal, h, proposed
+        return args, shapes, handshake.settle(comm, report, exchange, h), ordinal, h, proposed
 
     def _compiles_kernels(self, comm: Communicator) -> bool:
         return self.options.fused_kernels and comm.world > 1 and len(self.kernels) > 0
