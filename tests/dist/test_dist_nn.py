@@ -51,6 +51,23 @@ def test_parallelize_a_nanogpt_model(plan):
 
 
 @pytest.mark.timeout(240)
+def test_a_hugging_face_llama_runs_with_its_own_plan_and_generate():
+    """transformers' Llama (grouped key/value heads), parallelized by its own tp_plan: its
+    logits follow one process, its own generate() gives the same tokens, the embedding stays
+    whole (said), and what cannot run is refused, on every rank."""
+    for rank, out in enumerate(spawn(nn_workers.hf_llama_generate, 2, options=OPTIONS,
+                                     timeout=220)):  # fmt: skip
+        assert out["swapped"] == ["ColumnParallelLinear", "RowParallelLinear"], out["swapped"]
+        assert out["left whole"] == {"model.embed_tokens": "embedding_rowwise"}, out
+        assert out["logits"] <= 1e-5, (rank, out["logits"])
+        assert out["tokens"] == (48, 48), (rank, out["tokens"])
+        refusals = out["refusals"]
+        assert "num_attention_heads = 3 does not divide over the 2 ranks" in refusals["heads"]
+        assert "gate_proj: packed_colwise" in refusals["style"], refusals["style"]
+        assert "Sequential has no tensor-parallel plan of its own" in refusals["no plan"]
+
+
+@pytest.mark.timeout(240)
 def test_paper_schedules_of_the_layers_equal_torch():
     """MM_AR_C, MM_RS_C_AG and ol_MM_fuse_RS_C_AG on the row-parallel forward and on the
     column-parallel backward, eager kernels."""

@@ -614,3 +614,55 @@ def copies_and_saves(comm, directory: str) -> dict[str, float]:
     errors["loaded: to_full"] = _err(loaded.transformer.h[1].attn.to_full()[0].weight,
                                      model.transformer.h[1].attn.to_full()[0].weight)
     return errors
+
+
+def hf_llama_generate(comm) -> dict:
+    """A ``transformers`` Llama (small config, random weights: nothing downloaded; grouped
+    key/value heads) parallelized with its own plan (``parallelize(model, comm)``): its logits
+    against one process, its own ``generate()`` (greedy, KV cache) token for token, what the
+    plan left whole, and the refusals (heads that do not divide; a style that computes
+    something else)."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coconet.errors import ConfigError
+    from coconet.nn import ColumnParallelLinear, RowParallelLinear, parallelize
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)  # fmt: skip
+    ref = LlamaForCausalLM(config).eval()
+    model = parallelize(copy.deepcopy(ref), comm)
+    out: dict = {"left whole": dict(model.coconet_plan_left_whole)}
+    kinds = (ColumnParallelLinear, RowParallelLinear)
+    out["swapped"] = sorted({type(m).__name__ for m in model.modules() if isinstance(m, kinds)})
+    prompt = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out["logits"] = _err(model(prompt).logits, ref(prompt).logits)
+        got = model.generate(prompt, max_new_tokens=24, do_sample=False)
+        want = ref.generate(prompt, max_new_tokens=24, do_sample=False)
+    out["tokens"] = (int((got[:, 7:] == want[:, 7:]).sum()), got[:, 7:].numel())
+    refusals = {}
+    odd = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=3, num_key_value_heads=3)  # fmt: skip
+    torch.manual_seed(0)
+    for label, build in {
+        "heads": lambda: LlamaForCausalLM(odd),
+        "style": lambda: _with_plan(LlamaForCausalLM(config), "packed_colwise"),
+        "no plan": lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)),
+    }.items():
+        try:
+            parallelize(build(), comm)
+            refusals[label] = "no error"
+        except ConfigError as e:
+            refusals[label] = str(e)
+    out["refusals"] = refusals
+    return out
+
+
+def _with_plan(model, style: str):
+    """``model`` whose own plan has ``style`` on its MLPs' gate projections."""
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.gate_proj": style}
+    return model

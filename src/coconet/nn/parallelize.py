@@ -8,13 +8,25 @@ named as torch's ``parallelize_module`` and Hugging Face ``tp_plan``s name them:
 - ``"rowwise"``: ``RowParallelLinear`` taking this rank's part of the features (what a
   ``"colwise"`` layer before it gives) and all_reducing its output;
 - ``"rowwise_rep"``: the same, taking the whole input (its part is used);
+- ``"colwise_gather_output"`` and ``"rowwise_split_input"``: Hugging Face's names of
+  ``"colwise_rep"`` and ``"rowwise_rep"``;
 - ``"attention"`` (coconet's own, for a whole module): a GPT-2/nanoGPT attention module (one
   with ``c_attn``, ``c_proj`` and ``n_head``) becomes a ``ParallelSelfAttention`` with
   ``n_head / tp`` heads per rank — torch's styles swap linears only, which leaves such a
   module's own head arithmetic wrong.
 
 Everything else in the model is kept as it is. The model must be the same on every rank (build
-it after the same seed, or load the same weights). A pair ``colwise`` -> elementwise ops ->
+it after the same seed, or load the same weights).
+
+Hugging Face models. Without a plan, a ``transformers`` model's own plan is taken
+(``model.tp_plan``: its config's ``base_model_tp_plan`` under the base model's prefix, with the
+head's, e.g. Llama's ``lm_head: colwise_gather_output``): its linears are swapped as it says, and
+the model's attention, which computes its heads from its projections' widths, runs with this
+rank's heads. Entries that shard something other than a linear are left whole and said so in
+``model.coconet_plan_left_whole`` (``embedding_rowwise``: a vocabulary-parallel embedding; the
+embedding stays whole on every rank: the same values, more memory); a style that changes what a
+module computes (packed, expert, sequence-parallel ones) is refused. The attention heads and the
+key/value heads must divide over the group. A pair ``colwise`` -> elementwise ops ->
 ``rowwise`` (an MLP) needs nothing else from the model.
 
 Dropout. An attention module's own dropouts are carried over, never dropped: nanoGPT's and
@@ -68,6 +80,16 @@ class Style(enum.Enum):
     ROWWISE = "rowwise"
     ROWWISE_REP = "rowwise_rep"
     ATTENTION = "attention"
+    # Hugging Face's names of the two above (transformers' ALL_PARALLEL_STYLES)
+    COLWISE_GATHER_OUTPUT = "colwise_gather_output"
+    ROWWISE_SPLIT_INPUT = "rowwise_split_input"
+
+
+# the same layer by another name
+_SAME = {Style.COLWISE_GATHER_OUTPUT: Style.COLWISE_REP,
+         Style.ROWWISE_SPLIT_INPUT: Style.ROWWISE_REP}  # fmt: skip
+# Hugging Face styles whose module keeps its values whole here (nothing else changes)
+_WHOLE = {"embedding_rowwise", "embedding_colwise", "replicate", "replicated_with_grad_allreduce"}
 
 
 def _convert(linear: nn.Linear, style: Style, comm: Communicator, axis: str | None,
@@ -85,7 +107,7 @@ def _convert(linear: nn.Linear, style: Style, comm: Communicator, axis: str | No
 def parallelize(
     model: nn.Module,
     comm: Communicator,
-    plan: Mapping[str, str | Style],
+    plan: Mapping[str, str | Style] | None = None,
     *,
     axis: str | None = None,
     fused_kernels: bool = False,
@@ -96,13 +118,17 @@ def parallelize(
     model. A pattern that matches no ``nn.Linear`` is an error (a typo would leave a layer
     whole), as is a name two patterns with different styles match. ``seed``: the base of the
     converted layers' dropout seeds (each layer's is derived from it and its module name: the
-    same on every rank); the module docstring says what the model's own dropouts need."""
+    same on every rank); the module docstring says what the model's own dropouts need.
+    ``plan=None``: a Hugging Face model's own plan (the module docstring)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"takes an nn.Module, got {type(model).__name__}",
             op="parallelize",
             hint="parallelize(model, comm, {'*.mlp.c_fc': 'colwise', '*.mlp.c_proj': 'rowwise'})",
         )
+    own = plan is None
+    if own:
+        plan = _hf_plan(model, comm, axis)
     if not isinstance(plan, Mapping) or not plan:
         raise ConfigError(
             f"the plan maps module-name patterns to styles, got {plan!r}",
@@ -112,7 +138,8 @@ def parallelize(
     styles: dict[str, Style] = {}
     for pattern, style in plan.items():
         try:
-            styles[pattern] = Style(style.value if isinstance(style, Style) else style)
+            named = Style(style.value if isinstance(style, Style) else style)
+            styles[pattern] = _SAME.get(named, named)
         except ValueError:
             raise ConfigError(
                 f"{pattern!r} has the style {style!r}",
@@ -125,7 +152,7 @@ def parallelize(
     for pattern, style in styles.items():
         pool = attentions if style is Style.ATTENTION else linears
         hits = [name for name in pool if fnmatch.fnmatchcase(name, pattern)]
-        if not hits:
+        if not hits and not own:  # (a model's own plan names what some of its variants have)
             what = "attention module (c_attn, c_proj, n_head)" if style is Style.ATTENTION \
                 else "nn.Linear"  # fmt: skip
             raise ConfigError(
@@ -183,6 +210,52 @@ def parallelize(
         setattr(parent, child, new)
     _watch_replicas(model, layer_group(comm, axis))
     return model
+
+
+def _hf_plan(model: nn.Module, comm: Communicator, axis: str | None) -> dict[str, str]:
+    """A ``transformers`` model's own tensor-parallel plan, as ``parallelize`` takes it: its
+    linears' entries; the entries whose module stays whole here recorded on the model
+    (``coconet_plan_left_whole``); a refusal for a style that computes something else."""
+    config = getattr(model, "config", None)
+    full = getattr(model, "tp_plan", None)  # transformers >= 5: the whole model's
+    if not isinstance(full, Mapping) and config is not None:  # transformers 4: the base model's
+        prefix = getattr(model, "base_model_prefix", "")
+        base = getattr(config, "base_model_tp_plan", None) or {}
+        inner = prefix + "." if prefix and hasattr(model, prefix) else ""
+        full = {**{inner + k: v for k, v in base.items()},
+                **(getattr(model, "_tp_plan", None) or {})}  # fmt: skip
+    if not full:
+        raise ConfigError(
+            f"no plan given, and {type(model).__name__} has no tensor-parallel plan of its own",
+            op="parallelize",
+            hint="pass one: parallelize(model, comm, {'*.mlp.c_fc': 'colwise', "
+            "'*.mlp.c_proj': 'rowwise'}); a Hugging Face model has its own in model.tp_plan",
+        )
+    known = {s.value for s in Style} - {Style.ATTENTION.value}
+    plan = {k: v for k, v in full.items() if v in known}
+    whole = {k: v for k, v in full.items() if v in _WHOLE}
+    other = {k: v for k, v in full.items() if k not in plan and k not in whole}
+    if other:
+        raise ConfigError(
+            f"{type(model).__name__}'s own plan has styles coconet.nn does not run: "
+            + ", ".join(f"{k}: {v}" for k, v in list(other.items())[:4]),
+            op="parallelize",
+            details=["coconet.nn runs colwise, rowwise (and their _rep / Hugging Face "
+                     "gather_output / split_input forms); embeddings and replicated modules "
+                     "stay whole"],
+            hint="pass a plan of your own for this model's linears",
+        )  # fmt: skip
+    parts = layer_group(comm, axis).world
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % parts:
+            raise ConfigError(
+                f"{field} = {heads} does not divide over the {parts} ranks of the group",
+                op="parallelize",
+                hint="each rank computes whole heads: a group whose size divides the heads",
+            )
+    model.coconet_plan_left_whole = whole
+    return plan
 
 
 def _watch_replicas(model: nn.Module, group: Communicator) -> None:
