@@ -393,15 +393,13 @@ class ControlChannel:
             except (RuntimeError, OSError):
                 pass  # the store is gone (its host died): the peers learn from that
 
-    def check_peers(self) -> None:
-        """A ``RuntimeFault`` if a peer aborted (see ``abort``) or left the job (``depart``)."""
+    def check_peers(self, reason: str | None = None) -> None:
+        """A ``RuntimeFault`` if a peer aborted (see ``abort``) or left the job (``depart``):
+        as ``reason`` says when given (what ``_peer_word`` read), else as the store says now."""
         if self._store is None:
             return
-        try:
-            aborted = self._store.check([self._abort_key])
-            reason = self._store.get(self._abort_key).decode() if aborted else None
-        except (RuntimeError, OSError) as exc:
-            reason = f"the job's store is unreachable (rank 0 died?): {exc}"
+        if reason is None:
+            reason = self._peer_word()
         if reason is not None:
             self._guard.broken = f"a peer aborted: {reason}"
             left = LEFT in reason
@@ -414,6 +412,14 @@ class ControlChannel:
                 hint=LEFT_HINT if left else "look at that rank's output for its failure; this "
                 "job cannot continue: end it (coconet.runtime.shutdown) and restart it",
             )
+
+    def _peer_word(self) -> str | None:
+        """What a peer that aborted or left said, or that the store is gone; None if neither."""
+        try:
+            aborted = self._store.check([self._abort_key])
+            return self._store.get(self._abort_key).decode() if aborted else None
+        except (RuntimeError, OSError) as exc:
+            return f"the job's store is unreachable (rank 0 died?): {exc}"
 
     def peer_reason(self) -> str | None:
         """What a peer that aborted or left said (``abort``, ``depart``), None if none did."""
@@ -527,7 +533,9 @@ class ControlChannel:
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower() or time.monotonic() > deadline:
                     raise
-            reason = self.peer_reason()
+            # (read once: a peer that leaves between two reads would be taken for one that
+            # left before this collective ended)
+            reason = self._peer_word()
             if reason is not None and LEFT in reason:
                 # A peer leaves after its last call, so it left this collective complete on
                 # its side (gloo's ring hands a rank the whole result before the last bytes
@@ -539,7 +547,7 @@ class ControlChannel:
                     return
                 except RuntimeError:
                     pass  # not joined (or the connection closed): the fault that says so
-            self.check_peers()
+            self.check_peers(reason)
             wait_s = min(2 * wait_s, 0.2)
 
 
