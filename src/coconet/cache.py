@@ -10,6 +10,7 @@ each other's entries. So every cache lives under a directory named by the **buil
     <cache_dir>/<build key>/generated/        generated per-rank modules
     <cache_dir>/<build key>/algorithms.json   measured collective algorithm choices
     <cache_dir>/<build key>/inductor/         Inductor's cache (TORCHINDUCTOR_CACHE_DIR), see below
+    <cache_dir>/<build key>/kernels/          fused kernels built ahead of time (codegen.aot)
 
 The generated modules are bounded (``prune``): at most ``GENERATED_MAX_FILES`` files and
 ``GENERATED_MAX_BYTES`` bytes, the least recently used going first (a module is "used" when it is
@@ -45,6 +46,7 @@ __all__ = [
     "default_cache_dir",
     "keyed_cache_dir",
     "prune",
+    "source_digest",
     "use_inductor_cache",
 ]
 
@@ -91,6 +93,18 @@ def build_key() -> str:
     version = torch.__version__.replace("+", "_")
     capability = torch.backends.cpu.get_cpu_capability().lower()
     return f"torch-{version}-{capability}-{_cpu_digest()}"
+
+
+@functools.cache
+def source_digest() -> str:
+    """A short hash of coconet's own source (every ``.py`` file of the package): part of the key
+    of what is compiled from generated code, whose helpers' meaning lives in that source."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def keyed_cache_dir(cache_dir: str | Path | None = None) -> Path:

@@ -46,6 +46,7 @@ __all__ = [
     "SourceLoc",
     "UnknownNameError",
     "capture_loc",
+    "headline",
 ]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -78,6 +79,14 @@ def capture_loc() -> SourceLoc | None:
             return SourceLoc(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+def headline(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters: what a rank's abort
+    tells its peers (short enough for the job's store), or why a fallback was taken."""
+    text = str(exc).strip().splitlines()
+    head = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return head if len(head) <= limit else head[: limit - 3] + "..."
 
 
 def _is_library_frame(frame) -> bool:

@@ -97,7 +97,13 @@ class CompileOptions:
       input read only by a collective is reduced in place instead of on a copy. Its content is
       undefined after the step, even after a failed one (the other inputs stay untouched);
     - ``commit``: how updates reach the caller's tensors (``CommitMode``): ``COPY`` (default) or
-      ``SWAP`` (state tensors the caller owns take the new values' storage: no copy).
+      ``SWAP`` (state tensors the caller owns take the new values' storage: no copy);
+    - ``kernel_packages``: run each fused kernel from a package built ahead of time and kept on
+      disk (``coconet.codegen.aot``): built once per kernel and argument shapes (about as long
+      as a cold torch.compile, ~10 s here), loaded by every later process in milliseconds, so
+      a script's next run starts at once; False: torch.compile in every process (its own
+      cache brings a later process's compile down to a few seconds). None (the default) is
+      True unless the environment has ``COCONET_KERNEL_PACKAGES=0``.
 
     Every field is checked when the options are made (a ``CompileOptionError``); the donated
     names are checked against the program's inputs by ``compile``.
@@ -112,8 +118,12 @@ class CompileOptions:
     compile_timeout: float = 600.0
     donate: tuple[str, ...] = ()
     commit: CommitMode = CommitMode.COPY
+    kernel_packages: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.kernel_packages is None:
+            off = os.environ.get(KERNEL_PACKAGES_ENV, "1").strip().lower() in ("0", "false", "no")
+            object.__setattr__(self, "kernel_packages", not off)
         try:
             object.__setattr__(self, "commit", CommitMode(self.commit))
         except ValueError:
@@ -122,7 +132,8 @@ class CompileOptions:
                 op="CompileOptions",
                 hint=f"commit is one of {[m.value for m in CommitMode]}",
             ) from None
-        for flag in ("fused_kernels", "check_every_step", "commit_vote", "check_replicated"):
+        for flag in ("fused_kernels", "check_every_step", "commit_vote", "check_replicated",
+                     "kernel_packages"):
             value = getattr(self, flag)
             if not isinstance(value, bool):
                 raise CompileOptionError(
@@ -163,6 +174,8 @@ class CompileOptions:
 
 
 _DEVICES = (None, "cpu", "cuda")
+# The environment's say on ``CompileOptions.kernel_packages`` when it is left None ("0": off).
+KERNEL_PACKAGES_ENV = "COCONET_KERNEL_PACKAGES"
 
 
 # -- transports and collective algorithms ------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The compiled path: fused groups as torch.compile (Inductor C++) kernels, on 2 ranks (over
-shared memory, so the one-pass forms of fuse_RS_C_AG, AR_C, LAMB's halves and the overlapped layer
-are compiled too).
+"""The compiled path: fused groups as Inductor C++ kernels (packages built ahead of time,
+``coconet.codegen.aot``), on 2 ranks (over shared memory, so the one-pass forms of fuse_RS_C_AG,
+AR_C, LAMB's halves and the overlapped layer are compiled too).
 
 This is the one compile-heavy test of the tier: Inductor's first compile costs ~30 s when both
 ranks compile at once on an empty cache (~5 s with a warm one, see docs in coconet.codegen).
@@ -28,6 +28,7 @@ def test_fused_kernels_compile_and_match(tmp_path):
     )
     for out in results:
         assert out["compiled"]
+        assert out["packaged"] == (1, {}), out["packaged"]  # loaded or built, no fallback
         assert out["adam"]["kernels"] == 1  # fuse(RS, update, AG): one kernel between them
         assert out["fused_mix"]["kernels"] == 3
         for label in ("adam", "fused_mix"):

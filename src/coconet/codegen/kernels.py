@@ -1,32 +1,41 @@
-"""Fused kernels: each ``fuse`` group's computation as one function, compiled with torch.compile.
+"""Fused kernels: each ``fuse`` group's computation as one function, built ahead of time.
 
-The generated module defines every kernel as plain Python over torch ops (``KERNELS``). Here they
-are wrapped with ``torch.compile`` (Inductor: C++/OpenMP on CPU, Triton on GPU), which caches its
-compiled artifacts on disk (torch's own FX-graph cache, by default under
-``/tmp/torchinductor_<user>``), so a second process pays a fraction of the first compile. With
-``fused=False`` the same functions run eagerly, op by op, which is what to debug with.
+The generated module defines every kernel as plain Python over torch ops (``KERNELS``). With
+fused kernels on, each kernel runs, per argument signature, as an AOTInductor package
+(``coconet.codegen.aot``: Inductor's C++/OpenMP code built once, kept on disk under the build key,
+loaded by later processes in milliseconds with no torch.compile); what cannot be packaged (a
+non-tensor argument, an export failure: ``KernelSet.why_not``) runs under ``torch.compile``
+(Inductor again, with its own FX-graph cache). With ``fused=False`` the same functions run
+eagerly, op by op, which is what to debug with.
 
-Compilation happens on a kernel's first call, with the shapes it sees there; the time that first
-call took is kept in ``KernelSet.first_call_seconds`` so compile costs can be reported. A step
+A kernel is built or loaded at its first call with a signature, and the time that first call
+took is kept in ``KernelSet.first_call_seconds`` so compile costs can be reported. A step
 compiles its kernels outside its collectives (so that a slow compile never counts against a
 peer's timeout): ``recording()`` runs a rehearsal of the step with every kernel eager and keeps
 each call's arguments, and ``compile_recorded()`` then replays those calls through the compiled
 kernels, which compiles them for exactly the shapes, strides and aliasing of the real step.
 
 Measured on the 2-core development machine (torch 2.13 CPU, one process, Adam's update fused into
-one kernel over 1M float32 elements): the first call compiles in ~15.5 s with an empty Inductor
-cache and ~2.6 s with a warm one, plus ~3.3 s once per process to import torch's compiler. Two
-ranks compiling at once on an empty cache take ~30 s each. After that a step runs the kernel in
-~8 ms against ~17 ms for the same ops eagerly.
+one kernel over 1M float32 elements): torch.compile's first call takes ~15.5 s with an empty
+Inductor cache and ~2.6 s with a warm one, plus ~3.3 s once per process to import torch's
+compiler; a package is built in about as long as the cold compile and is loaded in ~10 ms
+(``benchmarks/first_step.py`` has the figures of a whole training script). After that a step
+runs the kernel in ~8 ms against ~17 ms for the same ops eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
+
+from coconet.codegen import aot
+from coconet.errors import headline
+from coconet.progress import phase
 
 __all__ = ["KernelSet"]
 
@@ -39,40 +48,91 @@ _INDUCTOR = {"emulate_precision_casts": True}
 
 
 class _Kernel:
-    """One kernel, timing its first call (which includes torch.compile's work)."""
+    """One kernel: eager in a rehearsal or with fused kernels off; otherwise, per argument
+    signature, an AOTInductor package (loaded from disk or built once: ``coconet.codegen.aot``),
+    or torch.compile where a package cannot be made. Times its first call (its compile)."""
 
-    def __init__(self, name: str, fn: Callable, eager: Callable, owner: KernelSet) -> None:
+    def __init__(self, name: str, eager: Callable, owner: KernelSet) -> None:
         self.name = name
-        self.fn = fn
         self.eager = eager
         self.owner = owner
+        self._compiled: Callable | None = None  # torch.compile's, made on first need
+        self._packages: dict[tuple, aot.Package | None] = {}  # None: none could be made
 
     def __call__(self, *args):
-        recorded = self.owner.recorded
+        owner = self.owner
+        recorded = owner.recorded
         if recorded is not None:  # a rehearsal: eager, keeping the arguments for the compile
             recorded.append((self, args))
             return self.eager(*args)
-        if self.name in self.owner.first_call_seconds:
-            return self.fn(*args)
+        if not owner.fused:
+            return self.eager(*args)
+        if self.name in owner.first_call_seconds:
+            return self._implementation(args)(*args)
         t0 = time.perf_counter()
-        out = self.fn(*args)
-        self.owner.first_call_seconds[self.name] = time.perf_counter() - t0
+        out = self._implementation(args)(*args)
+        owner.first_call_seconds[self.name] = time.perf_counter() - t0
         return out
+
+    def _implementation(self, args: tuple) -> Callable:
+        directory = self.owner.aot_dir
+        sig = aot.signature(args) if directory is not None else None
+        if sig is not None:
+            package = self._packages.get(sig, False)
+            if package is False:
+                package = self._packages[sig] = self._package(directory, sig, args)
+            if package is not None:
+                return package
+        elif directory is not None:
+            self.owner.why_not.setdefault(self.name, "an argument is not a tensor")
+        if self._compiled is None:
+            self._compiled = torch.compile(self.eager, dynamic=None, fullgraph=False,
+                                           options=_INDUCTOR)  # fmt: skip
+        return self._compiled
+
+    def _package(self, directory, sig: tuple, args: tuple) -> aot.Package | None:
+        """This signature's package: loaded, else built (announced: it takes seconds), else
+        None with the reason kept in ``why_not`` (torch.compile runs the kernel instead)."""
+        owner = self.owner
+        name = f"{owner.label}.{self.name}_{aot.key(self.eager, sig, _INDUCTOR)}"
+        found = aot.load(directory, name)
+        if found is not None:
+            owner.loaded += 1
+            return found
+        what = f"coconet: building fused kernel {owner.label}.{self.name} for its shapes"
+        try:
+            with phase(what, why=f"once: kept in {directory} for later runs",
+                       enabled=owner.announce, file=sys.stderr):  # fmt: skip
+                built = aot.build(self.eager, args, directory, name, _INDUCTOR)
+        except Exception as exc:  # noqa: BLE001 - torch.compile runs it instead, and says why
+            owner.why_not[self.name] = headline(exc)
+            return None
+        owner.built += 1
+        return built
 
 
 class KernelSet:
-    """The kernels of one generated module, reachable as attributes: ``kernels.fused_1(...)``."""
+    """The kernels of one generated module, reachable as attributes: ``kernels.fused_1(...)``.
 
-    def __init__(self, functions: Mapping[str, Callable], *, fused: bool) -> None:
+    ``aot_dir``: where the kernels' AOTInductor packages live (``<build key>/kernels``); None:
+    torch.compile only. ``label`` names the kernels in what is printed and on disk (the
+    program's name). ``announce``: print a line (to stderr) when a kernel is built, with its
+    time; a rank other than 0 stays quiet."""
+
+    def __init__(self, functions: Mapping[str, Callable], *, fused: bool,
+                 aot_dir: str | Path | None = None, label: str = "kernels",
+                 announce: bool = True) -> None:  # fmt: skip
         self.fused = fused
+        self.aot_dir = Path(aot_dir) if fused and aot_dir is not None else None
+        self.label = label
+        self.announce = announce
         self.first_call_seconds: dict[str, float] = {}
+        self.built = 0  # packages built by this process
+        self.loaded = 0  # ... found on disk
+        self.why_not: dict[str, str] = {}  # kernel -> why it runs under torch.compile instead
         self.recorded: list[tuple[_Kernel, tuple]] | None = None  # calls of a rehearsal
         self._pending: list[tuple[_Kernel, tuple]] | None = None  # ... to compile
-        self._kernels: dict[str, _Kernel] = {}
-        for name, fn in functions.items():
-            compiled = (torch.compile(fn, dynamic=None, fullgraph=False, options=_INDUCTOR)
-                        if fused else fn)  # fmt: skip
-            self._kernels[name] = _Kernel(name, compiled, fn, self)
+        self._kernels = {name: _Kernel(name, fn, self) for name, fn in functions.items()}
 
     @contextlib.contextmanager
     def recording(self):
@@ -86,9 +146,12 @@ class KernelSet:
         self._pending = self.recorded
         self.recorded = None
 
-    def compile_recorded(self) -> None:
-        """Replay the rehearsal's kernel calls through the compiled kernels (compiling each for
-        the shapes it was called with); the results are dropped."""
+    def compile_recorded(self, announce: bool | None = None) -> None:
+        """Replay the rehearsal's kernel calls through the compiled kernels (loading, building or
+        compiling each for the arguments it was called with); the results are dropped.
+        ``announce``: as the constructor's, for this replay."""
+        if announce is not None:
+            self.announce = announce
         calls, self._pending = self._pending or [], None
         for kernel, args in calls:
             kernel(*args)

@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from coconet.cache import use_inductor_cache
+from coconet.cache import keyed_cache_dir, use_inductor_cache
 from coconet.codegen.geometry import Geometry, geometry
 from coconet.codegen.kernels import KernelSet
-from coconet.errors import ConfigError, RuntimeFault
+from coconet.errors import ConfigError, RuntimeFault, headline
 from coconet.ir.mesh import Mesh
 from coconet.ir.node import Node
 from coconet.ir.ops import Op
@@ -146,9 +146,14 @@ class CompiledStep:
     def kernels(self) -> KernelSet:
         """The fused kernels (compiled on their first call unless fused_kernels=False)."""
         if self._kernels is None:
-            if self.options.fused_kernels:
-                use_inductor_cache(self.options.cache_dir)  # keyed by torch and CPU
-            self._kernels = KernelSet(self.module.KERNELS, fused=self.options.fused_kernels)
+            fused, where = self.options.fused_kernels, self.options.cache_dir
+            use_inductor_cache(where) if fused else None  # keyed by torch and CPU
+            quiet = self._comm is not None and self._comm.rank != 0  # rank 0 says what it builds
+            self._kernels = KernelSet(
+                self.module.KERNELS, fused=fused, label=self.program.name,
+                aot_dir=keyed_cache_dir(where) / "kernels" if self.options.kernel_packages
+                else None, announce=not quiet,
+            )
         return self._kernels
 
     def identity(self, comm: Communicator) -> tuple[tuple[str, str], ...]:
@@ -290,13 +295,13 @@ class CompiledStep:
             args, shapes, reports, ordinal, h, proposed = self._agree(comm, inputs, agree)
         except RuntimeFault as fault:
             if not isinstance(fault, handshake.CallRefused):
-                comm.abort(f"rank {comm.rank} failed before its step: {_first_line(fault)}")
+                comm.abort(f"rank {comm.rank} failed before its step: {headline(fault)}")
             raise
         except BaseException as exc:
             # The local checks or the agreement failed here (a peer died, stalled or aborted;
             # a Ctrl-C anywhere before or inside the agreement): the control channel may be
             # half used, and the peers must hear of it at once, not at their timeout.
-            comm.abort(f"rank {comm.rank} failed before its step: {_first_line(exc)}")
+            comm.abort(f"rank {comm.rank} failed before its step: {headline(exc)}")
             raise
         before = (self._geometry, self._exchanged, self._verdicts.current)
         if reports is not None:
@@ -366,7 +371,7 @@ class CompiledStep:
         if isinstance(exc, handshake.CallRefused):
             return
         # KeyboardInterrupt and SystemExit too: they leave the step as half done as any error.
-        comm.abort(f"rank {comm.rank} failed in a step: {_first_line(exc)}")
+        comm.abort(f"rank {comm.rank} failed in a step: {headline(exc)}")
 
     def _vote(self, comm: Communicator, outputs: dict[str, torch.Tensor],
               updates: dict[str, Any], commit_if: Callable[[dict[str, torch.Tensor]], bool] | None,
@@ -442,7 +447,7 @@ class CompiledStep:
             )
             return handshake.settle(comm, report, False)
         except BaseException as exc:
-            comm.abort(f"rank {comm.rank} failed in an agreement: {_first_line(exc)}")
+            comm.abort(f"rank {comm.rank} failed in an agreement: {headline(exc)}")
             raise
 
     def _agree(
@@ -520,12 +525,11 @@ class CompiledStep:
     def _rehearse(self, comm: Communicator, args: list) -> None:
         """Compile the fused kernels outside the step's collectives (the first call).
 
-        Compiling between two collectives would make the peers wait inside one, against their
-        timeout, for as long as this rank compiles (12-16 s on an empty Inductor cache). So every
-        rank first rehearses the step with its kernels eager (the same collectives on every rank:
-        the data moves once more, nothing is committed; a donated input is rehearsed on a copy),
-        then compiles each kernel for exactly the arguments it had, outside any collective, and
-        the ranks agree that all are ready (``compile_timeout``) before the real step."""
+        Building a kernel between two collectives would make the peers wait inside one (12-16 s
+        on an empty cache). So every rank rehearses the step with its kernels eager (the data
+        moves once more, nothing is committed, a donated input is rehearsed on a copy), then
+        builds or loads each kernel for the arguments it had, outside any collective, and the
+        ranks agree all are ready (``compile_timeout``) before the real step."""
         donated = {i for i, n in enumerate(self.program.inputs) if n.name in self.options.donate}
         rehearsal = [a.clone() if i in donated else a for i, a in enumerate(args)]
         with self.kernels.recording():
@@ -991,10 +995,3 @@ def _swappable(target: torch.Tensor, value: torch.Tensor) -> bool:
         and target.untyped_storage().nbytes() == target.numel() * target.element_size()
     )
 
-
-def _first_line(exc: BaseException, limit: int = 300) -> str:
-    """``Type: first line of the message``, short enough for the job's store (what the peers'
-    errors quote as the reason this rank aborted)."""
-    text = str(exc).strip().splitlines()
-    head = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    return head if len(head) <= limit else head[: limit - 3] + "..."
