@@ -8,7 +8,10 @@ fill this 2-core machine) running nanoGPT's loop on ``examples/train_gpt.py``'s 
 ``examples/train_like_nanogpt.py`` ports it (two param groups, its lr schedule, gradient
 accumulation, clipping at 1.0), for ``--iters`` iterations:
 
-- ``coconet``: ``coconet.optim.AdamW(..., max_grad_norm=1.0, comm=comm)`` with its defaults;
+- ``coconet``: ``coconet.optim.AdamW(..., max_grad_norm=1.0, comm=comm)`` with its defaults
+  (fused kernels from packages built ahead of time: ``coconet.codegen.aot``);
+- ``coconet[torch.compile]``: the same with ``COCONET_KERNEL_PACKAGES=0``: its fused kernels
+  under torch.compile in every process, with Inductor's on-disk cache (what coconet did before);
 - ``ddp``: DDP + ``torch.optim.AdamW(fused=True)`` + ``clip_grad_norm_``, the baseline.
 
 Per iteration, the slowest rank's wall time (forward, backward, step). Reported per process: the
@@ -35,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = ("coconet", "ddp")
+CONTENDERS = ("coconet", "coconet[torch.compile]", "ddp")
 
 
 def child(contender: str, iters: int, d_model: int, layers: int) -> dict:
@@ -95,10 +98,11 @@ def _rank(comm, contender: str, run) -> list[float]:
 
 def _process(contender: str, args, cache: str) -> dict:
     """Run one child process in the cache directory ``cache``; its times and coconet's lines."""
-    env = dict(os.environ, XDG_CACHE_HOME=cache, OMP_NUM_THREADS="1")
+    env = dict(os.environ, XDG_CACHE_HOME=cache, OMP_NUM_THREADS="1",
+               COCONET_KERNEL_PACKAGES="0" if contender == "coconet[torch.compile]" else "1")
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env.pop("COCONET_SET_TORCHINDUCTOR_CACHE_DIR", None)
-    cmd = [sys.executable, __file__, "--child", contender, "--iters", str(args.iters),
+    cmd = [sys.executable, __file__, "--child", contender.split("[")[0], "--iters", str(args.iters),
            "--d-model", str(args.d_model), "--layers", str(args.layers)]  # fmt: skip
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
@@ -117,10 +121,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--processes", type=int, default=3, help="runs of each, one after another")
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=256, help="train_gpt's default")
+    ap.add_argument("--layers", type=int, default=3, help="train_gpt's default")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("coconet", "ddp"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.iters, args.d_model, args.layers)))
@@ -146,12 +150,12 @@ def _report(args, results: dict[str, list[dict]]) -> None:
           f"iterations per process; the processes one after another in one fresh cache "
           "directory (process 1 cold, the others warm)")
     print("slowest rank per iteration; steady = median of iterations 3 and on\n")
-    print(f"{'contender':<10} {'process':>8} {'first':>10} {'second':>10} {'steady':>10} "
+    print(f"{'contender':<23} {'process':>8} {'first':>10} {'second':>10} {'steady':>10} "
           f"{'first/steady':>13} {'process wall':>13}")
     for name, runs in results.items():
         for k, r in enumerate(runs):
             its = r["iterations_s"]
-            print(f"{name:<10} {k + 1:>4} ({'cold' if k == 0 else 'warm'}) "
+            print(f"{name:<23} {k + 1:>4} ({'cold' if k == 0 else 'warm'}) "
                   f"{its[0] * 1e3:>8.1f}ms {its[1] * 1e3:>8.1f}ms {r['steady_s'] * 1e3:>8.1f}ms "
                   f"{r['first_over_steady']:>12.2f}x {r['process_s']:>12.1f}s")
     said = results["coconet"][0]["said"]

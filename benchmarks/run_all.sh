@@ -29,6 +29,8 @@ mkdir -p "$R"
 
 "$PY" benchmarks/collectives.py --json "$R/collectives.json" | tee "$R/collectives.txt"
 
+"$PY" benchmarks/first_step.py --json "$R/first_step.json" | tee "$R/first_step.txt"
+
 "$PY" benchmarks/compile_cost.py --params 4194304 --steps 20 --repeats 2 \
   --json "$R/compile_cost_4M.json" | tee "$R/compile_cost_4M.txt"
 

@@ -29,3 +29,11 @@ def test_a_donated_gradient_is_reduced_in_place_with_the_same_result():
 def test_over_shared_memory_a_donated_gradient_gives_the_same_result():
     for row in spawn(dist_workers.run_donated, 2, 9, options=CommOptions(timeout=30), timeout=100):
         assert row["equal"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("numel", [1000, 3 << 20])  # one round and two, the in-place form
+def test_a_donated_input_in_the_step_buffer_is_the_output_uncopied(numel):
+    for row in spawn(dist_workers.run_donated_output, 2, numel, options=CommOptions(timeout=30),
+                     timeout=100):  # fmt: skip
+        assert all(row.values()), row

@@ -44,6 +44,8 @@ def packages(tmp_path_factory):
                         announce=False)  # fmt: skip
     out = kernels.update(*_args())
     assert kernels.built == 1 and kernels.loaded == 0 and not kernels.why_not
+    left = sorted(p.name for p in directory.iterdir() if not p.name.endswith(".pt2"))
+    assert left == [], left  # no lock file, no temporary file left behind
     expected = update(*_args())
     for got, want in zip(out, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
@@ -139,3 +141,16 @@ def test_what_cannot_be_packaged_runs_under_torch_compile_and_says_why(tmp_path)
     torch.testing.assert_close(kernels.item(x.abs(), y), x.abs() * 2)
     assert "item" in kernels.why_not and kernels.built == 0, kernels.why_not
     assert not list(tmp_path.glob("*.pt2"))
+
+
+def test_the_option_defaults_to_the_environment_and_is_checked(monkeypatch):
+    from coconet.errors import CompileOptionError
+    from coconet.options import KERNEL_PACKAGES_ENV, CompileOptions
+
+    monkeypatch.delenv(KERNEL_PACKAGES_ENV, raising=False)
+    assert CompileOptions().kernel_packages is True  # a user's default
+    monkeypatch.setenv(KERNEL_PACKAGES_ENV, "0")
+    assert CompileOptions().kernel_packages is False
+    assert CompileOptions(kernel_packages=True).kernel_packages is True  # the option wins
+    with pytest.raises(CompileOptionError, match="kernel_packages must be True or False"):
+        CompileOptions(kernel_packages="yes")

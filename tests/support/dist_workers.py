@@ -443,6 +443,29 @@ def handshake_faults(comm: Communicator) -> dict:
 # -- donated inputs ------------------------------------------------------------------------------
 
 
+def run_donated_output(comm: Communicator, numel: int) -> dict:
+    """A one-all_reduce program whose input is donated and placed in the step's input buffer:
+    its output is the buffer itself (reduced in place, no copy), at every size, bitwise the
+    rank-order sum; the output of the step without donation is a tensor of its own."""
+    n = cc.Dim("N")
+    g = cc.Tensor("g", cc.float32, [n], cc.Local)
+    program = cc.Program("donated_all_reduce", [g], [cc.all_reduce(g, name="total")])
+    placed = cc.compile(program, comm=comm, donate=("g",))
+    plain = cc.compile(program, comm=comm)
+    data = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    buf = placed.input_buffer("g", (numel,))
+    buf.copy_(data[comm.rank])
+    total = placed(g=buf)["total"]
+    mine = data[comm.rank].clone()
+    other = plain(g=mine)["total"]
+    return {
+        "same memory": total.data_ptr() == buf.data_ptr(),
+        "sum": torch.equal(total, data[0] + data[1]),
+        "plain own memory": other.data_ptr() != mine.data_ptr() and torch.equal(other, total),
+        "plain input kept": torch.equal(mine, data[comm.rank]),
+    }
+
+
 def run_donated(comm: Communicator, size: int) -> dict:
     """Adam's AR_C with the gradient donated: the same result as without, and the gradient buffer
     reduced in place (what donation is for)."""

@@ -148,13 +148,16 @@ class _AsModule(torch.nn.Module):
 def build(fn: Callable, args: Sequence[torch.Tensor], directory: Path, name: str,
           options: dict) -> Package:  # fmt: skip
     """Export ``fn`` on ``args``, compile it with AOTInductor into ``directory/name.pt2`` and load
-    it. One builder at a time per directory (a lock file): a second process (the other rank of a
-    job with the same slices) waits and loads what the first wrote. Written to a temporary file and
-    renamed, so a reader never sees half a package. Raises what export or Inductor raise."""
+    it. One builder per package at a time (a lock file named after it, removed once the package is
+    in place): a second process that needs the same package (the other rank of a job with the
+    same slices) waits and loads what the first wrote, while builds of different packages (the
+    ranks' different slices) run side by side. Written to a temporary file and renamed, so a
+    reader never sees half a package. Raises what export or Inductor raise."""
     directory.mkdir(parents=True, exist_ok=True)
-    # one lock for the directory (no lock file per package left behind); two builds at once
-    # would only share the same cores
-    with open(directory / ".build.lock", "w") as lock:
+    # (a process that opened the lock file before its removal may build the package again: the
+    # same bytes, renamed into place again; wasted work, never a wrong package)
+    lock_path = directory / f".{name}.lock"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             found = load(directory, name)
@@ -167,24 +170,23 @@ def build(fn: Callable, args: Sequence[torch.Tensor], directory: Path, name: str
                 warnings.simplefilter("ignore", DeprecationWarning)
                 probe = fn(*args)
                 exported = torch.export.export(_AsModule(fn), tuple(args), strict=False)
-            configs = dict(options)
-            configs["aot_inductor.metadata"] = {
-                _OUTPUTS: "tuple" if isinstance(probe, tuple) else "single"
-            }
-            fd, tmp = tempfile.mkstemp(suffix=_SUFFIX, dir=directory, prefix=".build-")
-            os.close(fd)
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    warnings.simplefilter("ignore", DeprecationWarning)
+                configs = dict(options)
+                configs["aot_inductor.metadata"] = {
+                    _OUTPUTS: "tuple" if isinstance(probe, tuple) else "single"
+                }
+                fd, tmp = tempfile.mkstemp(suffix=_SUFFIX, dir=directory, prefix=".build-")
+                os.close(fd)
+                try:
                     torch._inductor.aoti_compile_and_package(
                         exported, package_path=tmp, inductor_configs=configs
                     )
-                os.replace(tmp, directory / f"{name}{_SUFFIX}")
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    os.replace(tmp, directory / f"{name}{_SUFFIX}")
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
         finally:
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
             fcntl.flock(lock, fcntl.LOCK_UN)
     prune(directory, max_files=MAX_FILES, max_bytes=MAX_BYTES, suffix=_SUFFIX)
     return Package(directory / f"{name}{_SUFFIX}")

@@ -716,11 +716,13 @@ class CompiledStep:
     ) -> dict[str, torch.Tensor]:
         # A result may share memory with an input (a broadcast root's own tensor, a scatter's
         # view): copy it before any input is overwritten, so outputs keep the step's values and
-        # updates do not read half-committed inputs.
+        # updates do not read half-committed inputs. A donated input that is not updated is
+        # given away: a result in it (an all_reduce in place) stays there, uncopied.
+        given_away = set(self.options.donate) - set(updates)
         held = {
             v.untyped_storage().data_ptr()
-            for v in given.values()
-            if isinstance(v, torch.Tensor) and v.numel()
+            for k, v in given.items()
+            if isinstance(v, torch.Tensor) and v.numel() and k not in given_away
         }
 
         def own(t: torch.Tensor | Published) -> torch.Tensor | Published:
