@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "autodiff": {"ir"},
     "accounting": {"ir"},
     "schedule": {"ir"},
-    "codegen": {"ir", "options"},
+    "codegen": {"ir", "options", "cache"},  # (the kernel packages live in the cache)
     "runtime": {"ir", "codegen", "cache", "options"},
     "compiler": {"ir", "codegen", "schedule", "runtime", "cache", "options"},
     "testing": {"ir", "sim", "compiler", "runtime"},
