@@ -47,7 +47,9 @@ __all__ = ["Package", "build", "flatten", "key", "load", "signature"]
 MAX_FILES = 128
 MAX_BYTES = 512 << 20
 _SUFFIX = ".pt2"
-_OUTPUTS = "coconet.outputs"  # package metadata: "tuple" or "single" (how the kernel returns)
+# package metadata: how the kernel returns ("tuple", "single", or "none": it only writes into
+# its arguments, as the one-pass forms' kernels write into the peers' slots)
+_OUTPUTS = "coconet.outputs"
 
 
 def flatten(args: Sequence[object]) -> list[object]:
@@ -111,12 +113,14 @@ class Package:
         # (path, model name, run single-threaded, runners, device index): what torch's own
         # aoti_load_package passes; the single runner is enough (a step calls it from one thread)
         self._loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        self._single = self._loader.get_metadata().get(_OUTPUTS) == "single"
+        self._returns = self._loader.get_metadata().get(_OUTPUTS, "tuple")
         self.path = path
 
     def __call__(self, *args):
         out = self._loader.run(flatten(args))
-        return out[0] if self._single else tuple(out)
+        if self._returns == "tuple":
+            return tuple(out)
+        return out[0] if self._returns == "single" else None
 
 
 def load(directory: Path, name: str) -> Package | None:
@@ -132,6 +136,14 @@ def load(directory: Path, name: str) -> Package | None:
     with contextlib.suppress(OSError):
         os.utime(path)  # used: kept longest by prune
     return package
+
+
+def _returns(exported) -> str:
+    """How the exported function returns (``_OUTPUTS``), from its output spec: a tuple, one
+    tensor, or nothing (an export records a None output as a None user output)."""
+    if exported.call_spec.out_spec.type is tuple:
+        return "tuple"
+    return "none" if exported.graph_signature.user_outputs == (None,) else "single"
 
 
 class _AsModule(torch.nn.Module):
@@ -168,12 +180,9 @@ def build(fn: Callable, args: Sequence[torch.Tensor], directory: Path, name: str
                 # user's code did or can change
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
-                probe = fn(*args)
                 exported = torch.export.export(_AsModule(fn), tuple(args), strict=False)
                 configs = dict(options)
-                configs["aot_inductor.metadata"] = {
-                    _OUTPUTS: "tuple" if isinstance(probe, tuple) else "single"
-                }
+                configs["aot_inductor.metadata"] = {_OUTPUTS: _returns(exported)}
                 fd, tmp = tempfile.mkstemp(suffix=_SUFFIX, dir=directory, prefix=".build-")
                 os.close(fd)
                 try:

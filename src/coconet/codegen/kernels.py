@@ -56,6 +56,10 @@ class _Kernel:
         self.name = name
         self.eager = eager
         self.owner = owner
+        # What the kernel runs outside a rehearsal when set: the eager function with fused
+        # kernels off; a stand-in a test puts here (a slow compile, an injected failure); None:
+        # the package or torch.compile, chosen per signature (``_implementation``).
+        self.fn: Callable | None = None if owner.fused else eager
         self._compiled: Callable | None = None  # torch.compile's, made on first need
         self._packages: dict[tuple, aot.Package | None] = {}  # None: none could be made
 
@@ -65,12 +69,11 @@ class _Kernel:
         if recorded is not None:  # a rehearsal: eager, keeping the arguments for the compile
             recorded.append((self, args))
             return self.eager(*args)
-        if not owner.fused:
-            return self.eager(*args)
+        fn = self.fn
         if self.name in owner.first_call_seconds:
-            return self._implementation(args)(*args)
+            return (fn or self._implementation(args))(*args)
         t0 = time.perf_counter()
-        out = self._implementation(args)(*args)
+        out = (fn or self._implementation(args))(*args)
         owner.first_call_seconds[self.name] = time.perf_counter() - t0
         return out
 
@@ -94,7 +97,11 @@ class _Kernel:
         """This signature's package: loaded, else built (announced: it takes seconds), else
         None with the reason kept in ``why_not`` (torch.compile runs the kernel instead)."""
         owner = self.owner
-        name = f"{owner.label}.{self.name}_{aot.key(self.eager, sig, _INDUCTOR)}"
+        try:
+            name = f"{owner.label}.{self.name}_{aot.key(self.eager, sig, _INDUCTOR)}"
+        except OSError as exc:  # its source cannot be read (defined at a prompt): no key
+            owner.why_not[self.name] = headline(exc)
+            return None
         found = aot.load(directory, name)
         if found is not None:
             owner.loaded += 1
