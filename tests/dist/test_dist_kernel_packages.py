@@ -154,3 +154,19 @@ def test_the_option_defaults_to_the_environment_and_is_checked(monkeypatch):
     assert CompileOptions(kernel_packages=True).kernel_packages is True  # the option wins
     with pytest.raises(CompileOptionError, match="kernel_packages must be True or False"):
         CompileOptions(kernel_packages="yes")
+
+
+@pytest.mark.timeout(240)
+def test_shapes_that_keep_changing_go_to_torch_compile_after_a_few_builds(packages, monkeypatch):
+    from coconet.codegen import kernels as kernels_module
+
+    monkeypatch.setattr(kernels_module, "BUILDS_PER_KERNEL", 0)  # (each build costs ~7 s here)
+    kernels = KernelSet({"update": update}, fused=True, aot_dir=packages, label="t",
+                        announce=False)  # fmt: skip
+    kernels.update(*_args())  # the fixture's package: loaded, whatever the limit
+    assert kernels.loaded == 1 and not kernels.why_not
+    for n in (999, 998):  # new shapes: no build, torch.compile
+        out = kernels.update(*_args(n=n))
+        for got, want in zip(out, update(*_args(n=n)), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert kernels.built == 0 and "dynamic shapes" in kernels.why_not["update"], kernels.why_not

@@ -46,6 +46,11 @@ __all__ = ["KernelSet"]
 # value, bit for bit the simulator's; float32 kernels are unaffected.
 _INDUCTOR = {"emulate_precision_casts": True}
 
+# A kernel builds packages for at most this many argument signatures in one process; later new
+# ones run under torch.compile, which turns to dynamic shapes at its second (an optimizer's
+# kernel sees one or two signatures, a layer called at a growing length one per call).
+BUILDS_PER_KERNEL = 2
+
 
 class _Kernel:
     """One kernel: eager in a rehearsal or with fused kernels off; otherwise, per argument
@@ -62,6 +67,7 @@ class _Kernel:
         self.fn: Callable | None = None if owner.fused else eager
         self._compiled: Callable | None = None  # torch.compile's, made on first need
         self._packages: dict[tuple, aot.Package | None] = {}  # None: none could be made
+        self._builds = 0  # packages this kernel built in this process
 
     def __call__(self, *args):
         owner = self.owner
@@ -106,6 +112,13 @@ class _Kernel:
         if found is not None:
             owner.loaded += 1
             return found
+        if self._builds >= BUILDS_PER_KERNEL:
+            # shapes that keep changing (a layer called at every new length): torch.compile's
+            # dynamic shapes compile once for all of them, a package per shape would not
+            owner.why_not[self.name] = (f"more than {BUILDS_PER_KERNEL} argument signatures "
+                                        "built in this process: torch.compile's dynamic shapes")
+            return None
+        self._builds += 1
         what = f"coconet: building fused kernel {owner.label}.{self.name} for its shapes"
         try:
             with phase(what, why=f"once: kept in {directory} for later runs",
