@@ -36,6 +36,14 @@ def _args(n: int = 1000, seed: int = 0):
     return (torch.tensor(0.9), m, g, pieces, torch.tensor(0.01))
 
 
+@pytest.fixture
+def inductor_cache(tmp_path, monkeypatch):
+    """Inductor's cache of its own for a test that compiles with torch.compile outside a step
+    (a step points Inductor at a directory keyed by the CPU capability: ``coconet.cache``; the
+    default one would hand this pass kernels another capability's pass compiled)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory):
     """A package directory holding ``update``'s package for ``_args()``, built here once."""
@@ -128,7 +136,7 @@ def _item(x, y):
 
 
 @pytest.mark.timeout(240)
-def test_what_cannot_be_packaged_runs_under_torch_compile_and_says_why(tmp_path):
+def test_what_cannot_be_packaged_runs_under_torch_compile_and_says_why(tmp_path, inductor_cache):
     def scale(x, factor):
         return x * factor
 
@@ -157,7 +165,8 @@ def test_the_option_defaults_to_the_environment_and_is_checked(monkeypatch):
 
 
 @pytest.mark.timeout(240)
-def test_shapes_that_keep_changing_go_to_torch_compile_after_a_few_builds(packages, monkeypatch):
+def test_shapes_that_keep_changing_go_to_torch_compile_after_a_few_builds(packages, monkeypatch,
+                                                                         inductor_cache):
     from coconet.codegen import kernels as kernels_module
 
     monkeypatch.setattr(kernels_module, "BUILDS_PER_KERNEL", 0)  # (each build costs ~7 s here)
