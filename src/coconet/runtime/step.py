@@ -147,7 +147,8 @@ class CompiledStep:
         """The fused kernels (compiled on their first call unless fused_kernels=False)."""
         if self._kernels is None:
             fused, where = self.options.fused_kernels, self.options.cache_dir
-            use_inductor_cache(where) if fused else None  # keyed by torch and CPU
+            if fused:
+                use_inductor_cache(where)  # keyed by torch and CPU
             quiet = self._comm is not None and self._comm.rank != 0  # rank 0 says what it builds
             self._kernels = KernelSet(
                 self.module.KERNELS, fused=fused, label=self.program.name,
