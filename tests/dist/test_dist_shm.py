@@ -224,6 +224,22 @@ def test_the_one_round_all_reduce_equals_its_meaning(nproc, clean_host):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_one_round_all_reduce_called_again_reuses_its_plan_correctly(nproc, clean_host):
+    """The second call of a kind of one-round all_reduce skips deciding where its data lives
+    (``ShmGroup.one_shot_plans``): with new data every call in every mode, after a registration
+    and after the segment grew, every result is still the rank-order sum, a donated input
+    receives it and any other result is a new tensor."""
+    for rank, rows in enumerate(
+        spawn(shm_workers.one_shot_repeated, nproc, options=OPTIONS, timeout=100)
+    ):
+        bad = [r for r in rows if not (r["equal"] and r["input_untouched"]
+                                       and r.get("in_place", 1) and r.get("fresh", 1))]
+        assert bad == [], f"rank {rank}: {bad[:5]}"
+        assert len(rows) == 3 * 4 * 5 + 2
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("words", [False, True], ids=["tensor", "words"])
 @pytest.mark.parametrize("how", ["abort", "kill", "stall"])
 def test_a_failing_peer_in_a_one_round_all_reduce_is_reported(how, words, clean_host):

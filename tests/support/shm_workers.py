@@ -387,6 +387,60 @@ def one_shot_vs_meaning(comm: Communicator) -> list[dict]:
     return rows
 
 
+def one_shot_repeated(comm: Communicator) -> list[dict]:
+    """The same kind of one-round all_reduce called again and again (the second call on reuses
+    ``ShmGroup.one_shot_plans``): new data every call, in every mode (plain, donated, in symmetric
+    memory donated or not, 2-D), interleaved with each other; then after a second tensor is
+    registered (the plans are dropped) and after a large all_reduce grew the segment (they
+    viewed the old one). Every result bit for bit the rank-order sum; a result that is not the
+    input is a new tensor every call."""
+    n, me = comm.world, comm.rank
+    _, group = comm.route(None)
+    size = 3001
+    sym = comm.symmetric_tensor((size,), torch.float32)
+    plain = torch.zeros(size)
+    rows: list[dict] = []
+
+    def rounds(tag: str, seed0: int) -> None:
+        previous: dict[str, torch.Tensor] = {}
+        for call in range(4):
+            for mode in ("plain", "donated", "symmetric", "symmetric donated", "2-D"):
+                seed = seed0 + call * 10 + len(mode)
+                xs = [_ints_or_floats(seed, r, (size,), torch.float32) for r in range(n)]
+                want = xs[0].clone()
+                for r in range(1, n):
+                    want = want + xs[r]
+                x = sym if mode.startswith("symmetric") else plain
+                x.copy_(xs[me])
+                donate = mode.endswith("donated")
+                y = x.view(size, 1) if mode == "2-D" else x
+                got = comm.wait(comm.all_reduce_start(y, ReduceOp.SUM, axis=None, donate=donate,
+                                                      label=mode)).reshape(-1)  # fmt: skip
+                row = _row(f"{tag} {mode} call {call}", "float32", size, got, want,
+                           None if donate else x, xs[me])  # fmt: skip
+                if donate:
+                    row["in_place"] = got.data_ptr() == x.data_ptr()
+                else:
+                    row["fresh"] = got.data_ptr() != x.data_ptr() and all(
+                        got.data_ptr() != p.data_ptr() for p in previous.values()
+                    )
+                    previous[mode] = got
+                rows.append(row)
+
+    rounds("first", 0)
+    plans = len(group.handle.one_shot_plans)
+    comm.symmetric_tensor((7,), torch.float32)  # a registration drops the plans
+    rows.append({"op": "plans made, then dropped by a registration", "equal": plans > 0
+                 and not group.handle.one_shot_plans, "input_untouched": True})  # fmt: skip
+    rounds("after a registration", 1000)
+    big = torch.ones(4 << 20)  # past the segment's first size: it grows
+    got = comm.wait(comm.all_reduce_start(big, ReduceOp.SUM, axis=None, donate=True,
+                                          label="big"))  # fmt: skip
+    rows.append({"op": "growth", "equal": bool(torch.all(got == n)), "input_untouched": True})
+    rounds("after growth", 2000)
+    return rows
+
+
 def one_shot_fault(comm: Communicator, how: str, words: bool) -> str:
     """Rank 1 fails between two small all_reduces (``how``: it aborts its step, stalls, or is
     killed), the one-round form over a tensor or the agreement's words; the other must get a

@@ -5,6 +5,15 @@ acquire loads that order data and signals live in C (``__atomic`` builtins, corr
 and aarch64 alike). It is compiled by the system C compiler (the same one Inductor needs on CPU)
 in well under a second, into the build-keyed cache (``coconet.cache``), atomically so that ranks
 building it at once do not collide, and reused afterwards.
+
+The same library reduces small all_reduces (``cn_one_shot``), and its arithmetic is hand-written C,
+which ``ATEN_CPU_CAPABILITY`` would not reach by itself: the library is built without ``-march``
+(a cached build must load on any CPU of its architecture), with the reduction compiled once per
+vector width (baseline, AVX2, AVX-512) and picked when the library loads: the width torch's own
+kernels use (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` caps),
+never wider than the CPU has (``vector_width``). Every width computes the same bits: each element
+is one IEEE operation on two operands in rank order, whatever the number of lanes
+(tests/unit/test_native_widths.py checks them against each other).
 """
 
 from __future__ import annotations
@@ -18,10 +27,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from coconet.cache import keyed_cache_dir
 from coconet.errors import ConfigError
 
-__all__ = ["OneShotArgs", "sync_library"]
+__all__ = ["WIDTHS", "OneShotArgs", "sync_library", "vector_width"]
 
 
 class OneShotArgs(ctypes.Structure):
@@ -50,6 +61,23 @@ class OneShotArgs(ctypes.Structure):
     ]
 
 _SOURCE = Path(__file__).with_name("shm_sync.c")
+
+# cn_set_width's codes, by name (torch's capability names for x86-64; "default" is the baseline)
+WIDTHS = {"default": 0, "avx2": 1, "avx512": 2}
+
+
+def _torch_width() -> int:
+    """The vector width torch's CPU kernels use here (``ATEN_CPU_CAPABILITY`` caps it): the
+    baseline for anything but AVX2 and AVX-512 (on aarch64 the library has only its baseline)."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return WIDTHS.get(capability, 0)
+
+
+def vector_width(cache_dir: str | None = None) -> str:
+    """The vector width of the shared-memory transport's C reductions in this process
+    ("default", "avx2" or "avx512"): torch's (see the module) capped by what the CPU has."""
+    in_use = sync_library(cache_dir).cn_set_width(_torch_width())
+    return {v: k for k, v in WIDTHS.items()}[in_use]
 
 
 @functools.cache
@@ -85,6 +113,15 @@ def sync_library(cache_dir: str | None = None) -> ctypes.CDLL:
     # OneShotArgs
     lib.cn_one_shot.argtypes = [vp, vp, vp, vp, ctypes.c_uint64, ctypes.c_int, vp, vp]
     lib.cn_one_shot.restype = ctypes.c_int
+    lib.cn_set_width.argtypes = [ctypes.c_int]
+    lib.cn_set_width.restype = ctypes.c_int
+    # (inputs, out, count, dtype, op, n, width): the reduction alone, for the width checks
+    lib.cn_reduce.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p), vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int,
+    ]
+    lib.cn_reduce.restype = ctypes.c_int
+    lib.cn_set_width(_torch_width())
     return lib
 
 

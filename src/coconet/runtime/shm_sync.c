@@ -157,28 +157,92 @@ int cn_wait_all(uint64_t **counters, const int32_t *pids, int n, uint64_t target
         }                                                                                      \
     } while (0)
 
-__attribute__((optimize("O3"))) static int reduce_into(void **inputs, void *out, int64_t count,
-                                                       int dtype, int op, int n) {
+/* One body, compiled once per vector width (CN_REDUCE_AT); each loop is one IEEE operation per
+ * element on two operands, so every width computes the same bits (a wider vector does more
+ * elements per instruction, never a different sum). */
+#define CN_REDUCE_BODY                                                                         \
+    switch (dtype * 4 + op) {                                                                  \
+    case 0: CN_REDUCE(float, x + y); return 0;                                                 \
+    case 1: CN_REDUCE(float, x * y); return 0;                                                 \
+    case 4: CN_REDUCE(double, x + y); return 0;                                                \
+    case 5: CN_REDUCE(double, x * y); return 0;                                                \
+    case 8: CN_REDUCE(uint32_t, x + y); return 0;                                              \
+    case 9: CN_REDUCE(uint32_t, x * y); return 0;                                              \
+    case 10: CN_REDUCE(int32_t, x > y ? x : y); return 0;                                      \
+    case 11: CN_REDUCE(int32_t, x < y ? x : y); return 0;                                      \
+    case 12: CN_REDUCE(uint64_t, x + y); return 0;                                             \
+    case 13: CN_REDUCE(uint64_t, x * y); return 0;                                             \
+    case 14: CN_REDUCE(int64_t, x > y ? x : y); return 0;                                      \
+    case 15: CN_REDUCE(int64_t, x < y ? x : y); return 0;                                      \
+    default: return -1;                                                                        \
+    }
+
+#define CN_REDUCE_AT(name, attributes)                                                         \
+    __attribute__(attributes) static int name(void **inputs, void *out, int64_t count,         \
+                                              int dtype, int op, int n) {                      \
+        CN_REDUCE_BODY                                                                         \
+    }
+
+/* Vector widths: 0 the architecture's baseline (SSE2 on x86-64, NEON on aarch64), 1 AVX2,
+ * 2 AVX-512. The library is built without -march (it must load on any CPU of the
+ * architecture), so the wider bodies are compiled with target attributes and picked at run time:
+ * the widest the CPU has, capped by cn_set_width (coconet.runtime.native passes the width torch's
+ * own kernels use, so ATEN_CPU_CAPABILITY governs this arithmetic as it governs torch's). */
+CN_REDUCE_AT(reduce_base, (optimize("O3")))
+#if defined(__x86_64__) && defined(__GNUC__)
+CN_REDUCE_AT(reduce_avx2, (optimize("O3"), target("avx2")))
+CN_REDUCE_AT(reduce_avx512, (optimize("O3"), target("avx512f,prefer-vector-width=512")))
+#define CN_MAX_WIDTH 2
+static int cn_cpu_width(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return 2;
+    if (__builtin_cpu_supports("avx2")) return 1;
+    return 0;
+}
+#else
+#define CN_MAX_WIDTH 0
+static int cn_cpu_width(void) { return 0; }
+#endif
+
+typedef int (*cn_reduce_fn)(void **, void *, int64_t, int, int, int);
+static int cn_width = -1; /* -1: not chosen yet (the widest the CPU has, at first use) */
+
+static cn_reduce_fn reduce_at(int width) {
+#if CN_MAX_WIDTH >= 2
+    if (width >= 2) return reduce_avx512;
+    if (width == 1) return reduce_avx2;
+#endif
+    (void)width;
+    return reduce_base;
+}
+
+/* Cap the vector width of every later reduction at `width` (clamped to what this CPU has;
+ * negative: the widest it has). Returns the width now in use. */
+int cn_set_width(int width) {
+    int most = cn_cpu_width();
+    cn_width = (width < 0 || width > most) ? most : width;
+    return cn_width;
+}
+
+/* The rank-order reduction of n inputs into `out` at vector width `width` (clamped as
+ * cn_set_width clamps it; negative: the width in use): what cn_one_shot computes, callable alone
+ * so that every width can be checked against the others bit for bit. Returns the width used, or
+ * -1 for a dtype/op code without a reduction. */
+int cn_reduce(void **inputs, void *out, int64_t count, int dtype, int op, int n, int width) {
+    int most = cn_cpu_width();
+    if (width < 0) width = cn_width < 0 ? most : cn_width;
+    if (width > most) width = most;
     if (n == 1) {
-        size_t width = (dtype == 1 || dtype == 3) ? 8 : 4;
-        if (out != inputs[0]) memcpy(out, inputs[0], (size_t)count * width);
-        return 0;
+        size_t bytes = (dtype == 1 || dtype == 3) ? 8 : 4;
+        if (out != inputs[0]) memcpy(out, inputs[0], (size_t)count * bytes);
+        return (dtype >= 0 && dtype < 4 && op >= 0 && op < 4) ? width : -1;
     }
-    switch (dtype * 4 + op) {
-    case 0: CN_REDUCE(float, x + y); return 0;
-    case 1: CN_REDUCE(float, x * y); return 0;
-    case 4: CN_REDUCE(double, x + y); return 0;
-    case 5: CN_REDUCE(double, x * y); return 0;
-    case 8: CN_REDUCE(uint32_t, x + y); return 0;
-    case 9: CN_REDUCE(uint32_t, x * y); return 0;
-    case 10: CN_REDUCE(int32_t, x > y ? x : y); return 0;
-    case 11: CN_REDUCE(int32_t, x < y ? x : y); return 0;
-    case 12: CN_REDUCE(uint64_t, x + y); return 0;
-    case 13: CN_REDUCE(uint64_t, x * y); return 0;
-    case 14: CN_REDUCE(int64_t, x > y ? x : y); return 0;
-    case 15: CN_REDUCE(int64_t, x < y ? x : y); return 0;
-    default: return -1;
-    }
+    return reduce_at(width)(inputs, out, count, dtype, op, n) == 0 ? width : -1;
+}
+
+static int reduce_into(void **inputs, void *out, int64_t count, int dtype, int op, int n) {
+    if (cn_width < 0) cn_set_width(-1);
+    return cn_reduce(inputs, out, count, dtype, op, n, cn_width) < 0 ? -1 : 0;
 }
 
 /* What one kind of call (a group, a dtype, a size, a reduction, where the inputs live) always

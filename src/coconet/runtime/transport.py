@@ -170,23 +170,23 @@ class Published:
             self._release = None
 
 
-class _Ready(Pending):
-    """A collective whose result is already there: waiting for it is returning it."""
+class ReadyPending(Pending):
+    """A collective whose result is already there (``value``): waiting for it is returning it."""
 
     def __init__(self, value: torch.Tensor) -> None:
-        self.works, self._value = [], value
+        self.works, self.value = [], value
 
     def finish(self) -> torch.Tensor:
-        return self._value
+        return self.value
 
     def wait(self, waiter: Callable[[Any], None] | None = None) -> torch.Tensor:
-        return self._value
+        return self.value
 
 
 def ready(value: torch.Tensor) -> Pending:
     """A collective that needed no communication (a group of one), or whose work is done when it
     starts (shared memory's: the copying is the work)."""
-    return _Ready(value)
+    return ReadyPending(value)
 
 
 class Transport(Protocol):
