@@ -9,6 +9,7 @@ A build runs Inductor and a C++ compiler (~10 s here), so the tests share one pa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -149,6 +150,14 @@ def test_what_cannot_be_packaged_runs_under_torch_compile_and_says_why(tmp_path,
     torch.testing.assert_close(kernels.item(x.abs(), y), x.abs() * 2)
     assert "item" in kernels.why_not and kernels.built == 0, kernels.why_not
     assert not list(tmp_path.glob("*.pt2"))
+    # a rehearsal whose calls did not all run from packages is not kept: a step skipping its
+    # rehearsal would compile inside its collectives
+    assert kernels.preload("step") is False
+    with kernels.recording():
+        kernels.scale(x, 3.0)
+    kernels.compile_recorded()
+    kernels.keep_manifest()
+    assert not kernels.manifest.exists()
 
 
 def test_the_option_defaults_to_the_environment_and_is_checked(monkeypatch):
@@ -179,3 +188,89 @@ def test_shapes_that_keep_changing_go_to_torch_compile_after_a_few_builds(packag
         for got, want in zip(out, update(*_args(n=n)), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert kernels.built == 0 and "dynamic shapes" in kernels.why_not["update"], kernels.why_not
+
+
+def _rehearse(kernels: KernelSet, identity: str, args) -> None:
+    """What a step's first call does with its kernels when it rehearses (``CompiledStep``)."""
+    assert kernels.preload(identity) is False
+    with kernels.recording():
+        kernels.update(*args)
+    kernels.compile_recorded()
+    kernels.keep_manifest()
+
+
+@pytest.mark.timeout(240)
+def test_a_rehearsal_is_kept_and_a_later_set_preloads_it_instead(packages, tmp_path):
+    first = KernelSet({"update": update}, fused=True, aot_dir=packages, label="t",
+                      announce=False)  # fmt: skip
+    _rehearse(first, "step A|rank 0", _args())
+    assert first.rehearsals == 1 and first.manifest.exists()
+    assert first.manifest.read_text().split() == [first.update.package_name(_args())]
+
+    later = KernelSet({"update": update}, fused=True, aot_dir=packages, label="t",
+                      announce=False)  # fmt: skip
+    assert later.preload("step A|rank 0") is True
+    assert later.no_builds and len(later.preloaded) == 1
+    out = later.update(*_args(seed=3))
+    assert later.built == 0 and later.loaded == 1 and not later.why_not
+    for got, want in zip(out, update(*_args(seed=3)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # another step, rank or size has no record; a record naming a package that is gone is none
+    other = KernelSet({"update": update}, fused=True, aot_dir=packages, label="t",
+                      announce=False)  # fmt: skip
+    assert other.preload("step A|rank 1") is False and not other.no_builds
+    gone = other.manifest_for("step B")
+    gone.write_text("t.update_0123456789abcdef0123\n")
+    assert other.preload("step B") is False and not other.no_builds
+    # without packages there is nothing to keep
+    bare = KernelSet({"update": update}, fused=True, aot_dir=None)
+    assert bare.manifest_for("step A|rank 0") is None and bare.preload("step A|rank 0") is False
+
+
+@pytest.mark.timeout(240)
+def test_under_no_builds_an_unknown_signature_runs_eagerly_and_drops_the_record(packages):
+    kernels = KernelSet({"update": update}, fused=True, aot_dir=packages, label="t",
+                        announce=False)  # fmt: skip
+    if not kernels.preload("step A|rank 0"):  # (the test above kept it; alone, keep it here)
+        _rehearse(kernels, "step A|rank 0", _args())
+        kernels = KernelSet({"update": update}, fused=True, aot_dir=packages, label="t",
+                            announce=False)  # fmt: skip
+        assert kernels.preload("step A|rank 0")
+    t0 = time.perf_counter()
+    for seed in (1, 2):  # a size no package was built for: eager both times, never a build
+        out = kernels.update(*_args(n=997, seed=seed))
+        for got, want in zip(out, update(*_args(n=997, seed=seed)), strict=True):
+            assert torch.equal(got, want)  # the eager function itself: the same bits
+    assert time.perf_counter() - t0 < 2.0 and kernels.built == 0
+    assert "ran unfused in this process" in kernels.why_not["update"]
+    assert not kernels.manifest.exists()  # the next process rehearses again
+
+
+@pytest.mark.timeout(300)
+def test_a_later_process_skips_the_rehearsal_only_when_every_rank_kept_it(tmp_path):
+    """Process 1 rehearses and keeps the outcome; process 2 preloads on every rank and does not
+    rehearse; process 3, where rank 1's record is gone, rehearses on both ranks (the ranks vote:
+    a rehearsal runs collectives, so one rank alone cannot skip it). Same outputs, bit for bit,
+    every time; nothing built after process 1."""
+    from support import dist_workers
+
+    from coconet.runtime import CommOptions, spawn
+
+    def run():
+        return spawn(dist_workers.kept_rehearsal, 2, str(tmp_path), timeout=280,
+                     options=CommOptions(timeout=120))  # fmt: skip
+
+    first = run()
+    assert [r["rehearsals"] for r in first] == [1, 1], first
+    assert all(not r["why_not"] for r in first), first
+    second = run()
+    assert [(r["rehearsals"], r["built"]) for r in second] == [(0, 0), (0, 0)], second
+    assert all(r["preloaded"] > 0 and not r["no_builds_after"] for r in second), second
+    os.remove(second[1]["manifest"])
+    third = run()
+    assert [(r["rehearsals"], r["built"]) for r in third] == [(1, 0), (1, 0)], third
+    assert os.path.exists(second[1]["manifest"])  # kept again
+    for runs in (second, third):
+        for rank in (0, 1):
+            for name, value in first[rank]["outputs"].items():
+                assert torch.equal(runs[rank]["outputs"][name], value), (rank, name)

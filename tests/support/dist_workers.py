@@ -487,3 +487,21 @@ def run_donated(comm: Communicator, size: int) -> dict:
         "g_reduced_in_place": torch.equal(mine["g"], sum(inputs["g"][1:], inputs["g"][0])),
         "g_changed": not torch.equal(mine["g"], g_before),
     }
+
+
+def kept_rehearsal(comm: Communicator, cache_dir: str) -> dict:
+    """One step of fused Adam (``fuse_RS_C_AG``, its kernels from packages) in a process of its
+    own: whether it rehearsed or preloaded what an earlier process kept, and its outputs."""
+    from coconet.testing import rank_inputs
+
+    adam = load_example("adam")
+    schedule = adam.SCHEDULES["fuse_RS_C_AG"](adam.program())
+    inputs = adam.make_inputs(comm.world, 1000, step=3)
+    step = cc.compile(schedule, comm=comm, cache_dir=cache_dir, kernel_packages=True)
+    out = step(**rank_inputs(schedule.program, inputs, comm.mesh, comm.rank))
+    k = step.kernels
+    return dict(
+        rehearsals=k.rehearsals, preloaded=len(k.preloaded), built=k.built,
+        why_not=dict(k.why_not), manifest=str(k.manifest), no_builds_after=k.no_builds,
+        outputs={name: t.clone() for name, t in out.items()},
+    )

@@ -15,6 +15,14 @@ peer's timeout): ``recording()`` runs a rehearsal of the step with every kernel 
 each call's arguments, and ``compile_recorded()`` then replays those calls through the compiled
 kernels, which compiles them for exactly the shapes, strides and aliasing of the real step.
 
+A rehearsal costs an eager step (~100 ms of the first step of a nanoGPT-sized model), so its
+outcome is kept: ``keep_manifest`` writes the names of the packages the rehearsal's calls used
+(a small file beside them, keyed by the step's identity, rank and sizes), and a later process
+with the same step ``preload``s them instead of rehearsing. Its first step then runs with
+``no_builds`` set: a call whose arguments differ from those the kept packages were built for
+(another alignment, say) runs eagerly in this process instead of building inside a collective,
+says so in ``why_not``, and removes the file, so that the next process rehearses again.
+
 Measured on the 2-core development machine (torch 2.13 CPU, one process, Adam's update fused into
 one kernel over 1M float32 elements): torch.compile's first call takes ~15.5 s with an empty
 Inductor cache and ~2.6 s with a warm one, plus ~3.3 s once per process to import torch's
@@ -26,6 +34,8 @@ runs the kernel in ~8 ms against ~17 ms for the same ops eagerly.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from coconet.cache import prune
 from coconet.codegen import aot
 from coconet.errors import headline
 from coconet.progress import phase
@@ -51,6 +62,10 @@ _INDUCTOR = {"emulate_precision_casts": True}
 # kernel sees one or two signatures, a layer called at a growing length one per call).
 BUILDS_PER_KERNEL = 2
 
+# kept rehearsal outcomes (``KernelSet.keep_manifest``): their suffix, and how many are kept
+_MANIFEST = ".kernels"
+MAX_MANIFESTS = 256
+
 
 class _Kernel:
     """One kernel: eager in a rehearsal or with fused kernels off; otherwise, per argument
@@ -66,7 +81,10 @@ class _Kernel:
         # the package or torch.compile, chosen per signature (``_implementation``).
         self.fn: Callable | None = None if owner.fused else eager
         self._compiled: Callable | None = None  # torch.compile's, made on first need
-        self._packages: dict[tuple, aot.Package | None] = {}  # None: none could be made
+        # per signature: its package, the eager function (``no_builds`` met an unknown one), or
+        # None (no package could be made: torch.compile)
+        self._packages: dict[tuple, Callable | None] = {}
+        self._names: dict[tuple, str] = {}  # the package name of each signature that has one
         self._builds = 0  # packages this kernel built in this process
 
     def __call__(self, *args):
@@ -99,19 +117,35 @@ class _Kernel:
                                            options=_INDUCTOR)  # fmt: skip
         return self._compiled
 
-    def _package(self, directory, sig: tuple, args: tuple) -> aot.Package | None:
-        """This signature's package: loaded, else built (announced: it takes seconds), else
-        None with the reason kept in ``why_not`` (torch.compile runs the kernel instead)."""
+    def package_name(self, args: tuple) -> str | None:
+        """The name of the package that runs this kernel for ``args`` (None: none does)."""
+        sig = aot.signature(args)
+        return None if sig is None else self._names.get(sig)
+
+    def _package(self, directory, sig: tuple, args: tuple) -> Callable | None:
+        """This signature's package: preloaded or loaded, else built (announced: it takes
+        seconds), else None with the reason kept in ``why_not`` (torch.compile runs the kernel
+        instead); under ``no_builds``, the eager function instead of a build."""
         owner = self.owner
         try:
             name = f"{owner.label}.{self.name}_{aot.key(self.eager, sig, _INDUCTOR)}"
         except OSError as exc:  # its source cannot be read (defined at a prompt): no key
             owner.why_not[self.name] = headline(exc)
             return None
-        found = aot.load(directory, name)
+        found = owner.preloaded.get(name) or aot.load(directory, name)
         if found is not None:
             owner.loaded += 1
+            self._names[sig] = name
             return found
+        if owner.no_builds:
+            # inside a step that skipped its rehearsal: a build here would keep the peers
+            # waiting in a collective for seconds
+            owner.why_not[self.name] = (
+                "its arguments differ from those of the packages kept for this step: it ran "
+                "unfused in this process (the next one rehearses the step again)"
+            )
+            owner.forget_manifest()
+            return self.eager
         if self._builds >= BUILDS_PER_KERNEL:
             # shapes that keep changing (a layer called at every new length): torch.compile's
             # dynamic shapes compile once for all of them, a package per shape would not
@@ -128,6 +162,7 @@ class _Kernel:
             owner.why_not[self.name] = headline(exc)
             return None
         owner.built += 1
+        self._names[sig] = name
         return built
 
 
@@ -150,14 +185,21 @@ class KernelSet:
         self.built = 0  # packages built by this process
         self.loaded = 0  # ... found on disk
         self.why_not: dict[str, str] = {}  # kernel -> why it runs under torch.compile instead
+        self.rehearsals = 0  # rehearsals recorded (``recording``): none when ``preload`` did
         self.recorded: list[tuple[_Kernel, tuple]] | None = None  # calls of a rehearsal
         self._pending: list[tuple[_Kernel, tuple]] | None = None  # ... to compile
+        # a kept rehearsal's outcome (``keep_manifest``, ``preload``)
+        self.manifest: Path | None = None
+        self.preloaded: dict[str, aot.Package] = {}
+        self.no_builds = False  # a step that skipped its rehearsal: never build inside it
+        self._replayed: set[str | None] = set()  # the packages compile_recorded's calls ran
         self._kernels = {name: _Kernel(name, fn, self) for name, fn in functions.items()}
 
     @contextlib.contextmanager
     def recording(self):
         """Within it, every kernel runs eagerly and its arguments are kept (a rehearsal)."""
         self.recorded = []
+        self.rehearsals += 1
         try:
             yield
         except BaseException:
@@ -173,8 +215,61 @@ class KernelSet:
         if announce is not None:
             self.announce = announce
         calls, self._pending = self._pending or [], None
+        names = set()
         for kernel, args in calls:
             kernel(*args)
+            names.add(kernel.package_name(args))
+        self._replayed = names
+
+    def manifest_for(self, identity: str) -> Path | None:
+        """Where the outcome of this step's rehearsal is kept, for ``identity`` (the step's
+        identity, this rank and the sizes it runs at: what fixes its kernels' arguments); None
+        without packages."""
+        if self.aot_dir is None:
+            return None
+        digest = hashlib.sha256(identity.encode()).hexdigest()[:20]
+        return self.aot_dir / f"{self.label}.{digest}{_MANIFEST}"
+
+    def preload(self, identity: str) -> bool:
+        """Load the packages a rehearsal of this step kept (``keep_manifest``), and set
+        ``no_builds``; False (nothing set) when there is no such record or a package it names
+        is gone."""
+        self.manifest = self.manifest_for(identity)
+        if self.manifest is None:
+            return False
+        try:
+            names = self.manifest.read_text().split()
+        except OSError:
+            return False
+        loaded = {}
+        for name in names:
+            package = aot.load(self.aot_dir, name)
+            if package is None:
+                return False
+            loaded[name] = package
+        self.preloaded, self.no_builds = loaded, True
+        return True
+
+    def keep_manifest(self) -> None:
+        """After ``compile_recorded``: record the packages its calls ran, when every call ran
+        one (a call under torch.compile would compile inside a step that skips its rehearsal),
+        at ``manifest`` (set by ``preload``); written whole or not at all."""
+        names = self._replayed
+        if self.manifest is None or not names or None in names:
+            return
+        tmp = self.manifest.with_name(f"{self.manifest.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text("".join(f"{n}\n" for n in sorted(names)))
+            os.replace(tmp, self.manifest)
+        except OSError:
+            return  # a read-only cache: the next process rehearses, as before
+        prune(self.aot_dir, max_files=MAX_MANIFESTS, max_bytes=1 << 20, suffix=_MANIFEST)
+
+    def forget_manifest(self) -> None:
+        """Remove the kept record (its packages did not fit this process's arguments)."""
+        if self.manifest is not None:
+            with contextlib.suppress(OSError):
+                self.manifest.unlink()
 
     def __getattr__(self, name: str) -> _Kernel:
         kernels = self.__dict__.get("_kernels", {})

@@ -32,9 +32,6 @@ reported as a ``RuntimeFault`` naming the tensors written and not written.
 
 from __future__ import annotations
 
-import hashlib
-import math
-import struct
 import types
 import warnings
 import weakref
@@ -55,7 +52,7 @@ from coconet.ir.opspec import Prop, spec
 from coconet.ir.program import Program
 from coconet.ir.types import format_shape
 from coconet.options import CommitMode, CompileOptions
-from coconet.runtime import handshake, interrupts
+from coconet.runtime import handshake, interrupts, step_inputs
 from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
 from coconet.runtime.transport import Published
@@ -342,6 +339,8 @@ class CompiledStep:
                 outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
             finally:
                 comm.defer_agreement(None)
+                if self._kernels is not None:
+                    self._kernels.no_builds = False  # (only a first step skips its rehearsal)
         except BaseException as exc:
             self._failed(comm, exc)
             raise
@@ -530,11 +529,21 @@ class CompiledStep:
         on an empty cache). So every rank rehearses the step with its kernels eager (the data
         moves once more, nothing is committed, a donated input is rehearsed on a copy), then
         builds or loads each kernel for the arguments it had, outside any collective, and the
-        ranks agree all are ready (``compile_timeout``) before the real step."""
+        ranks agree all are ready (``compile_timeout``) before the real step.
+
+        The rehearsal's outcome is kept (``KernelSet.keep_manifest``): a later process whose
+        ranks all find the packages their last run of this step used loads them and skips the
+        rehearsal (one words round to agree on that; ``KernelSet.preload``)."""
+        kernels = self.kernels
+        where = f"{self.module.__name__}|{self._identity_of(comm)[1]}|{comm.rank}/{comm.world}"
+        kept = kernels.preload(f"{where}|{self._geometry!r}")
+        if comm.agree_max([0 if kept else 1], f"{self.program.name}: kernels kept")[0] == 0:
+            return
+        kernels.no_builds = False  # a peer rehearses: so does this rank, and may build
         donated = {i for i, n in enumerate(self.program.inputs) if n.name in self.options.donate}
         rehearsal = [a.clone() if i in donated else a for i, a in enumerate(args)]
-        with self.kernels.recording():
-            outputs, updates = self.module.step(comm, self._geometry, self.kernels, *rehearsal)
+        with kernels.recording():
+            outputs, updates = self.module.step(comm, self._geometry, kernels, *rehearsal)
         for value in (*outputs.values(), *updates.values()):
             if isinstance(value, Published):
                 value.release()  # the peers may reuse their slots
@@ -542,8 +551,9 @@ class CompiledStep:
         # Compiled while this rank watches its peers: one that dies or aborts meanwhile is
         # reported within the communicator's timeout, not after this rank's compile.
         what = f"{self.program.name}'s fused kernels are compiled"
-        comm.control.run_watched(self.kernels.compile_recorded, what, self.options.compile_timeout)
+        comm.control.run_watched(kernels.compile_recorded, what, self.options.compile_timeout)
         comm.agree_ready(what, self.options.compile_timeout)
+        kernels.keep_manifest()
 
     def _communicator(self):
         comm = self._comm
@@ -595,7 +605,7 @@ class CompiledStep:
                 if compare and compared:
                     replicated[name] = cached[3]
                 continue
-            fast = _float_scalar(node, raw, comm.device)
+            fast = step_inputs.float_scalar(node, raw, comm.device)
             if fast is not None:
                 # a new finite float (a step-dependent scalar): made and named at once
                 value, text = fast if compare else (fast[0], "")
@@ -606,7 +616,7 @@ class CompiledStep:
                     replicated[name] = text
                 self._numbers[name] = (type(raw), raw, value, text)
                 continue
-            sig = _signature(name, raw) if isinstance(raw, torch.Tensor) else None
+            sig = step_inputs.signature(name, raw) if isinstance(raw, torch.Tensor) else None
             if sig is not None and sig in self._checked:
                 value, problem = (raw.detach() if raw.requires_grad else raw), None
             else:
@@ -625,11 +635,13 @@ class CompiledStep:
                 dtypes[name] = _dtype_name(value.dtype)
                 if compare and compared:
                     if node.type.rank == 0:
-                        replicated[name] = _scalar_text(value)
+                        replicated[name] = step_inputs.scalar_text(value)
                     elif self.options.check_replicated:
-                        replicated[name] = _checksum(value)
+                        replicated[name] = step_inputs.checksum(value)
                 if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-                    text = replicated.get(node.name) or (_scalar_text(value) if compare else "")
+                    text = replicated.get(node.name) or (
+                        step_inputs.scalar_text(value) if compare else ""
+                    )
                     self._numbers[node.name] = (type(raw), raw, value, text)
         if not problems:
             together = tuple(signatures)
@@ -655,7 +667,7 @@ class CompiledStep:
         for i, (a, ta) in enumerate(tensors):
             for b, tb in tensors[i + 1 :]:
                 both_updated = a in self._updated and b in self._updated
-                if not (both_updated or {a, b} & donated) or not _overlap(ta, tb):
+                if not (both_updated or {a, b} & donated) or not step_inputs.overlap(ta, tb):
                     continue
                 if both_updated:
                     why = "both are updated: one update would be lost"
@@ -680,7 +692,7 @@ class CompiledStep:
                     f"input {node.name!r} is updated by the program: pass a tensor "
                     "that can be written, not a number"
                 )
-            return _scalar(node, value, device)
+            return step_inputs.scalar(node, value, device)
         if not isinstance(value, torch.Tensor):
             # a scalar input also takes a Python number (the learning rate as a float)
             wanted = "a torch.Tensor or a Python number" if ty.rank == 0 else "a torch.Tensor"
@@ -700,7 +712,7 @@ class CompiledStep:
                 f"declares {format_shape(ty.shape)} ({ty.layout})"
             )
         if node.name in self._updated:
-            problem = _unwritable(node.name, value)
+            problem = step_inputs.unwritable(node.name, value)
             if problem:
                 return None, problem
         # a tensor outside autograd needs no detached view (a few us per small step)
@@ -787,7 +799,7 @@ class CompiledStep:
         """Write one update into the caller's tensor (under no_grad)."""
         if isinstance(value, Published):
             value.copy_into(target)  # the gather lands in the caller's tensor once
-        elif swap and _swappable(target, value):
+        elif swap and step_inputs.swappable(target, value):
             target.set_(value)  # the new values' storage: no copy
         else:
             target.copy_(value)
@@ -826,175 +838,3 @@ def _shape_change(before: dict | None, now: dict) -> str:
     return ", ".join(
         f"{k}: {list(before.get(k, ()))} -> {list(v)}" for k, v in now.items() if before.get(k) != v
     )
-
-
-def _scalar(node: Node, value: int | float, device) -> tuple[torch.Tensor | None, str | None]:
-    """A Python number as the 0-d tensor of the program's dtype, or why it does not fit it.
-
-    torch.tensor would raise for some (an int NaN, 10**400) and silently change others (1.5 for
-    an int scalar, 1e10 for a float16 one): either way the ranks must learn it together."""
-    ty = node.type
-    dtype = ty.dtype.torch
-    where = f"input {node.name!r} ({ty.dtype.value})"
-    if dtype.is_floating_point:
-        finite = not (isinstance(value, float) and (value != value or abs(value) == float("inf")))
-        try:
-            t = torch.tensor(float(value), dtype=dtype, device=device)
-        except OverflowError:
-            return None, f"{where}: {_short(value)} does not fit a float"
-        if finite and math.isinf(t.item()):  # (item: cheaper than a torch.isfinite here)
-            return None, f"{where}: {_short(value)} overflows {ty.dtype.value} (it would be inf)"
-        return t, None  # NaN and inf pass through, as in torch.optim
-    if isinstance(value, float):
-        if not value.is_integer():
-            return None, f"{where}: {value!r} is not an integer (it would be truncated)"
-        value = int(value)
-    info = torch.iinfo(dtype)
-    if not info.min <= value <= info.max:
-        return None, f"{where}: {_short(value)} is outside [{info.min}, {info.max}]"
-    return torch.tensor(value, dtype=dtype, device=device), None
-
-
-def _short(value: int | float) -> str:
-    text = repr(value)
-    return text if len(text) <= 30 else f"{text[:12]}...({len(text)} digits)"
-
-
-_PACKED = {torch.float32: struct.Struct("=f")}  # (float16, bfloat16: the slow path)
-
-
-def _float_scalar(node: Node, raw: Any, device) -> tuple[torch.Tensor, str] | None:
-    """A Python float or int for a 0-d float32 input, as ``_scalar`` makes it and
-    ``_scalar_text`` names it, without reading the tensor back (those two cost ~15 us per
-    scalar, and an optimizer passes two new ones every step); None for anything else (another
-    dtype, a value that is not finite or does not fit: ``_scalar`` words its problem).
-
-    The text is ``_scalar_text``'s exactly: ``struct`` rounds a double to float32 with the same
-    C cast as ``torch.tensor``, so its bytes are the tensor's and ``repr`` of the rounded value
-    is ``repr(t.item())`` (a rank taking the slow path names the same bits the same way)."""
-    ty = node.type
-    packer = _PACKED.get(ty.dtype.torch)
-    if packer is None or ty.rank != 0 or type(raw) not in (float, int):
-        return None
-    try:
-        x = float(raw)
-        if not math.isfinite(x):
-            return None
-        bits = packer.pack(x)
-    except (OverflowError, struct.error):
-        return None
-    rounded = packer.unpack(bits)[0]
-    if not math.isfinite(rounded):
-        return None
-    return torch.tensor(x, dtype=ty.dtype.torch, device=device), f"{rounded!r} [{bits.hex()}]"
-
-
-def _scalar_text(t: torch.Tensor) -> str:
-    """A 0-d Replicated input as the ranks compare it: its exact bits (NaN equals NaN)."""
-    return f"{t.item()!r} [{bytes(t.detach().cpu().reshape(1).view(torch.uint8).tolist()).hex()}]"
-
-
-def _signature(name: str, t: torch.Tensor) -> tuple:
-    """Everything the local checks of input ``name`` read from ``t`` (``_tensor``,
-    ``_unwritable``) and everything its aliasing with the other inputs depends on (``_overlap``:
-    its bytes' addresses, from the first element's address, the storage offset, shape, strides
-    and dtype): equal signatures get equal verdicts."""
-    return (name, t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device,
-            t.requires_grad, t.is_inference())
-
-
-def _checksum(t: torch.Tensor) -> str:
-    """A checksum of a tensor's bits (``check_replicated``): position-weighted sums of its
-    elements' bit patterns, so equal bits give equal sums on every rank and a changed element
-    almost surely does not."""
-    flat = t.detach().contiguous().reshape(-1)
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    bits = flat.view(width).to(torch.int64)
-    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
-    plain, weighted = int(bits.sum()), int((bits * weights).sum())
-    digest = hashlib.sha256(struct.pack("<qq", plain, weighted)).hexdigest()[:16]
-    return f"{format_shape(tuple(t.shape))} checksum {digest}"
-
-
-def _unwritable(name: str, t: torch.Tensor) -> str | None:
-    """Why the commit could not write updated input ``name`` in place (None: it can)."""
-    if t.is_inference() and not torch.is_inference_mode_enabled():
-        return (
-            f"input {name!r} is updated but is an inference tensor (made under "
-            "torch.inference_mode): it cannot be written outside it (pass a tensor made "
-            f"outside inference_mode, or {name}.clone())"
-        )
-    if _self_overlapping(t):
-        return (
-            f"input {name!r} is updated but several of its elements are one memory location "
-            f"(strides {list(t.stride())}, e.g. an expand()): pass {name}.clone()"
-        )
-    return None
-
-
-def _self_overlapping(t: torch.Tensor) -> bool:
-    verdict = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: too hard to tell
-    if verdict != 2:
-        return verdict == 1
-    count = torch.zeros(_storage_elements(t), dtype=torch.int32)
-    count.index_add_(0, _element_indices(t), torch.ones(t.numel(), dtype=torch.int32))
-    return bool((count > 1).any())
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` share an element's memory (exact, also for strided views)."""
-    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    lo_a, hi_a = _byte_extent(a)
-    lo_b, hi_b = _byte_extent(b)
-    if hi_a <= lo_b or hi_b <= lo_a:
-        return False
-    if a.is_contiguous() and b.is_contiguous():
-        return True
-    marks = torch.zeros(a.untyped_storage().nbytes(), dtype=torch.bool)
-    _byte_view(marks, a).fill_(True)
-    return bool(_byte_view(marks, b).any())
-
-
-def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
-    size = t.element_size()
-    steps = [(n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)]
-    lo = t.storage_offset() + sum(d for d in steps if d < 0)
-    hi = t.storage_offset() + sum(d for d in steps if d > 0)
-    return lo * size, (hi + 1) * size
-
-
-def _byte_view(marks: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t``'s elements, as a view of ``marks`` (one bool per byte of its storage)."""
-    e = t.element_size()
-    return marks.as_strided(
-        (*t.shape, e), (*(s * e for s in t.stride()), 1), t.storage_offset() * e
-    )
-
-
-def _storage_elements(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes() // t.element_size()
-
-
-def _element_indices(t: torch.Tensor) -> torch.Tensor:
-    index = torch.arange(_storage_elements(t), dtype=torch.int64)
-    return index.as_strided(t.shape, t.stride(), t.storage_offset()).reshape(-1)
-
-
-def _swappable(target: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether ``target`` can take ``value``'s storage (``CommitMode.SWAP``) instead of a copy:
-    a whole tensor of its own (not a view, no autograd) and a fresh value of the same kind."""
-    return (
-        target._base is None
-        and not target.requires_grad
-        and target.is_contiguous()
-        and value.is_contiguous()
-        and value._base is None
-        and value.shape == target.shape
-        and value.dtype == target.dtype
-        and value.device == target.device
-        and target.storage_offset() == 0
-        and value.storage_offset() == 0
-        and target.untyped_storage().nbytes() == target.numel() * target.element_size()
-    )
-
