@@ -217,3 +217,22 @@ def test_generated_step_runs_in_process_with_a_fake_world_of_one():
     )
     assert torch.equal(outputs["out"], sim.outputs["out"][0])
     assert torch.equal(updates["p"], sim.updates["p"][0])
+
+
+def test_a_geometry_digest_sees_every_element_of_its_index_tensors():
+    """What keys a kept rehearsal (``Geometry.digest``): two geometries whose long index tensors
+    differ in one element elided from their repr digest differently; equal ones alike."""
+    import torch
+
+    from coconet.codegen.geometry import Geometry
+
+    rows = torch.arange(5000)
+    other = rows.clone()
+    other[2500] = 0
+    a = Geometry(sizes={"N": 5000}, chunk_rows={"loop/x": (rows,)})
+    b = Geometry(sizes={"N": 5000}, chunk_rows={"loop/x": (other,)})
+    assert repr(a) == repr(b)  # (why repr cannot be the key)
+    assert a.digest() != b.digest()
+    same = Geometry(sizes={"N": 5000}, chunk_rows={"loop/x": (rows.clone(),)})
+    assert a.digest() == same.digest()
+    assert a.digest() != Geometry(sizes={"N": 5001}, chunk_rows={"loop/x": (rows,)}).digest()

@@ -10,8 +10,9 @@ simulator.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -56,6 +57,25 @@ class Geometry:
     chunk_bounds: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     chunk_parts: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     chunk_order: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+    def digest(self) -> str:
+        """A text that differs whenever any field does, index tensors included (their repr
+        elides long ones): what keys a kept rehearsal (``KernelSet.manifest_for``)."""
+        h = hashlib.sha256()
+        for f in fields(self):
+            h.update(f"{f.name}={_exact(getattr(self, f.name))!r};".encode())
+        return h.hexdigest()[:20]
+
+
+def _exact(value):
+    """``value`` with every tensor written out in full (its dtype and every element)."""
+    if isinstance(value, torch.Tensor):
+        return (str(value.dtype), value.tolist())
+    if isinstance(value, dict):
+        return tuple((k, _exact(v)) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return tuple(_exact(v) for v in value)
+    return value
 
 
 def resolve_shape(shape: Shape, sizes: Mapping[str, int]) -> tuple[int, ...]:

@@ -536,7 +536,7 @@ class CompiledStep:
         rehearsal (one words round to agree on that; ``KernelSet.preload``)."""
         kernels = self.kernels
         where = f"{self.module.__name__}|{self._identity_of(comm)[1]}|{comm.rank}/{comm.world}"
-        kept = kernels.preload(f"{where}|{self._geometry!r}")
+        kept = kernels.preload(f"{where}|{self._geometry.digest()}")
         if comm.agree_max([0 if kept else 1], f"{self.program.name}: kernels kept")[0] == 0:
             return
         kernels.no_builds = False  # a peer rehearses: so does this rank, and may build
