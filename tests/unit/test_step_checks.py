@@ -1,7 +1,7 @@
-"""The local checks a compiled step makes before any communication (runtime/step.py), without
-processes: overlap of two tensors and of a tensor with itself (exact, also for strided views,
-proven against the sets of byte addresses they cover), scalars that do not fit their dtype, and
-the checksum ``check_replicated`` compares.
+"""The local checks a compiled step makes before any communication (runtime/step.py; its checks
+of single values in runtime/step_inputs.py), without processes: overlap of two tensors and of a
+tensor with itself (exact, also for strided views, proven against the sets of byte addresses they
+cover), scalars that do not fit their dtype, and the checksum ``check_replicated`` compares.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import coconet as cc
-from coconet.runtime import step as step_mod
+from coconet.runtime import step_inputs
 
 
 def _bytes_of(t: torch.Tensor) -> list[int]:
@@ -49,8 +49,8 @@ def test_overlap_is_exact(data):
     else:  # another dtype over the same memory
         b = data.draw(_views(storage.view(torch.int16)))
     want = bool(set(_bytes_of(a)) & set(_bytes_of(b)))
-    assert step_mod._overlap(a, b) is want
-    assert step_mod._overlap(b, a) is want
+    assert step_inputs.overlap(a, b) is want
+    assert step_inputs.overlap(b, a) is want
 
 
 @settings(max_examples=300, deadline=None)
@@ -58,15 +58,15 @@ def test_overlap_is_exact(data):
 def test_self_overlap_is_exact(data):
     t = data.draw(_views(torch.zeros(64)))
     addresses = _bytes_of(t)
-    assert step_mod._self_overlapping(t) is (len(addresses) != len(set(addresses)))
+    assert step_inputs._self_overlapping(t) is (len(addresses) != len(set(addresses)))
 
 
 def test_tensors_of_different_storages_never_overlap():
-    assert not step_mod._overlap(torch.zeros(4), torch.zeros(4))
+    assert not step_inputs.overlap(torch.zeros(4), torch.zeros(4))
     base = torch.zeros(10)
-    assert step_mod._overlap(base[:6], base[5:])
-    assert not step_mod._overlap(base[:5], base[5:])
-    assert not step_mod._overlap(base[0::2], base[1::2])  # interleaved, disjoint
+    assert step_inputs.overlap(base[:6], base[5:])
+    assert not step_inputs.overlap(base[:5], base[5:])
+    assert not step_inputs.overlap(base[0::2], base[1::2])  # interleaved, disjoint
 
 
 def _node(dtype):
@@ -89,7 +89,7 @@ def _node(dtype):
     ],
 )
 def test_scalars_that_do_not_fit_are_reported(dtype, value, problem):
-    t, why = step_mod._scalar(_node(dtype), value, torch.device("cpu"))
+    t, why = step_inputs.scalar(_node(dtype), value, torch.device("cpu"))
     assert t is None and problem in why, why
 
 
@@ -106,7 +106,7 @@ def test_scalars_that_do_not_fit_are_reported(dtype, value, problem):
     ],
 )
 def test_scalars_that_fit_pass(dtype, value):
-    t, why = step_mod._scalar(_node(dtype), value, torch.device("cpu"))
+    t, why = step_inputs.scalar(_node(dtype), value, torch.device("cpu"))
     assert why is None and t.dtype == dtype.torch
     if not dtype.torch.is_floating_point:
         assert t.item() == int(value)
@@ -128,8 +128,8 @@ def test_the_float_scalar_fast_path_is_the_slow_path(dtype, value):
     what ``_scalar`` and ``_scalar_text`` give (a rank on either path agrees with the other);
     where it declines (another dtype, not finite, does not fit), the slow path words why."""
     node = _node(dtype)
-    fast = step_mod._float_scalar(node, value, torch.device("cpu"))
-    slow, why = step_mod._scalar(node, value, torch.device("cpu"))
+    fast = step_inputs.float_scalar(node, value, torch.device("cpu"))
+    slow, why = step_inputs.scalar(node, value, torch.device("cpu"))
     if fast is None:
         declined = dtype is not cc.float32 or why is not None or not (
             math.isfinite(slow.item()))
@@ -140,25 +140,25 @@ def test_the_float_scalar_fast_path_is_the_slow_path(dtype, value):
     assert t.dtype == slow.dtype and t.shape == ()
     assert t.reshape(1).view(torch.uint8).tolist() == (
         slow.reshape(1).view(torch.uint8).tolist())
-    assert text == step_mod._scalar_text(slow)
+    assert text == step_inputs.scalar_text(slow)
 
 
 def test_the_checksum_sees_one_changed_element_and_swapped_elements():
     x = torch.randn(1000)
-    base = step_mod._checksum(x)
-    assert step_mod._checksum(x.clone()) == base
+    base = step_inputs.checksum(x)
+    assert step_inputs.checksum(x.clone()) == base
     y = x.clone()
     y[500] = torch.nextafter(y[500], torch.tensor(math.inf))  # one ulp
-    assert step_mod._checksum(y) != base
+    assert step_inputs.checksum(y) != base
     z = x.clone()
     z[[1, 2]] = z[[2, 1]]  # same elements, other places
-    assert step_mod._checksum(z) != base
-    assert step_mod._checksum(x.to(torch.bfloat16)) != step_mod._checksum(x.to(torch.float16))
+    assert step_inputs.checksum(z) != base
+    assert step_inputs.checksum(x.to(torch.bfloat16)) != step_inputs.checksum(x.to(torch.float16))
 
 
 def test_unwritable_state_is_named():
     with torch.inference_mode():
         frozen = torch.zeros(3)
-    assert "inference tensor" in step_mod._unwritable("m", frozen)
-    assert "an expand()" in step_mod._unwritable("m", torch.zeros(1).expand(3))
-    assert step_mod._unwritable("m", torch.zeros(3, requires_grad=True)) is None  # no_grad commit
+    assert "inference tensor" in step_inputs.unwritable("m", frozen)
+    assert "an expand()" in step_inputs.unwritable("m", torch.zeros(1).expand(3))
+    assert step_inputs.unwritable("m", torch.zeros(3, requires_grad=True)) is None  # no_grad commit
