@@ -438,6 +438,28 @@ def one_shot_repeated(comm: Communicator) -> list[dict]:
                                           label="big"))  # fmt: skip
     rows.append({"op": "growth", "equal": bool(torch.all(got == n)), "input_untouched": True})
     rounds("after growth", 2000)
+    # the one-round limit lowered at run time (a benchmark times two rounds so): a kind of call
+    # with a plan takes two rounds then, and its plan again once the limit is back
+    from coconet.runtime import shmem
+
+    transport, _ = comm.route(None)
+    again = transport._one_shot_again
+    used: list[int] = []
+    transport._one_shot_again = lambda *a: used.append(1) or again(*a)
+    saved = shmem.ONE_SHOT_BYTES
+    results = []
+    try:
+        for limit in (saved, 0, saved):
+            shmem.ONE_SHOT_BYTES = limit
+            plain.fill_(float(me + 1))
+            got = comm.wait(comm.all_reduce_start(plain, ReduceOp.SUM, axis=None, donate=True,
+                                                  label="limit"))  # fmt: skip
+            results.append((len(used), bool(torch.all(got == n * (n + 1) / 2))))
+    finally:
+        shmem.ONE_SHOT_BYTES = saved
+        del transport._one_shot_again
+    rows.append({"op": "a lowered one-round limit is obeyed", "input_untouched": True,
+                 "equal": results == [(1, True), (1, True), (2, True)], "seen": results})
     return rows
 
 
