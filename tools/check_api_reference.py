@@ -16,7 +16,8 @@ from pathlib import Path
 
 MODULES = ("coconet", "coconet.optim", "coconet.fsdp", "coconet.nn", "coconet.pipeline",
            "coconet.runtime", "coconet.schedule", "coconet.errors", "coconet.options",
-           "coconet.tune", "coconet.testing")  # fmt: skip
+           "coconet.tune", "coconet.testing", "coconet.trace", "coconet.tracing",
+           "coconet.runtime.flight")  # fmt: skip
 
 
 def inventory(site: Path) -> set[str]:

@@ -9,7 +9,10 @@
 - ``coconet tune FILE.py:NAME --nproc N --size N=16777216 [--json out.json]``: choose the
   program's schedule and transport by prediction and measurement, and explain the choice;
 - ``coconet plan FILE.py:NAME --cluster dgx-a100-ib --world 64``: predicted step times at world
-  sizes that cannot be run here, from a cluster description.
+  sizes that cannot be run here, from a cluster description;
+- ``coconet trace merge DIR -o step.json [--png step.png]``, ``coconet trace plot``: the ranks'
+  traces (``COCONET_TRACE=DIR``) on one timeline; ``coconet trace why DIR``: who stopped where,
+  from the flight recorder's dumps.
 """
 
 from __future__ import annotations
@@ -188,6 +191,35 @@ def _parser() -> argparse.ArgumentParser:
                     help="world size(s) to predict (repeatable; default 8,16,32,64,128,256)")
     pl.add_argument("--json", help="write the table to this file")
     pl.set_defaults(func=_plan)
+
+    tr = sub.add_parser(
+        "trace",
+        help="merge the ranks' traces into one timeline, plot one, read a failure's dumps",
+        description="Record with COCONET_TRACE=DIR (or coconet.trace.record(DIR) in the "
+        "script): each rank writes DIR/rank<r>.trace.json. 'coconet trace merge DIR -o "
+        "step.json' puts them on one clock, a track per rank (open it at ui.perfetto.dev), and "
+        "prints where each rank's time went and each collective's exposed and hidden time; "
+        "'coconet trace plot step.json -o step.png' draws it; 'coconet trace why DIR' reads "
+        "the flight recorder's dumps of a failed job.",
+    )
+    trs = tr.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    tm = trs.add_parser("merge", help="merge DIR's rank traces into one file")
+    tm.add_argument("directory", help="the folder the ranks wrote their traces to")
+    tm.add_argument("-o", "--out", default=None,
+                    help="the merged trace (default DIR/merged.trace.json)")
+    tm.add_argument("--png", help="also draw it as a PNG here (needs matplotlib)")
+    tm.set_defaults(func=_trace_merge)
+    tp = trs.add_parser("plot", help="draw a trace (merged or one rank's) as a PNG")
+    tp.add_argument("trace", help="a trace file")
+    tp.add_argument("-o", "--out", required=True, help="the PNG to write")
+    tp.set_defaults(func=_trace_plot)
+    tw = trs.add_parser("why", help="who stopped where: read the flight recorder's dumps",
+                        description="Read the rank<r>.flight.json dumps that failing ranks wrote "
+                        "(the folder their error names; $COCONET_FLIGHT_DIR sets it) and say, "
+                        "per communicator, each rank's last call and which ranks had not "
+                        "reached the call the others stopped in.")  # fmt: skip
+    tw.add_argument("directory", help="the folder of the dumps")
+    tw.set_defaults(func=_trace_why)
     return p
 
 
@@ -557,6 +589,35 @@ def _plan(args) -> int:
         with open(args.json, "w") as f:
             json.dump(table.to_json(), f, indent=1)
         print(f"\nJSON written to {args.json}")
+    return 0
+
+
+def _trace_merge(args) -> int:
+    from coconet import trace
+
+    out = args.out or os.path.join(args.directory, "merged.trace.json")
+    merged = trace.merge(args.directory, out)
+    print(trace.summary(merged))
+    print("\neach collective's time in flight, exposed (the rank waited in it) and hidden "
+          "(the rank computed meanwhile):")
+    print(trace.format_overlap(trace.overlap(merged)))
+    print(f"\nmerged trace written to {out} (open it at https://ui.perfetto.dev)")
+    if args.png:
+        print(f"timeline drawn to {trace.plot(merged, args.png)}")
+    return 0
+
+
+def _trace_plot(args) -> int:
+    from coconet import trace
+
+    print(f"timeline drawn to {trace.plot(args.trace, args.out)}")
+    return 0
+
+
+def _trace_why(args) -> int:
+    from coconet.runtime.flight import verdict
+
+    print(verdict(args.directory))
     return 0
 
 

@@ -108,6 +108,10 @@ def _is_library_frame(frame) -> bool:
     # user's line: the user's is the one that called into torch.
     if module == "torch" or module.startswith("torch."):
         return True
+    # a compiled step's generated module (``coconet.codegen.loader``: kept in the cache, or a
+    # "<coconet generated ...>" file) is coconet's code, run on the way from the user's call
+    if module.startswith("coconet_generated_"):
+        return True
     return filename.startswith("<") and (module == "coconet" or module.startswith("coconet."))
 
 

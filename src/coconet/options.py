@@ -261,7 +261,10 @@ class CommOptions:
       allocates stay mapped between steps instead of page-faulting every step (process-wide;
       see ``coconet.runtime.allocator``), and ``spawn`` starts its ranks with glibc's
       per-thread cache off (``GLIBC_TUNABLES``, which only a process's start reads). False
-      leaves the allocator alone.
+      leaves the allocator alone;
+    - ``flight_recorder``: how many of its last calls each communicator keeps on this rank for
+      when the job stops (``coconet.runtime.flight``: dumped, and a verdict in the error, when a
+      call fails); 0 turns it off.
 
     Every field is checked when the options are made: a bad one is a ``ConfigError`` there, not
     a failure at the job's first collective.
@@ -273,6 +276,7 @@ class CommOptions:
     measure_reps: int = 5
     keep_buffers_mapped: bool = True
     transport: TransportPolicy = TransportPolicy.AUTO
+    flight_recorder: int = 1024
 
     def __post_init__(self) -> None:
         # Checked here, where the options are written, not at the first collective of a job.
@@ -309,6 +313,13 @@ class CommOptions:
                 f"keep_buffers_mapped must be True or False, got {self.keep_buffers_mapped!r}",
                 op="CommOptions",
                 hint="CommOptions(keep_buffers_mapped=False) leaves malloc alone",
+            )
+        size = self.flight_recorder
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ConfigError(
+                f"flight_recorder must be an int >= 0 (calls kept), got {size!r}",
+                op="CommOptions",
+                hint="CommOptions(flight_recorder=1024); 0 turns the flight recorder off",
             )
 
     def fixed_algorithm(self, op: Op, transport: _ExactAlgorithms) -> Algorithm | None:

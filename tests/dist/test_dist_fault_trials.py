@@ -60,6 +60,7 @@ def _check(verdicts: list[dict], whole: bool = True) -> None:
     for v in verdicts:
         where = (v["fault"], v["place"])
         assert v["clear"], (where, v["problems"])
+        assert v["named"], (where, "the survivors' errors do not name the victim and the call")
         assert v["leaked"] == 0, (where, "segments still mapped after close", v["leaked"])
         if whole:
             assert v["whole"], (where, v["states"])

@@ -419,6 +419,10 @@ def judge(results: list) -> dict:
             problems.append(f"late: {seen}")
         elif not ("rank" in r["message"] and any(c in r["message"] for c in CAUSES)):
             problems.append(f"unclear: {seen}")
+    # the flight recorder's verdict (issue 48): a survivor of a kill or a stall names the victim
+    # and the call it had not reached (or where it was)
+    named = fault == "ctrl-c" or all(f"rank {victim}: " in r["message"] and "call #" in r["message"]
+                                     for r in reports if r["rank"] != victim)  # fmt: skip
     states = {r["rank"]: state_of(r) for r in reports}
     sides = {s.split(" ")[0] for s in states.values()}
     by_replica: dict = {}
@@ -429,7 +433,7 @@ def judge(results: list) -> dict:
     whole = "split" not in sides and all(len(v) == 1 for v in by_replica.values())
     survivors = [r["after_fault"] or 0.0 for r in reports if r["rank"] != victim]
     return dict(place=first["place"], fault=fault, point=first["point"], clear=not problems,
-                problems=problems,
+                problems=problems, named=named,
                 whole=whole, mesh_whole=whole and len(sides) == 1, states=states,
                 leaked=sum(r["mapped"] for r in reports),
                 seconds=max(survivors) if survivors else None)  # fmt: skip
@@ -484,21 +488,24 @@ def shm_leftovers(before: set[str], grace_s: float = 1.0) -> list[str]:
 
 
 def table(verdicts: list[dict]) -> str:
-    """The counts by (fault, place): trials, those clear within TIMEOUT + 5 s, those whole on
+    """The counts by (fault, place): trials, those clear within TIMEOUT + 5 s, those whose
+    survivors named the victim and the call (the flight recorder's verdict), those whole on
     every rank (and on the same side of the step across the mesh)."""
     rows = {}
     for v in verdicts:
-        row = rows.setdefault((v["fault"], v["place"]), [0, 0, 0, 0, 0.0])
+        row = rows.setdefault((v["fault"], v["place"]), [0, 0, 0, 0, 0, 0.0])
         row[0] += 1
         row[1] += v["clear"]
-        row[2] += v["whole"]
-        row[3] += v["mesh_whole"]
-        row[4] = max(row[4], v["seconds"] or 0.0)
-    lines = [f"{'fault':7} {'place':24} {'trials':>6} {'clear':>6} {'whole':>6} {'mesh':>6} "
-             f"{'slowest':>8}"]  # fmt: skip
-    for (fault, place), (n, clear, whole, mesh, slowest) in sorted(
+        row[2] += v["named"]
+        row[3] += v["whole"]
+        row[4] += v["mesh_whole"]
+        row[5] = max(row[5], v["seconds"] or 0.0)
+    lines = [f"{'fault':7} {'place':24} {'trials':>6} {'clear':>6} {'named':>6} {'whole':>6} "
+             f"{'mesh':>6} {'slowest':>8}"]  # fmt: skip
+    for (fault, place), (n, clear, named, whole, mesh, slowest) in sorted(
             rows.items(), key=lambda kv: (FAULTS.index(kv[0][0]), PLACES.index(kv[0][1]))):
-        lines.append(f"{fault:7} {place:24} {n:6} {clear:6} {whole:6} {mesh:6} {slowest:7.2f}s")
+        lines.append(f"{fault:7} {place:24} {n:6} {clear:6} {named:6} {whole:6} {mesh:6} "
+                     f"{slowest:7.2f}s")
     return "\n".join(lines)
 
 

@@ -20,11 +20,14 @@ _spec = importlib.util.spec_from_file_location("import_graph", _TOOL)
 import_graph = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(import_graph)
 
-BASE = {"errors", "version", "progress"}  # leaves every layer may use
+BASE = {"errors", "version", "progress", "tracing"}  # leaves every layer may use
 # layer -> the layers it may import (besides itself and BASE)
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "progress": set(),
+    "tracing": set(),
+    # the recorded traces' tools (merge, plot): they read files, not the runtime
+    "trace": set(),
     "version": set(),
     "random": set(),
     "cache": set(),
@@ -65,7 +68,9 @@ ALLOWED: dict[str, set[str]] = {
     "coconet": {
         "ir", "dsl", "ops", "sim", "schedule", "compiler", "accounting", "optim", "autodiff",
     },
-    "cli": {"ir", "schedule", "compiler", "runtime", "cache", "coconet", "tune", "options"},
+    "cli": {
+        "ir", "schedule", "compiler", "runtime", "cache", "coconet", "tune", "options", "trace",
+    },
 }
 
 

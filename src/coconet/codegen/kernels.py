@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from coconet import tracing
 from coconet.cache import prune
 from coconet.codegen import aot
 from coconet.errors import headline
@@ -88,6 +89,12 @@ class _Kernel:
         self._builds = 0  # packages this kernel built in this process
 
     def __call__(self, *args):
+        if tracing.active():
+            with tracing.span("kernel", tracing.Category.KERNEL, self.name):
+                return self._call(args)
+        return self._call(args)
+
+    def _call(self, args: tuple):
         owner = self.owner
         recorded = owner.recorded
         if recorded is not None:  # a rehearsal: eager, keeping the arguments for the compile

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from coconet import dsl as cc
+from coconet import tracing
 from coconet.autodiff import grad
 from coconet.compiler import compile as cc_compile
 from coconet.errors import ConfigError, RuntimeFault
@@ -49,6 +50,7 @@ from coconet.options import CompileOptions
 from coconet.runtime.comm import Communicator
 from coconet.runtime.shards import Placement, ShardedParameter
 from coconet.schedule import Schedule, paper
+from coconet.tracing import Category
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "layer_group", "probability"]
 
@@ -181,6 +183,7 @@ class _Steps:
     def __init__(self, forward: Program, comm: Communicator, fused: bool, schedule: Any,
                  sizes: dict[str, int], scalars: dict[str, Any]) -> None:  # fmt: skip
         self.forward_program = forward
+        self.layer = forward.name  # the layer's class name, once the layer sets it
         self.schedule = schedule
         self.comm = comm
         self.fused = fused
@@ -239,9 +242,10 @@ class _Apply(torch.autograd.Function):
                       if need)  # fmt: skip
         if not needs:
             return (None,) * (4 + len(tensors))
-        step = ctx.steps.backward_step(needs)
-        inputs = dict(zip(ctx.names, (t.detach() for t in tensors), strict=True))
-        grads = step(**inputs, **ctx.scalars, d_y=d_y.contiguous())
+        with tracing.span(ctx.steps.layer, Category.LAYER, "backward"):
+            step = ctx.steps.backward_step(needs)
+            inputs = dict(zip(ctx.names, (t.detach() for t in tensors), strict=True))
+            grads = step(**inputs, **ctx.scalars, d_y=d_y.contiguous())
         return (None, None, None, None, *(grads.get(f"d_{n}") for n in ctx.names))
 
 
@@ -449,6 +453,11 @@ class _ParallelLinear(nn.Module):
     # trace; it runs as a graph break, the rest of the model is compiled around it
     @torch.compiler.disable
     def _call(self, x: torch.Tensor, residual: torch.Tensor | None, scalars: dict[str, Any]):
+        with tracing.span(type(self).__name__, Category.LAYER, "forward"):
+            return self._forward(x, residual, scalars)
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 scalars: dict[str, Any]) -> torch.Tensor:  # fmt: skip
         comm = self._group()
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self._x_features():
             raise ConfigError(
@@ -478,6 +487,7 @@ class _ParallelLinear(nn.Module):
                     comm.exchange(mine, f"{type(self).__name__}: the sequence's length"))
             steps = self._programs[key] = _Steps(program, comm, self.fused_kernels,
                                                  self.schedule, sizes, dict(scalars))  # fmt: skip
+            steps.layer = type(self).__name__  # (what its backward's trace span is named)
         # the model's replicated parameters, checked at its training forwards (nn.replicas)
         # (by a call that agrees at once: one that communicates, so that a difference is this
         # call's fault and not another's)

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from coconet import tracing
 from coconet.errors import CoconetError, ConfigError, RuntimeFault
 from coconet.ir.program import Program
 from coconet.ir.types import DType
@@ -72,6 +73,7 @@ from coconet.runtime import interrupts
 from coconet.runtime.comm import Communicator
 from coconet.runtime.shards import placement_of
 from coconet.schedule import Schedule
+from coconet.tracing import Category
 
 __all__ = ["DistributedOptimizer", "LocalGradientEditWarning"]
 
@@ -336,7 +338,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         runs (a closure that calls ``backward()`` triggers the update itself).
         ``grad_scaler``: given by ``torch.amp.GradScaler.step(opt)``: the gradients are
         unscaled inside the step and a step whose averaged gradient holds an inf or a nan is
-        skipped on every rank (``coconet.optim.scaling``)."""
+        skipped on every rank (``coconet.optim.scaling``). Traced as one span
+        (``coconet.tracing``) holding its buckets' compiled steps."""
+        with tracing.span(type(self).__name__, Category.OPTIMIZER, "step"):
+            return self._step(closure, grad_scaler)
+
+    def _step(self, closure: Callable[[], Any] | None, grad_scaler: Any) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from coconet import tracing
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.options import TransportKind
 from coconet.pipeline.schedules import (
@@ -70,6 +71,7 @@ from coconet.pipeline.schedules import (
     one_f_one_b,
 )
 from coconet.runtime.p2p import Link, PeerLinks
+from coconet.tracing import Category
 
 __all__ = ["Pipeline"]
 
@@ -235,7 +237,6 @@ class Pipeline:
 
     def _run(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
              ) -> torch.Tensor | None:  # fmt: skip
-        m = self.micro_batches
         micro_in = self._split(inputs, "inputs") if self.is_first else None
         micro_tg = self._split(targets, "targets") if self.is_last else None
         received: dict[int, torch.Tensor] = {}  # activations in (they require grad)
@@ -243,22 +244,32 @@ class Pipeline:
         grads: dict[int, torch.Tensor] = {}  # gradients of the outputs, from the next stage
         total = None
         for step in self.steps:
-            first = step[0]
-            if first.kind is Kind.FORWARD:
-                x = micro_in[first.micro_batch] if self.is_first else received[first.micro_batch]
-                y = self.stage(x)
-                if self.is_last:
-                    y = self.loss_fn(y, micro_tg[first.micro_batch]) / m
-                    total = y.detach() if total is None else total + y.detach()
-                outputs[first.micro_batch] = y
-            elif first.kind is Kind.BACKWARD:
-                y = outputs.pop(first.micro_batch)
-                if self.is_last:
-                    y.backward()
-                else:
-                    torch.autograd.backward(y, grads.pop(first.micro_batch))
+            # (the span's text only while something records: a step is a stage's compute)
+            detail = "; ".join(a.describe() for a in step) if tracing.active() else None
+            with tracing.span(f"stage {self.index}", Category.PIPELINE, detail):
+                total = self._act(step, micro_in, micro_tg, received, outputs, grads, total)
+        return total
+
+    def _act(self, step: Step, micro_in, micro_tg, received, outputs, grads,
+             total: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """Run one step of the schedule (a compute action, or the messages posted together);
+        returns the running total of the last stage's loss."""
+        first = step[0]
+        if first.kind is Kind.FORWARD:
+            x = micro_in[first.micro_batch] if self.is_first else received[first.micro_batch]
+            y = self.stage(x)
+            if self.is_last:
+                y = self.loss_fn(y, micro_tg[first.micro_batch]) / self.micro_batches
+                total = y.detach() if total is None else total + y.detach()
+            outputs[first.micro_batch] = y
+        elif first.kind is Kind.BACKWARD:
+            y = outputs.pop(first.micro_batch)
+            if self.is_last:
+                y.backward()
             else:
-                self._communicate(step, received, outputs, grads)
+                torch.autograd.backward(y, grads.pop(first.micro_batch))
+        else:
+            self._communicate(step, received, outputs, grads)
         return total
 
     def _split(self, t: torch.Tensor | None, what: str) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coconet import tracing
 from coconet.errors import ConfigError
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import Op, ReduceOp
@@ -44,6 +45,7 @@ from coconet.runtime import handshake
 from coconet.runtime.channels import OnePassChannel
 from coconet.runtime.control import ControlChannel
 from coconet.runtime.faults import FaultGuard
+from coconet.runtime.flight import FlightRecorder
 from coconet.runtime.handshake import Deferred, LocalSteps
 from coconet.runtime.hierarchy import HierarchicalTransport
 from coconet.runtime.p2p import PeerLinks
@@ -120,6 +122,11 @@ class Communicator:
             abort_key=f"coconet/aborted/{Communicator._made}",
             groups=None,
         )
+        recorder = tracing.recording()
+        if recorder is not None:
+            # a clock mark for the trace's merge: every rank leaves this at about one instant
+            self.aligned_start("coconet trace: clock")
+            recorder.mark(f"communicator {Communicator._made}")
 
     def _build(
         self,
@@ -165,6 +172,11 @@ class Communicator:
             job_rank=members[rank],
         )
         self.guard.explain = self.control.peer_reason
+        if self.options.flight_recorder:
+            # named by its abort key (the same on each of its ranks), less the common prefix
+            name = abort_key.removeprefix("coconet/aborted/")
+            self.guard.recorder = FlightRecorder(name, rank, members, self.options.flight_recorder)
+            self.guard.positions = self.control.positions
         # The calls this rank made, by kind (an optimizer's steps, each compiled program's
         # calls): what a rank that leaves tells the peers (``depart``), so that one that made a
         # call more learns which rank stopped where
@@ -333,7 +345,8 @@ class Communicator:
         pending = work.pending
         if type(pending) is ReadyPending:  # done when it started (shared memory): nothing to fail
             return pending.value
-        return self.guard(work.op, work.label, work.axis, work.pending.wait, self.control.wait_work)
+        return self.guard.wait(work.op, work.label, work.axis, work.pending.wait,
+                               self.control.wait_work)  # fmt: skip
 
     def start(
         self, op: Op, x: torch.Tensor, *, label: str, axis: str | None, **arguments: Any
@@ -477,8 +490,8 @@ class Communicator:
         if not transport.algorithms(op):
             # one way only: nothing to choose (the common small-step path: no closure)
             name = op.value
-            return Work(name, label, axis, self.guard(name, label, axis, run, transport, group,
-                                                      None))  # fmt: skip
+            return Work(name, label, axis, self.guard.collective(
+                name, label, axis, nbytes, transport, run, transport, group, None))
 
         def begin() -> Pending:
             # a group of one has nothing to choose: its collectives move no data
@@ -488,7 +501,8 @@ class Communicator:
             )
             return run(transport, group, algorithm)
 
-        return Work(op.value, label, axis, self.guard(op.value, label, axis, begin))
+        return Work(op.value, label, axis,
+                    self.guard.collective(op.value, label, axis, nbytes, transport, begin))
 
     # -- a transport's own forms (coconet.codegen.forms): one channel per axis ----------------
 

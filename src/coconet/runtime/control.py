@@ -392,6 +392,43 @@ class ControlChannel:
                 self._store.set(self._abort_key, f"{self._who}: {reason}")
             except (RuntimeError, OSError):
                 pass  # the store is gone (its host died): the peers learn from that
+        self._post_position(f"it aborted: {reason}")
+
+    def positions(self, mine: str, grace_s: float) -> dict[int, str | None]:
+        """Where every peer is, when a call failed here: this rank posts ``mine`` (its flight
+        recorder's last call) in the job's store and reads what each peer posted (a peer that
+        failed too, or aborted) for up to ``grace_s`` seconds. By the peer's rank here; None: no
+        answer (it had not failed: stalled elsewhere, or dead). Empty without a store."""
+        if self._store is None or self.world == 1:
+            return {}
+        prefix = f"{self._abort_key}/position/"
+        missing = {r: f"{prefix}{r}" for r in range(self.world) if r != self.rank}
+        found: dict[int, str | None] = {}
+        try:
+            self._store.set(f"{prefix}{self.rank}", mine)
+            deadline = time.monotonic() + grace_s
+            while missing:
+                for r, key in list(missing.items()):
+                    if self._store.check([key]):
+                        found[r] = self._store.get(key).decode()
+                        del missing[r]
+                if not missing or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.02)
+        except (RuntimeError, OSError):
+            pass  # the store is gone (its host died): what was read so far
+        return {**found, **dict.fromkeys(missing)}
+
+    def _post_position(self, note: str) -> None:
+        """Post this rank's position for peers that fail while it aborts (``positions``)."""
+        recorder = self._guard.recorder
+        if recorder is None or self._store is None:
+            return
+        try:
+            self._store.set(f"{self._abort_key}/position/{self.rank}",
+                            f"{recorder.position()}, then {note}")  # fmt: skip
+        except (RuntimeError, OSError):
+            pass
 
     def check_peers(self, reason: str | None = None) -> None:
         """A ``RuntimeFault`` if a peer aborted (see ``abort``) or left the job (``depart``):

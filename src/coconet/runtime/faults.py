@@ -14,12 +14,20 @@ that called still aborts and tells its peers, ``coconet.runtime.step``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from coconet.errors import RuntimeFault
+from coconet import tracing
+from coconet.errors import RuntimeFault, capture_loc
+from coconet.runtime import flight
+from coconet.runtime.flight import CallState, FlightRecorder
+
+_now = time.perf_counter_ns
+_STARTED, _COMPLETED = CallState.STARTED, CallState.COMPLETED
 
 __all__ = ["LEFT", "LEFT_HINT", "FaultGuard", "is_peer_failure"]
 
@@ -75,19 +83,108 @@ class FaultGuard:
         # what a peer that aborted or left said (the control channel reads it from the store),
         # added to a shared-memory wait's fault, which sees only the peer's abort word
         self.explain: Callable[[], str | None] | None = None
+        # the last calls (coconet.runtime.flight), and how to learn where the peers are when a
+        # call fails (ControlChannel.positions: rank -> its position, None: no answer)
+        self.recorder: FlightRecorder | None = None
+        self.positions: Callable[[str, float], dict[int, str | None]] | None = None
+        self._reported = False  # a failure's verdict and dump are made once
 
     def __call__(self, op: str, label: str, axis: str | None, fn: Callable, /, *args, **kwargs):
-        """``fn(*args, **kwargs)``; a failure of the job is a ``RuntimeFault`` (see the module)."""
-        self.check(op, label)
+        """``fn(*args, **kwargs)``; a failure of the job is a ``RuntimeFault`` (see the module).
+        Traced as a span of ``op``'s category (``coconet.runtime.tracing``)."""
+        if tracing.active():
+            with tracing.span(op, tracing.category_of(op), label, _span_args(axis, args)):
+                return self._run(op, label, axis, fn, args, kwargs)
+        return self._run(op, label, axis, fn, args, kwargs)
+
+    def collective(self, op: str, label: str, axis: str | None, nbytes: int, transport: Any,
+                   fn: Callable, /, *args):  # fmt: skip
+        """``fn(*args)``: starting the collective ``op`` of ``nbytes`` over ``transport``, as
+        ``__call__`` (traced with its bytes and its transport's kind)."""
+        if tracing.active():
+            kind = getattr(getattr(transport, "kind", None), "value", None)
+            with tracing.span(op, tracing.Category.COLLECTIVE, label,
+                              {"axis": axis, "bytes": nbytes, "transport": kind}):  # fmt: skip
+                return self._run(op, label, axis, fn, args, {})
+        return self._run(op, label, axis, fn, args, {})
+
+    def wait(self, op: str, label: str, axis: str | None, fn: Callable, /, *args):
+        """``fn(*args)``: the wait for a started collective ``op``, as ``__call__`` (traced as a
+        wait: how long this rank waited for its peers)."""
+        if tracing.active():
+            with tracing.span(f"wait {op}", tracing.Category.WAIT, label, _span_args(axis, ())):
+                return self._run(op, label, axis, fn, args, {})
+        return self._run(op, label, axis, fn, args, {})
+
+    def _run(self, op: str, label: str, axis: str | None, fn: Callable, args: tuple,
+             kwargs: dict):  # fmt: skip
+        if self.broken is not None:
+            self.check(op, label)
+        recorder = self.recorder
+        if recorder is None:
+            entry = None
+        else:  # (FlightRecorder.begin, written out: this runs at every collective)
+            seq = recorder.seq = recorder.seq + 1
+            entry = [seq, op, label, axis, _now(), 0, _STARTED]
+            recorder.ring[seq % recorder.capacity] = entry
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except RuntimeFault as fault:
+            if entry is not None:
+                FlightRecorder.failed(entry)
             self._add_reason(fault)
+            self._report(fault, entry)
             raise
         except Exception as exc:
+            if entry is not None:
+                FlightRecorder.failed(entry)
             if not is_peer_failure(exc):
                 raise  # a bug raises as a bug
-            raise self.fault(op, label, axis, exc) from exc
+            fault = self.fault(op, label, axis, exc)
+            self._report(fault, entry)
+            raise fault from exc
+        if entry is not None:
+            entry[5] = _now()
+            entry[6] = _COMPLETED
+        return out
+
+    def _report(self, fault: RuntimeFault, entry: list | None) -> None:
+        """The first failure of this communicator: where the peers are (the ranks that have not
+        reached this call), the user's line that made it, and the flight recorder's dump, added
+        to the fault. Never raises: a failure is being reported."""
+        if self._reported or self.recorder is None or entry is None:
+            return
+        self._reported = True
+        try:
+            lines = [f"flight recorder: call #{entry[0]} of this communicator ({entry[1]}: "
+                     f"{entry[2]})" + (f", made at {loc}" if (loc := capture_loc()) else "")]
+            lines += self._peers(entry)
+            path = flight.dump(self.recorder.members[self.rank], len(self.recorder.members),
+                               f"{fault.op}: {fault.args[0] if fault.args else fault}")
+            lines.append(f"flight recorder dump: {path} (every rank's: coconet trace why "
+                         f"{path.parent})")  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the fault itself must still be raised
+            lines = [f"flight recorder: no verdict ({type(exc).__name__}: {exc})"]
+        fault.details = (*fault.details, *lines)
+
+    def _peers(self, entry: list) -> list[str]:
+        """Where each peer is, as it said in the job's store (``positions``)."""
+        if self.positions is None or len(self.recorder.members) == 1:
+            return []
+        grace = min(2.0, max(0.5, self.timeout / 10))
+        seen = self.positions(self.recorder.position(), grace)
+        members = self.recorder.members
+        lines = []
+        for peer in sorted(seen):
+            said = seen[peer]
+            who = f"rank {members[peer]}" + ("" if members[peer] == peer else
+                                             f" (group rank {peer})")  # fmt: skip
+            if said is None:
+                lines.append(f"{who}: no answer within {grace:g} s: it had not reached call "
+                             f"#{entry[0]} ({entry[1]}: {entry[2]}), stalled or dead")
+            else:
+                lines.append(f"{who}: at {said}")
+        return lines
 
     def _add_reason(self, fault: RuntimeFault) -> None:
         """A peer's own words (its abort reason, or which calls it made before it left) on a
@@ -141,3 +238,13 @@ class FaultGuard:
             hint="look at the other ranks' output for the first failure; this job cannot "
             "continue: end it (coconet.runtime.shutdown) and restart it",
         )
+
+
+def _span_args(axis: str | None, args: tuple) -> dict[str, Any]:
+    """A traced call's arguments in the trace: its axis and the bytes of its first tensor."""
+    out: dict[str, Any] = {"axis": axis}
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out["bytes"] = a.numel() * a.element_size()
+            break
+    return out

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coconet import tracing
 from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.options import CommOptions
@@ -134,6 +135,7 @@ def init(
                 hint="a peer rank did not start or died before joining, or the rendezvous "
                 "address is unreachable: look at the other ranks' output",
             ) from None
+    tracing.start_from_environment()  # COCONET_TRACE=dir: every rank records its trace there
     _current = Communicator(mesh, options)
     return _current
 
@@ -161,6 +163,7 @@ def shutdown(comm: Communicator | None = None, *, exit_code: int | None = None) 
                 pass
         if comm is _current:
             _current = None
+        tracing.stop_from_environment()
         if exit_code is not None:
             _release_multiprocessing_objects()
             sys.stdout.flush()

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from coconet import tracing
 from coconet.cache import keyed_cache_dir, use_inductor_cache
 from coconet.codegen.geometry import Geometry, geometry
 from coconet.codegen.kernels import KernelSet
@@ -56,6 +57,7 @@ from coconet.runtime import handshake, interrupts, step_inputs
 from coconet.runtime.comm import Communicator
 from coconet.runtime.replica import HostReplica
 from coconet.runtime.transport import Published
+from coconet.tracing import Category
 from coconet.version import __version__
 
 __all__ = ["CompiledStep"]
@@ -287,10 +289,22 @@ class CompiledStep:
         ``vote_with``: the communicator whose ranks vote on the commit, when it must reach more
         ranks than the step's own (a data-parallel step of a model split over tp: every rank of
         the dp x tp mesh commits or none, not each dp group on its own); it contains the step's
-        ranks, and each of its ranks votes at the same point (its own such step)."""
+        ranks, and each of its ranks votes at the same point (its own such step).
+
+        Traced (``coconet.runtime.tracing``) as a span named after the program, holding the
+        agreement, the rehearsal (first call), the body, the vote and the commit."""
+        if tracing.active():
+            with tracing.span(self.program.name, Category.STEP):
+                return self._run(inputs, agree, commit_if, vote_with, True)
+        return self._run(inputs, agree, commit_if, vote_with, False)
+
+    def _run(self, inputs: dict[str, Any], agree: dict[str, str] | None,
+             commit_if: Callable[[dict[str, torch.Tensor]], bool] | None,
+             vote_with: Communicator | None, traced: bool) -> dict[str, torch.Tensor]:
         comm = self._communicator()
         try:
-            args, shapes, reports, ordinal, h, proposed = self._agree(comm, inputs, agree)
+            args, shapes, reports, ordinal, h, proposed = tracing.within(
+                traced, "agreement", Category.AGREEMENT, self._agree, comm, inputs, agree)
         except RuntimeFault as fault:
             if not isinstance(fault, handshake.CallRefused):
                 comm.abort(f"rank {comm.rank} failed before its step: {headline(fault)}")
@@ -319,8 +333,10 @@ class CompiledStep:
         try:
             try:
                 if self.calls == 1 and self._compiles_kernels(comm):
-                    self._rehearse(comm, args)
-                outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
+                    with tracing.span("rehearsal", Category.REHEARSAL):
+                        self._rehearse(comm, args)
+                outputs, updates = tracing.within(traced, "body", Category.BODY, self.module.step,
+                                                  comm, self._geometry, self.kernels, *args)
                 comm.settle_deferred()  # (a step that never reached its all_reduce: a bug)
             except handshake.Disagreement as disagreement:
                 # The agreement that rode with the step's first all_reduce found a difference
@@ -336,7 +352,9 @@ class CompiledStep:
                     self._geometry, self._exchanged, self._verdicts.current = before
                     raise
                 self.calls += 1
-                outputs, updates = self.module.step(comm, self._geometry, self.kernels, *args)
+                outputs, updates = tracing.within(traced, "body", Category.BODY, self.module.step,
+                                                  comm, self._geometry, self.kernels, *args,
+                                                  detail="again, agreed")  # fmt: skip
             finally:
                 comm.defer_agreement(None)
                 if self._kernels is not None:
@@ -346,7 +364,10 @@ class CompiledStep:
             raise
         if not updates:  # nothing to write: nothing to hold a Ctrl-C for
             outputs, declined = self._vote(comm, outputs, updates, commit_if, vote_with)
-            return outputs if declined else self._commit(inputs, outputs, updates, comm)
+            if declined:
+                return outputs
+            return tracing.within(traced, "commit", Category.COMMIT, self._commit, inputs,
+                                  outputs, updates, comm)  # fmt: skip
         # Two-phase across the ranks: from this rank's vote to the end of its commit a Ctrl-C
         # is held (coconet.runtime.interrupts), so that it cannot land between a vote every rank
         # counted and this rank's last write: the step is written on every rank or on none.
@@ -359,7 +380,8 @@ class CompiledStep:
             # Every rank voted to commit: the step ends wholly after on every rank, and the
             # ranks stay in step (an interrupt held back by the commit is raised after it).
             outcome[0] = "the commit was under way on this rank (every rank voted to commit)"
-            outputs = self._commit(inputs, outputs, updates, comm)
+            outputs = tracing.within(traced, "commit", Category.COMMIT, self._commit, inputs,
+                                     outputs, updates, comm)  # fmt: skip
             outcome[0] = ("the step was committed on this rank and on every other before this "
                           "was raised: do not repeat it")
             return outputs

@@ -1,0 +1,225 @@
+"""The flight recorder: the last calls of each communicator on this rank, for when a job stops.
+
+Every call a communicator's fault guard runs (each collective's start and wait, each
+point-to-point message, each control round: ``FaultGuard``) is one entry of a bounded ring:
+its sequence number on this communicator, op, the value's label, axis, bytes where known, start
+and end (``time.perf_counter_ns``) and state (started, completed, failed). Always on: an entry
+costs a list and two clock reads (what that costs a small step: ``benchmarks/observability.py``);
+``CommOptions(flight_recorder=0)`` turns it off.
+
+When a call fails (a peer died, stalled past the timeout, or aborted), the guard asks the
+others where they are (``ControlChannel.positions``: each rank that fails posts its position in
+the job's store and reads its peers'), puts the verdict in the error (which ranks had not reached
+which call, and the user's line that made it), and **dumps** every ring of this process to
+``<directory>/rank<r>.flight.json`` (``directory()``: ``$COCONET_FLIGHT_DIR``, else
+``$COCONET_TRACE``, else a folder per job under the temporary directory). A rank that stalled
+dumps when it next calls coconet and learns of the failure; a killed one leaves none.
+``verdict`` reads a folder of dumps and says who stopped where: ``coconet trace why DIR``.
+
+Sequence numbers agree across the ranks of a communicator because its ranks make the same calls
+in the same order (what every collective already requires); where they do not, the entries'
+op and label show it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CallState", "FlightRecorder", "directory", "dump", "verdict"]
+
+
+class CallState(enum.Enum):
+    STARTED = "started"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+# bound once: an enum member's attribute access costs ~0.3 us on Python 3.11, per call here
+_STARTED, _COMPLETED, _FAILED = CallState.STARTED, CallState.COMPLETED, CallState.FAILED
+
+# Every live recorder of this process, so that one failure dumps them all (a sub-communicator's
+# calls are part of what the job did): like torch's flight recorder, a property of the process.
+_live: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+
+
+class FlightRecorder:
+    """The last ``capacity`` guarded calls of one communicator on this rank."""
+
+    def __init__(self, name: str, rank: int, members: tuple[int, ...], capacity: int) -> None:
+        self.name = name  # the communicator (its abort key: the same on each of its ranks)
+        self.rank, self.members = rank, members  # this rank in it, and its ranks in the job
+        self.capacity = capacity
+        self.seq = 0  # calls begun
+        # entries [seq, op, label, axis, start_ns, end_ns (0: none yet), state], at seq %
+        # capacity (FaultGuard._run writes them in line: begin's body, for speed)
+        self.ring: list[list | None] = [None] * capacity
+        self.dumped: Path | None = None
+        _live.add(self)
+
+    def begin(self, op: str, label: str, axis: str | None) -> list:
+        """A call begins: its entry, which ``end`` or ``failed`` completes."""
+        seq = self.seq = self.seq + 1
+        entry = [seq, op, label, axis, time.perf_counter_ns(), 0, _STARTED]
+        self.ring[seq % self.capacity] = entry
+        return entry
+
+    @staticmethod
+    def end(entry: list) -> None:
+        entry[5] = time.perf_counter_ns()
+        entry[6] = _COMPLETED
+
+    @staticmethod
+    def failed(entry: list) -> None:
+        entry[5] = time.perf_counter_ns()
+        entry[6] = _FAILED
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The kept entries, oldest first."""
+        kept = sorted((e for e in self.ring if e is not None), key=lambda e: e[0])
+        return [{"seq": s, "op": op, "label": label, "axis": axis, "start_ns": t0,
+                 "end_ns": t1 or None, "state": state.value}
+                for s, op, label, axis, t0, t1, state in kept]  # fmt: skip
+
+    def position(self) -> str:
+        """This rank's last call in a line: what it tells its peers when a call fails."""
+        last = self.ring[self.seq % self.capacity] if self.seq else None
+        if last is None:
+            return "no call yet"
+        return f"#{last[0]} {last[1]}: {last[2]} ({last[6].value})"
+
+
+def directory() -> Path:
+    """Where dumps go: ``$COCONET_FLIGHT_DIR``, else ``$COCONET_TRACE``, else a folder of this
+    job under the temporary directory (its ranks share the rendezvous port, so the folder)."""
+    chosen = os.environ.get("COCONET_FLIGHT_DIR") or os.environ.get("COCONET_TRACE")
+    if chosen:
+        return Path(chosen)
+    job = os.environ.get("MASTER_PORT", "local")
+    return Path(tempfile.gettempdir()) / f"coconet-flight-{job}"
+
+
+def dump(rank: int, world: int, fault: str, where: Path | None = None) -> Path:
+    """Write every live recorder of this process (the failing call's first) as
+    ``rank<r>.flight.json``; returns its path."""
+    where = where or directory()
+    where.mkdir(parents=True, exist_ok=True)
+    recorders = sorted(_live, key=lambda r: r.name)
+    document = {
+        "rank": rank,
+        "world": world,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "perf_ns": time.perf_counter_ns(),
+        "clock": _clock_domain(),
+        "fault": fault,
+        "communicators": [
+            {"name": r.name, "rank": r.rank, "members": list(r.members), "calls": r.seq,
+             "entries": r.entries()} for r in recorders
+        ],
+    }  # fmt: skip
+    path = where / f"rank{rank}.flight.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(document, indent=1))
+    os.replace(tmp, path)
+    for r in recorders:
+        r.dumped = path
+    return path
+
+
+def _clock_domain() -> str:
+    # ranks of one kernel boot share perf_counter's clock: their entries' times compare
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"pid {os.getpid()}"
+
+
+def verdict(folder: str | os.PathLike) -> str:
+    """Who stopped where, from the dumps in ``folder``: per communicator, each rank's last call
+    and its state, and the ranks behind the others (their last call completed, a lower sequence
+    number than where the others wait) or without a dump (killed, or never told)."""
+    from coconet.errors import ConfigError
+
+    folder = Path(folder)
+    dumps = {}
+    for p in sorted(folder.glob("rank*.flight.json")):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {p}: {exc}", op="coconet trace why",
+                              hint="a rank<r>.flight.json a failing rank wrote") from None
+        dumps[int(d["rank"])] = d
+    if not dumps:
+        raise ConfigError(f"no flight recorder dumps in {folder}", op="coconet trace why",
+                          details=["looked for rank<r>.flight.json"],
+                          hint="a failing rank names the folder in its error (flight "
+                          "recorder: ...); $COCONET_FLIGHT_DIR sets it")  # fmt: skip
+    world = max(int(d["world"]) for d in dumps.values())
+    lines = [f"{len(dumps)} of {world} ranks left a dump in {folder}"]
+    missing = [r for r in range(world) if r not in dumps]
+    if missing:
+        lines.append(f"no dump from rank(s) {missing}: killed, or never learned of the failure")
+    comms: dict[str, dict[int, dict]] = {}
+    members: dict[str, list[int]] = {}
+    for rank, d in dumps.items():
+        for c in d["communicators"]:
+            comms.setdefault(c["name"], {})[rank] = c
+            members[c["name"]] = c["members"]
+    for name in sorted(comms):
+        by_rank = comms[name]
+        lines.append(f"\ncommunicator {name} (ranks {members[name]}):")
+        last: dict[int, dict | None] = {}
+        for rank in members[name]:
+            c = by_rank.get(rank)
+            if c is None:
+                lines.append(f"  rank {rank}: no dump")
+                continue
+            e = c["entries"][-1] if c["entries"] else None
+            last[rank] = e
+            where = "no call" if e is None else (
+                f"#{e['seq']} {e['op']}: {e['label']} ({e['state']})")
+            lines.append(f"  rank {rank}: {c['calls']} calls; last {where}")
+        waiting = {r: e for r, e in last.items() if e is not None and e["state"] != "completed"}
+        if not waiting:
+            continue
+        front = max(e["seq"] for e in waiting.values())
+        stuck = next(e for e in waiting.values() if e["seq"] == front)
+        behind = sorted(r for r, e in last.items() if e is None or e["seq"] < front)
+        absent = sorted(r for r in members[name] if r not in by_rank)
+        who = sorted(waiting)
+        call = f"call #{front} ({stuck['op']}: {stuck['label']})"
+        if behind:
+            lines.append(f"  verdict: rank(s) {behind} had not reached {call}, where rank(s) "
+                         f"{who} stopped")  # fmt: skip
+        if absent:
+            lines.append(f"  verdict: rank(s) {absent} left no dump while rank(s) {who} "
+                         f"stopped in {call}: look at their output (killed or stalled)")
+        if not behind and not absent:
+            lines.append(f"  verdict: every rank reached {call}; it failed on rank(s) {who}")
+            late = _late(front, by_rank, dumps)
+            if late:
+                lines.append(f"  {late}")
+    return "\n".join(lines)
+
+
+def _late(seq: int, by_rank: dict[int, dict], dumps: dict[int, dict]) -> str | None:
+    """Which rank came last to call ``seq`` and how late, where the ranks share a clock."""
+    starts = {}
+    for rank, c in by_rank.items():
+        entry = next((e for e in c["entries"] if e["seq"] == seq), None)
+        if entry is not None:
+            starts[rank] = (dumps[rank].get("clock"), entry["start_ns"])
+    if len(starts) < 2 or len({clock for clock, _ in starts.values()}) != 1:
+        return None
+    first = min(starts, key=lambda r: starts[r][1])
+    last = max(starts, key=lambda r: starts[r][1])
+    gap = (starts[last][1] - starts[first][1]) / 1e9
+    return f"rank {last} reached it last, {gap:.3f} s after rank {first}"

@@ -1,0 +1,81 @@
+"""coconet.trace on 2 ranks: a data-parallel optimizer step, a tensor-parallel layer and a pipeline
+step, each recorded on every rank into trace-event files that validate and hold the phases
+expected of that workload, merged onto one clock (the ranks share this machine's) with a track per
+rank, summarized and drawn."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support import trace_workers
+
+from coconet import trace
+from coconet.cli import main
+from coconet.runtime import CommOptions, spawn
+
+
+def _spans(document: dict, rank: int) -> list[dict]:
+    return [e for e in document["traceEvents"] if e.get("ph") == "X" and e["pid"] == rank]
+
+
+def _names(spans: list[dict], cat: str) -> set[str]:
+    return {e["name"] for e in spans if e.get("cat") == cat}
+
+
+@pytest.mark.timeout(240)
+def test_each_workload_is_traced_on_every_rank_and_merges_onto_one_timeline(tmp_path, capsys):
+    folders = spawn(trace_workers.workloads, 2, str(tmp_path), options=CommOptions(timeout=60),
+                    timeout=200)[0]  # fmt: skip
+    for name, folder in folders.items():
+        for rank in (0, 1):
+            one = trace.load(Path(folder) / f"rank{rank}.trace.json")  # validates the format
+            info = one["otherData"]["coconet"]
+            assert (info["rank"], info["world"], info["dropped"]) == (rank, 2, 0), name
+            assert [m[0] for m in info["marks"]] == ["record: entry", "record: exit"], name
+        merged = trace.merge(folder, Path(folder) / "merged.json")
+        assert merged["otherData"]["coconet"]["aligned"] == {"0": "one clock", "1": "one clock"}
+        json.loads((Path(folder) / "merged.json").read_text())
+        for rank in (0, 1):
+            spans = _spans(merged, rank)
+            assert spans, (name, rank)
+            assert min(e["ts"] for e in _spans(merged, 0) + _spans(merged, 1)) == 0
+            if name == "dp":
+                assert _names(spans, "optimizer") == {"Adam: step"}
+                for cat in ("step", "agreement", "body", "commit", "collective"):
+                    assert _names(spans, cat), (rank, cat, sorted(e["name"] for e in spans))
+                assert any(e.get("args", {}).get("bytes", 0) > 0
+                           for e in spans if e["cat"] == "collective")  # fmt: skip
+            elif name == "tp":
+                layers = _names(spans, "layer")
+                assert {"ColumnParallelLinear: forward", "RowParallelLinear: forward"} <= layers
+                assert {"ColumnParallelLinear: backward", "RowParallelLinear: backward"} <= layers
+                assert _names(spans, "collective"), sorted(e["name"] for e in spans)
+            else:
+                pipeline = _names(spans, "pipeline")
+                assert any("forward" in n for n in pipeline), pipeline
+                assert any("backward" in n for n in pipeline), pipeline
+                assert any("send_activation" in n for n in pipeline) != any(
+                    "recv_activation" in n for n in pipeline), pipeline  # one end of the link
+        # nesting holds on one clock: every collective lies inside its rank's step
+        if name == "dp":
+            for rank in (0, 1):
+                spans = _spans(merged, rank)
+                steps = [e for e in spans if e["cat"] == "optimizer"]
+                for c in (e for e in spans if e["cat"] == "collective"):
+                    assert any(s["ts"] <= c["ts"] and c["ts"] + c["dur"] <= s["ts"] + s["dur"]
+                               + 1e-3 for s in steps), c  # fmt: skip
+    # every collective's flight splits into exposed + hidden
+    rows = trace.overlap(trace.load(Path(folders["dp"]) / "merged.json"))
+    assert {r["rank"] for r in rows} == {0, 1}
+    for r in rows:
+        assert r["calls"] > 0 and r["exposed_ms"] <= r["in_flight_ms"] + 1e-9, r
+        assert r["hidden_ms"] == pytest.approx(r["in_flight_ms"] - r["exposed_ms"], abs=1e-6)
+    # the command: the summary, the overlap report, the merged file and the PNG
+    dp = folders["dp"]
+    assert main(["trace", "merge", dp, "-o", str(tmp_path / "dp.json"),
+                 "--png", str(tmp_path / "dp.png")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "optimizer" in out and "ui.perfetto.dev" in out and "hidden share" in out
+    assert (tmp_path / "dp.png").read_bytes()[:4] == b"\x89PNG"
