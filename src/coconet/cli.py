@@ -208,6 +208,9 @@ def _parser() -> argparse.ArgumentParser:
     tm.add_argument("-o", "--out", default=None,
                     help="the merged trace (default DIR/merged.trace.json)")
     tm.add_argument("--png", help="also draw it as a PNG here (needs matplotlib)")
+    tm.add_argument("--predicted", metavar="TUNE.json",
+                    help="a 'coconet tune --json' file: its winner's predicted time of each "
+                    "collective beside the measured one")  # fmt: skip
     tm.set_defaults(func=_trace_merge)
     tp = trs.add_parser("plot", help="draw a trace (merged or one rank's) as a PNG")
     tp.add_argument("trace", help="a trace file")
@@ -600,7 +603,8 @@ def _trace_merge(args) -> int:
     print(trace.summary(merged))
     print("\neach collective's time in flight, exposed (the rank waited in it) and hidden "
           "(the rank computed meanwhile):")
-    print(trace.format_overlap(trace.overlap(merged)))
+    predicted = trace.predictions(args.predicted) if args.predicted else None
+    print(trace.format_overlap(trace.overlap(merged), predicted))
     print(f"\nmerged trace written to {out} (open it at https://ui.perfetto.dev)")
     if args.png:
         print(f"timeline drawn to {trace.plot(merged, args.png)}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +40,17 @@ from typing import Any
 from coconet import tracing
 from coconet.errors import ConfigError
 
-__all__ = ["check", "format_overlap", "load", "merge", "overlap", "plot", "record", "summary"]
+__all__ = [
+    "check",
+    "format_overlap",
+    "load",
+    "merge",
+    "overlap",
+    "plot",
+    "predictions",
+    "record",
+    "summary",
+]
 
 _PHASES = frozenset("BEXIiMCbenstfPNOD")  # the trace-event format's "ph" values
 
@@ -274,18 +285,60 @@ def _settle(rows: dict, key: tuple[int, str], start: dict, wait: dict | None) ->
     row["hidden_ms"] += max(flight - exposed, 0.0)
 
 
-def format_overlap(rows: list[dict[str, Any]]) -> str:
-    """``overlap``'s rows as a table, with each collective's hidden share."""
+def predictions(tune_json: str | os.PathLike | dict[str, Any]) -> dict[str, float]:
+    """The cost model's predicted milliseconds for each value the winner of a ``coconet tune
+    --json`` file communicates (its predicted parts of kind communication), by the value's
+    name: what ``format_overlap`` shows next to each collective whose label is that name. A
+    part that names no single value (a fused one-pass form's synchronisation) is left out."""
+    doc = tune_json if isinstance(tune_json, dict) else json.loads(Path(tune_json).read_text())
+    try:
+        winner = next(c for c in doc["candidates"] if c["schedule"] == doc["winner"])
+    except (KeyError, StopIteration, TypeError):
+        raise ConfigError("not a coconet tune --json file with a winner", op="coconet.trace",
+                          hint="coconet tune FILE.py:NAME --json tune.json") from None
+    out: dict[str, float] = {}
+    for what, kind, ms in winner.get("predicted_parts", []):
+        if kind != "communication":
+            continue
+        match = _VALUE_PART.fullmatch(what.split(": ")[-1])
+        if match:
+            name = next(g for g in match.groups() if g)
+            out[name] = out.get(name, 0.0) + float(ms)
+    return out
+
+
+# The cost model's communication parts that name one value (``coconet.tune.cost``): a
+# collective "g_sum (all_reduce)" (", read in place"), a fused form's "gather p_new", and an
+# operand's staging "g copied into symmetric memory" (part of its collective's time).
+_VALUE_PART = re.compile(r"(\w+) \([a-z_]+(?:, read in place)?\)|gather (\w+)|"
+                         r"(\w+) copied into symmetric memory")
+
+
+def format_overlap(rows: list[dict[str, Any]], predicted: dict[str, float] | None = None) -> str:
+    """``overlap``'s rows as a table, with each collective's hidden share, and with
+    ``predicted`` (``predictions``) the cost model's time per call of the collectives it names,
+    next to the measured time in flight per call."""
     if not rows:
         return "no collectives recorded"
+    predicted = predicted or {}
     width = max(len(r["collective"]) for r in rows)
-    lines = [f"{'rank':>4}  {'collective':<{width}}  {'calls':>5}  {'in flight':>10}  "
-             f"{'exposed':>10}  {'hidden':>10}  hidden share"]  # fmt: skip
+    head = (f"{'rank':>4}  {'collective':<{width}}  {'calls':>5}  {'in flight':>10}  "
+            f"{'exposed':>10}  {'hidden':>10}  hidden share")  # fmt: skip
+    if predicted:
+        head += "  in flight/call  predicted/call"
+    lines = [head]
     for r in rows:
         share = r["hidden_ms"] / r["in_flight_ms"] if r["in_flight_ms"] > 0 else 0.0
-        lines.append(f"{r['rank']:>4}  {r['collective']:<{width}}  {r['calls']:>5}  "
-                     f"{r['in_flight_ms']:>7.2f} ms  {r['exposed_ms']:>7.2f} ms  "
-                     f"{r['hidden_ms']:>7.2f} ms  {share:>11.0%}")  # fmt: skip
+        line = (f"{r['rank']:>4}  {r['collective']:<{width}}  {r['calls']:>5}  "
+                f"{r['in_flight_ms']:>7.2f} ms  {r['exposed_ms']:>7.2f} ms  "
+                f"{r['hidden_ms']:>7.2f} ms  {share:>11.0%}")  # fmt: skip
+        if predicted:
+            label = r["collective"].split(": ", 1)[-1]
+            guess = predicted.get(label)
+            per_call = r["in_flight_ms"] / r["calls"]
+            line += f"  {per_call:>11.3f} ms  " + (
+                f"{guess:>11.3f} ms" if guess is not None else f"{'-':>14}")
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -74,8 +74,13 @@ def test_each_workload_is_traced_on_every_rank_and_merges_onto_one_timeline(tmp_
         assert r["hidden_ms"] == pytest.approx(r["in_flight_ms"] - r["exposed_ms"], abs=1e-6)
     # the command: the summary, the overlap report, the merged file and the PNG
     dp = folders["dp"]
-    assert main(["trace", "merge", dp, "-o", str(tmp_path / "dp.json"),
-                 "--png", str(tmp_path / "dp.png")]) == 0  # fmt: skip
+    tune = {"winner": "w", "candidates": [{"schedule": "w", "predicted_parts": [
+        ["fused_collective_1: gather p_new", "communication", 0.25]]}]}  # fmt: skip
+    (tmp_path / "tune.json").write_text(json.dumps(tune))
+    assert main(["trace", "merge", dp, "-o", str(tmp_path / "dp.json"), "--png",
+                 str(tmp_path / "dp.png"), "--predicted", str(tmp_path / "tune.json")]) == 0
     out = capsys.readouterr().out
     assert "optimizer" in out and "ui.perfetto.dev" in out and "hidden share" in out
+    gathers = [line for line in out.splitlines() if "all_gather: p_new" in line]
+    assert len(gathers) == 2 and all(line.endswith("0.250 ms") for line in gathers), out
     assert (tmp_path / "dp.png").read_bytes()[:4] == b"\x89PNG"

@@ -218,3 +218,30 @@ def test_the_overlap_report_splits_each_collectives_flight_into_exposed_and_hidd
     text = trace.format_overlap(trace.overlap(doc))
     assert "60%" in text and text.count("\n") == 3
     assert trace.format_overlap([]) == "no collectives recorded"
+
+
+def test_the_cost_models_prediction_stands_beside_each_collective_it_names(tmp_path):
+    tune = {"winner": "w", "candidates": [
+        {"schedule": "other", "predicted_parts": [["g (all_reduce)", "communication", 9.0]]},
+        {"schedule": "w", "predicted_parts": [
+            ["g_rs (reduce_scatter)", "communication", 0.5],
+            ["g_rs copied into symmetric memory", "communication", 0.25],
+            ["fused_collective_1: gather p_new", "communication", 2.0],
+            ["fused_collective_1: synchronisation", "communication", 0.1],
+            ["x (all_reduce, read in place)", "communication", 0.125],
+            ["m_new (mul)", "compute", 7.0],
+        ]},
+    ]}  # fmt: skip
+    (tmp_path / "tune.json").write_text(json.dumps(tune))
+    predicted = trace.predictions(tmp_path / "tune.json")
+    assert predicted == {"g_rs": 0.75, "p_new": 2.0, "x": 0.125}
+    rows = [{"rank": 0, "collective": "reduce_scatter: g_rs", "calls": 2, "in_flight_ms": 2.0,
+             "exposed_ms": 2.0, "hidden_ms": 0.0},
+            {"rank": 0, "collective": "all_reduce: other", "calls": 1, "in_flight_ms": 1.0,
+             "exposed_ms": 1.0, "hidden_ms": 0.0}]  # fmt: skip
+    lines = trace.format_overlap(rows, predicted).splitlines()
+    assert lines[0].endswith("predicted/call")
+    assert lines[1].split()[-4:] == ["1.000", "ms", "0.750", "ms"]
+    assert lines[2].split()[-1] == "-"
+    with pytest.raises(ConfigError, match="winner"):
+        trace.predictions({"candidates": []})
