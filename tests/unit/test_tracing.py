@@ -245,3 +245,48 @@ def test_the_cost_models_prediction_stands_beside_each_collective_it_names(tmp_p
     assert lines[2].split()[-1] == "-"
     with pytest.raises(ConfigError, match="winner"):
         trace.predictions({"candidates": []})
+
+
+def test_the_flight_recorder_keeps_the_last_calls_and_says_where_it_is(tmp_path, monkeypatch):
+    from coconet.errors import RuntimeFault
+    from coconet.runtime.faults import FaultGuard
+    from coconet.runtime.flight import FlightRecorder
+
+    monkeypatch.setenv("COCONET_FLIGHT_DIR", str(tmp_path))
+    guard = FaultGuard(0, 2, "gloo", 7.0, lambda axis: (0, 1))
+    recorder = guard.recorder = FlightRecorder("probe", 0, (0, 1), 4)
+    assert recorder.position() == "no call yet"
+    for k in range(6):
+        guard("all_reduce", f"x{k}", None, int)
+
+    def fails():
+        raise RuntimeFault("boom", op="shared memory")
+
+    with pytest.raises(RuntimeFault) as info:
+        guard("reduce_scatter", "y", "dp", fails)
+    kept = recorder.entries()
+    assert [(e["seq"], e["label"], e["state"]) for e in kept] == [
+        (4, "x3", "completed"), (5, "x4", "completed"), (6, "x5", "completed"),
+        (7, "y", "failed")]  # fmt: skip
+    assert all(e["end_ns"] >= e["start_ns"] for e in kept)
+    assert recorder.position() == "#7 reduce_scatter: y (failed)"
+    # the fault says which call it was (no peers to ask: no store), and where the dump went
+    details = "\n".join(info.value.details)
+    assert "call #7 of this communicator (reduce_scatter: y)" in details
+    assert f"flight recorder dump: {tmp_path / 'rank0.flight.json'}" in details
+    dump = json.loads((tmp_path / "rank0.flight.json").read_text())
+    (mine,) = [c for c in dump["communicators"] if c["name"] == "probe"]
+    assert [e["seq"] for e in mine["entries"]] == [4, 5, 6, 7]
+
+
+def test_a_call_that_is_refused_before_it_starts_is_not_recorded():
+    from coconet.errors import RuntimeFault
+    from coconet.runtime.faults import FaultGuard
+    from coconet.runtime.flight import FlightRecorder
+
+    guard = FaultGuard(0, 2, "gloo", 7.0, lambda axis: (0, 1))
+    guard.recorder = FlightRecorder("probe", 0, (0, 1), 8)
+    guard.broken = "an earlier failure"
+    with pytest.raises(RuntimeFault, match="unusable"):
+        guard("all_reduce", "x", None, int)
+    assert guard.recorder.seq == 0

@@ -50,7 +50,13 @@ _live: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 
 
 class FlightRecorder:
-    """The last ``capacity`` guarded calls of one communicator on this rank."""
+    """The last ``capacity`` guarded calls of one communicator on this rank.
+
+    An entry is a small list, overwritten ``capacity`` calls later: with the default 1,024 it
+    dies before the garbage collector's second generation sees it (its passes come every ~7,000
+    allocations), so a long run does not grow the oldest generation, whose growth would trigger
+    collections of the whole heap. (Tuples with separate arrays for the ends, tried instead,
+    cost ~90 ns more a call.)"""
 
     def __init__(self, name: str, rank: int, members: tuple[int, ...], capacity: int) -> None:
         self.name = name  # the communicator (its abort key: the same on each of its ranks)
