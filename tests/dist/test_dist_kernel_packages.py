@@ -242,8 +242,16 @@ def test_under_no_builds_an_unknown_signature_runs_eagerly_and_drops_the_record(
         for got, want in zip(out, update(*_args(n=997, seed=seed)), strict=True):
             assert torch.equal(got, want)  # the eager function itself: the same bits
     assert time.perf_counter() - t0 < 2.0 and kernels.built == 0
-    assert "ran unfused in this process" in kernels.why_not["update"]
-    assert not kernels.manifest.exists()  # the next process rehearses again
+    assert "its first call ran unfused" in kernels.why_not["update"]
+    assert kernels.unkept  # the step rehearses at its next call (CompiledStep._rehearse_again)
+    assert not kernels.manifest.exists()  # and so does the next process
+    # the eager stand-in was for those calls only: outside no_builds the signature gets its
+    # package (a step builds it in its second call's rehearsal, outside its collectives)
+    kernels.no_builds = False
+    out = kernels.update(*_args(n=997, seed=3))
+    assert kernels.built + kernels.loaded == 1 and kernels.update.package_name(_args(n=997))
+    for got, want in zip(out, update(*_args(n=997, seed=3)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.timeout(300)
@@ -251,7 +259,8 @@ def test_a_later_process_skips_the_rehearsal_only_when_every_rank_kept_it(tmp_pa
     """Process 1 rehearses and keeps the outcome; process 2 preloads on every rank and does not
     rehearse; process 3, where rank 1's record is gone, rehearses on both ranks (the ranks vote:
     a rehearsal runs collectives, so one rank alone cannot skip it). Same outputs, bit for bit,
-    every time; nothing built after process 1."""
+    every time; nothing built after process 1. Process 4: a kept package that does not fit a
+    rank's arguments is built at the step's second call, in a rehearsal of every rank."""
     from support import dist_workers
 
     from coconet.runtime import CommOptions, spawn
@@ -274,3 +283,17 @@ def test_a_later_process_skips_the_rehearsal_only_when_every_rank_kept_it(tmp_pa
         for rank in (0, 1):
             for name, value in first[rank]["outputs"].items():
                 assert torch.equal(runs[rank]["outputs"][name], value), (rank, name)
+    # process 4: rank 1's kernel arguments unlike the kept packages' (another alignment): its
+    # first call skips the rehearsal and runs its kernel eagerly; the second call rehearses on
+    # both ranks and builds the package there (before, the kernel stayed eager for the
+    # process's life: a 16M Adam step ~4x slower)
+    fourth = spawn(dist_workers.kept_rehearsal_misaligned, 2, str(tmp_path), timeout=280,
+                   options=CommOptions(timeout=120))  # fmt: skip
+    assert [r["first"]["rehearsals"] for r in fourth] == [0, 0], fourth
+    assert [r["first"]["unkept"] for r in fourth] == [False, True], fourth
+    assert [(r["rehearsals"], r["unkept"]) for r in fourth] == [(1, False), (1, False)]
+    assert [r["built"] for r in fourth] == [0, 1], fourth
+    for rank in (0, 1):
+        for out in fourth[rank]["outputs"]:
+            for name, value in first[rank]["outputs"].items():
+                torch.testing.assert_close(out[name], value, rtol=1e-5, atol=1e-6)

@@ -489,6 +489,33 @@ def run_donated(comm: Communicator, size: int) -> dict:
     }
 
 
+def kept_rehearsal_misaligned(comm: Communicator, cache_dir: str) -> dict:
+    """``kept_rehearsal``'s step in a later process, called twice, where rank 1's kernel
+    arguments differ from those the kept packages were built for (as another alignment of its
+    tensors would make them: its argument signatures carry one more element here): its first
+    call skips the rehearsal (every rank preloaded) and runs that rank's kernel eagerly; the
+    second rehearses on every rank and builds rank 1's package outside the collectives."""
+    from coconet.codegen import aot
+    from coconet.testing import rank_inputs
+
+    if comm.rank == 1:
+        real = aot.signature
+        aot.signature = lambda args: (None if (sig := real(args)) is None
+                                      else (*sig, "another alignment"))  # fmt: skip
+    adam = load_example("adam")
+    schedule = adam.SCHEDULES["fuse_RS_C_AG"](adam.program())
+    inputs = adam.make_inputs(comm.world, 1000, step=3)
+    step = cc.compile(schedule, comm=comm, cache_dir=cache_dir, kernel_packages=True)
+    mine = rank_inputs(schedule.program, inputs, comm.mesh, comm.rank)
+    k = step.kernels
+    first = step(**{n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in mine.items()})
+    after_first = dict(rehearsals=k.rehearsals, built=k.built, unkept=k.unkept,
+                       why_not=dict(k.why_not))  # fmt: skip
+    second = step(**mine)
+    return dict(first=after_first, rehearsals=k.rehearsals, built=k.built, unkept=k.unkept,
+                outputs=[{n: t.clone() for n, t in out.items()} for out in (first, second)])
+
+
 def kept_rehearsal(comm: Communicator, cache_dir: str) -> dict:
     """One step of fused Adam (``fuse_RS_C_AG``, its kernels from packages) in a process of its
     own: whether it rehearsed or preloaded what an earlier process kept, and its outputs."""

@@ -99,6 +99,9 @@ class CompiledStep:
         self._updated = {u.inputs[0].name for u in program.updates}
         self.transports = transports  # what runs each axis's collectives (part of the identity)
         self.calls = 0  # calls of this compiled step that every rank agreed on
+        # the first call skipped its rehearsal (every rank preloaded): the second votes on
+        # whether to rehearse after all (``_rehearse_again``)
+        self._skipped_rehearsal = False
         self.last_declined = False  # whether the last call's commit_if declined its updates
         self._ordinal: int | None = None  # which step of this identity it is, on its communicator
         self._identity: tuple[Any, tuple, int] | None = None  # (options, identity, hash)
@@ -335,6 +338,10 @@ class CompiledStep:
                 if self.calls == 1 and self._compiles_kernels(comm):
                     with tracing.span("rehearsal", Category.REHEARSAL):
                         self._rehearse(comm, args)
+                elif self.calls == 2 and self._skipped_rehearsal:
+                    self._skipped_rehearsal = False
+                    with tracing.span("rehearsal", Category.REHEARSAL, "again"):
+                        self._rehearse_again(comm, args)
                 outputs, updates = tracing.within(traced, "body", Category.BODY, self.module.step,
                                                   comm, self._geometry, self.kernels, *args)
                 comm.settle_deferred()  # (a step that never reached its all_reduce: a bug)
@@ -560,8 +567,25 @@ class CompiledStep:
         where = f"{self.module.__name__}|{self._identity_of(comm)[1]}|{comm.rank}/{comm.world}"
         kept = kernels.preload(f"{where}|{self._geometry.digest()}")
         if comm.agree_max([0 if kept else 1], f"{self.program.name}: kernels kept")[0] == 0:
+            self._skipped_rehearsal = True
             return
         kernels.no_builds = False  # a peer rehearses: so does this rank, and may build
+        self._rehearsal(comm, args)
+
+    def _rehearse_again(self, comm: Communicator, args: list) -> None:
+        """The second call of a step that skipped its rehearsal: the ranks vote (one words
+        round) on whether any of them met a kernel call no kept package fitted
+        (``KernelSet.unkept``: it ran eagerly); if one did, every rank rehearses now, and the
+        package is built outside the collectives, instead of that kernel staying eager."""
+        kernels = self.kernels
+        if comm.agree_max([int(kernels.unkept)],
+                          f"{self.program.name}: kernels kept at the first call")[0] == 0:
+            return  # fmt: skip
+        kernels.unkept = False
+        self._rehearsal(comm, args)
+
+    def _rehearsal(self, comm: Communicator, args: list) -> None:
+        kernels = self.kernels
         donated = {i for i, n in enumerate(self.program.inputs) if n.name in self.options.donate}
         rehearsal = [a.clone() if i in donated else a for i, a in enumerate(args)]
         with kernels.recording():
