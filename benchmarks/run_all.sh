@@ -89,3 +89,8 @@ done
 # 1F1B and GPipe against torch.distributed.pipelining's and one process, with issue 21's targets.
 "$PY" benchmarks/pipeline_parallel.py --json "$R/pipeline_parallel.json" \
   --plot "$R/pipeline_parallel.png" | tee "$R/pipeline_parallel.txt"
+
+# Observability (issue 48): tracing on against off, the flight recorder on against off, the
+# instrumentation's cost with nothing recording, and the fault trials' named victims.
+"$PY" benchmarks/observability.py --json "$R/observability.json" \
+  --png "$R/observability_trace.png" | tee "$R/observability.txt"

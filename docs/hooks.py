@@ -4,7 +4,8 @@
   with the site under ``benchmarks/results/``, so the benchmark pages show the plots and link
   the files the numbers come from, without copies under ``docs/``.
 - ``<!-- coconet-help: COMMAND -->`` in a page becomes ``coconet COMMAND --help`` as the
-  installed command prints it (``<!-- coconet-help: -->`` for ``coconet --help``), so the
+  installed command prints it (``<!-- coconet-help: -->`` for ``coconet --help``; ``trace
+  merge`` for an action of a command), so the
   command reference cannot drift from the command.
 """
 
@@ -20,7 +21,7 @@ from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-_HELP = re.compile(r"<!-- coconet-help: ?([a-z]*) -->")
+_HELP = re.compile(r"<!-- coconet-help: ?([a-z ]*?) ?-->")
 
 
 def on_files(files, config):
@@ -35,9 +36,9 @@ def _help(command: str) -> str:
     from coconet.cli import _parser
 
     parser = _parser()
-    if command:
+    for word in command.split():  # (a command's action too: "trace merge")
         parser = next(a for a in parser._subparsers._group_actions
-                      if hasattr(a, "choices"))._name_parser_map[command]  # fmt: skip
+                      if hasattr(a, "choices"))._name_parser_map[word]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         os.environ["COLUMNS"] = "100"
