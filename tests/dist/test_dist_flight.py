@@ -28,7 +28,11 @@ def test_a_stalled_or_killed_rank_is_named_with_the_call(tmp_path, how, capsys):
     # the survivor's own position (the call it failed in, the user's line) and the peer's
     assert f"call #{calls} of this communicator (all_reduce: late)" in message, message
     assert "flight_workers.py" in message, message  # the user's line, not coconet's
-    assert f"rank 1: no answer within 0.5 s: it had not reached call #{calls}" in message
+    if how == "kill":  # its process is gone: not waited for
+        assert f"rank 1: dead: its process is gone: it had not reached call #{calls}" in message
+        assert survivor["seconds"] < 1.0, survivor
+    else:  # waited for a twentieth of the timeout (at least 0.25 s)
+        assert f"rank 1: no answer within 0.25 s: it had not reached call #{calls}" in message
     dump = json.loads((tmp_path / "rank0.flight.json").read_text())
     (comm,) = [c for c in dump["communicators"] if c["calls"] == calls]
     assert [(e["seq"], e["label"], e["state"]) for e in comm["entries"][-2:]] == [

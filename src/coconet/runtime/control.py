@@ -398,12 +398,16 @@ class ControlChannel:
         """Where every peer is, when a call failed here: this rank posts ``mine`` (its flight
         recorder's last call) in the job's store and reads what each peer posted (a peer that
         failed too, or aborted) for up to ``grace_s`` seconds. By the peer's rank here; None: no
-        answer (it had not failed: stalled elsewhere, or dead). Empty without a store."""
+        answer (it had not failed: stalled elsewhere, or dead). A peer on this host whose
+        process is gone is not waited for: it is "dead". Empty without a store."""
         if self._store is None or self.world == 1:
             return {}
         prefix = f"{self._abort_key}/position/"
+        dead = {r for r, pid in self._pids.items() if not _alive(pid)}
         missing = {r: f"{prefix}{r}" for r in range(self.world) if r != self.rank}
-        found: dict[int, str | None] = {}
+        found: dict[int, str | None] = dict.fromkeys(dead, "dead: its process is gone")
+        for r in dead:
+            missing.pop(r, None)
         try:
             self._store.set(f"{prefix}{self.rank}", mine)
             deadline = time.monotonic() + grace_s

@@ -171,7 +171,9 @@ class FaultGuard:
         """Where each peer is, as it said in the job's store (``positions``)."""
         if self.positions is None or len(self.recorder.members) == 1:
             return []
-        grace = min(2.0, max(0.5, self.timeout / 10))
+        # the peers that failed too post within milliseconds of this rank (their waits end
+        # alike); a stalled one never does: how long it is waited for delays this error
+        grace = min(1.0, max(0.25, self.timeout / 20))
         seen = self.positions(self.recorder.position(), grace)
         members = self.recorder.members
         lines = []
@@ -182,6 +184,9 @@ class FaultGuard:
             if said is None:
                 lines.append(f"{who}: no answer within {grace:g} s: it had not reached call "
                              f"#{entry[0]} ({entry[1]}: {entry[2]}), stalled or dead")
+            elif said.startswith("dead"):
+                lines.append(f"{who}: {said}: it had not reached call #{entry[0]} ({entry[1]}: "
+                             f"{entry[2]})")
             else:
                 lines.append(f"{who}: at {said}")
         return lines
