@@ -268,7 +268,8 @@ def test_the_flight_recorder_keeps_the_last_calls_and_says_where_it_is(tmp_path,
     assert [(e["seq"], e["label"], e["state"]) for e in kept] == [
         (4, "x3", "completed"), (5, "x4", "completed"), (6, "x5", "completed"),
         (7, "y", "failed")]  # fmt: skip
-    assert all(e["end_ns"] >= e["start_ns"] for e in kept)
+    assert [e["end_ns"] is None for e in kept] == [True, True, True, False]  # failed: its end
+    assert kept[-1]["end_ns"] >= kept[-1]["start_ns"]
     assert recorder.position() == "#7 reduce_scatter: y (failed)"
     # the fault says which call it was (no peers to ask: no store), and where the dump went
     details = "\n".join(info.value.details)

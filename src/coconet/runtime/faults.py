@@ -24,10 +24,10 @@ import torch.distributed as dist
 from coconet import tracing
 from coconet.errors import RuntimeFault, capture_loc
 from coconet.runtime import flight
-from coconet.runtime.flight import CallState, FlightRecorder
+from coconet.runtime.flight import FlightRecorder
 
 _now = time.perf_counter_ns
-_STARTED, _COMPLETED = CallState.STARTED, CallState.COMPLETED
+_STARTED, _COMPLETED = flight.STARTED, flight.COMPLETED
 
 __all__ = ["LEFT", "LEFT_HINT", "FaultGuard", "is_peer_failure"]
 
@@ -121,40 +121,42 @@ class FaultGuard:
         if self.broken is not None:
             self.check(op, label)
         recorder = self.recorder
-        if recorder is None:
-            entry = None
-        else:  # (FlightRecorder.begin, written out: this runs at every collective)
+        slot = -1
+        if recorder is not None:  # (FlightRecorder.begin, written out: this runs at every call)
             seq = recorder.seq = recorder.seq + 1
-            entry = [seq, op, label, axis, _now(), 0, _STARTED]
-            recorder.ring[seq % recorder.capacity] = entry
+            slot = seq % recorder.capacity
+            recorder.seqs[slot] = seq
+            recorder.ops[slot], recorder.labels[slot], recorder.axes[slot] = op, label, axis
+            recorder.states[slot] = _STARTED
+            recorder.starts[slot] = _now()
         try:
             out = fn(*args, **kwargs)
         except RuntimeFault as fault:
-            if entry is not None:
-                FlightRecorder.failed(entry)
+            if slot >= 0:
+                recorder.end(slot, flight.FAILED)
             self._add_reason(fault)
-            self._report(fault, entry)
+            self._report(fault, slot)
             raise
         except Exception as exc:
-            if entry is not None:
-                FlightRecorder.failed(entry)
+            if slot >= 0:
+                recorder.end(slot, flight.FAILED)
             if not is_peer_failure(exc):
                 raise  # a bug raises as a bug
             fault = self.fault(op, label, axis, exc)
-            self._report(fault, entry)
+            self._report(fault, slot)
             raise fault from exc
-        if entry is not None:
-            entry[5] = _now()
-            entry[6] = _COMPLETED
+        if slot >= 0:
+            recorder.states[slot] = _COMPLETED  # (no end time: see FlightRecorder)
         return out
 
-    def _report(self, fault: RuntimeFault, entry: list | None) -> None:
+    def _report(self, fault: RuntimeFault, slot: int) -> None:
         """The first failure of this communicator: where the peers are (the ranks that have not
         reached this call), the user's line that made it, and the flight recorder's dump, added
         to the fault. Never raises: a failure is being reported."""
-        if self._reported or self.recorder is None or entry is None:
+        if self._reported or self.recorder is None or slot < 0:
             return
         self._reported = True
+        entry = self.recorder.call(slot)
         try:
             lines = [f"flight recorder: call #{entry[0]} of this communicator ({entry[1]}: "
                      f"{entry[2]})" + (f", made at {loc}" if (loc := capture_loc()) else "")]
@@ -167,7 +169,7 @@ class FaultGuard:
             lines = [f"flight recorder: no verdict ({type(exc).__name__}: {exc})"]
         fault.details = (*fault.details, *lines)
 
-    def _peers(self, entry: list) -> list[str]:
+    def _peers(self, entry: tuple[int, str, str]) -> list[str]:
         """Where each peer is, as it said in the job's store (``positions``)."""
         if self.positions is None or len(self.recorder.members) == 1:
             return []
