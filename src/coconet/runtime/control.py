@@ -36,8 +36,11 @@ from coconet.runtime.transport import Group, WholeWait
 __all__ = ["ControlChannel"]
 
 # How long a collective may still take to end after a peer in it left the job (its last bytes
-# in flight to this rank, which the scheduler held back on an oversubscribed machine)
-LEFT_GRACE_S = 2.0
+# in flight to this rank, which the scheduler held back on an oversubscribed machine). 2 s was
+# not enough once: a 4-rank gloo all_gather on 2 cores, in CI's third pass at load, failed a
+# rank whose peers had completed it ("the ranks made different calls"; 3 of 3 reruns passed).
+# Only a rank that truly made a call more waits it out, before its error.
+LEFT_GRACE_S = 5.0
 _LEAST = -(1 << 63)  # the least int64: the padding of a control round (MAX leaves it alone)
 # the int type of each element size: how a scalar's bits ride in a control word
 _WORD_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
