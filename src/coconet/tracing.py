@@ -51,6 +51,7 @@ __all__ = [
     "Recorder",
     "active",
     "category_of",
+    "clock_domain",
     "recording",
     "span",
     "start",
@@ -159,7 +160,7 @@ class Recorder:
                     "rank": rank,
                     "world": world,
                     "host": _host(),
-                    "clock": _clock_domain(),
+                    "clock": clock_domain(),
                     "pid": pid,
                     "perf0_ns": self.perf0_ns,
                     "wall0_ns": self.wall0_ns,
@@ -189,7 +190,7 @@ def _host() -> str:
     return os.environ.get("COCONET_HOST_ID") or socket.gethostname()
 
 
-def _clock_domain() -> str:
+def clock_domain() -> str:
     """What ranks share when their monotonic clocks are one clock: the kernel's boot (every
     process, container and namespace of one boot reads the same CLOCK_MONOTONIC)."""
     try:

@@ -33,6 +33,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from coconet import tracing
+
 __all__ = ["CallState", "FlightRecorder", "directory", "dump", "verdict"]
 
 
@@ -140,7 +142,7 @@ def dump(rank: int, world: int, fault: str, where: Path | None = None) -> Path:
         "pid": os.getpid(),
         "time": time.time(),
         "perf_ns": time.perf_counter_ns(),
-        "clock": _clock_domain(),
+        "clock": tracing.clock_domain(),
         "fault": fault,
         "communicators": [
             {"name": r.name, "rank": r.rank, "members": list(r.members), "calls": r.seq,
@@ -154,15 +156,6 @@ def dump(rank: int, world: int, fault: str, where: Path | None = None) -> Path:
     for r in recorders:
         r.dumped = path
     return path
-
-
-def _clock_domain() -> str:
-    # ranks of one kernel boot share perf_counter's clock: their entries' times compare
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"pid {os.getpid()}"
 
 
 def verdict(folder: str | os.PathLike) -> str:
