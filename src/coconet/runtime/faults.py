@@ -122,7 +122,7 @@ class FaultGuard:
             self.check(op, label)
         recorder = self.recorder
         slot = -1
-        if recorder is not None:  # (FlightRecorder.begin, written out: this runs at every call)
+        if recorder is not None:  # a call begins (FlightRecorder's layout): at every call
             seq = recorder.seq = recorder.seq + 1
             slot = seq % recorder.capacity
             recorder.seqs[slot] = seq

@@ -80,18 +80,9 @@ class FlightRecorder:
         self.dumped: Path | None = None
         _live.add(self)
 
-    def begin(self, op: str, label: str, axis: str | None) -> int:
-        """A call begins: its slot, which ``end`` completes (``FaultGuard._run`` does the same
-        in line)."""
-        seq = self.seq = self.seq + 1
-        slot = seq % self.capacity
-        self.seqs[slot] = seq
-        self.ops[slot], self.labels[slot], self.axes[slot] = op, label, axis
-        self.states[slot] = STARTED
-        self.starts[slot] = time.perf_counter_ns()
-        return slot
-
-    def end(self, slot: int, state: int = 1) -> None:
+    def end(self, slot: int, state: int) -> None:
+        """Call ``slot`` ended in ``state`` at this instant (a failed call: the guard keeps a
+        completed call's start only)."""
         self.ends[slot] = time.perf_counter_ns()
         self.states[slot] = state
 
