@@ -2,10 +2,10 @@
 
 Every call a communicator's fault guard runs (each collective's start and wait, each
 point-to-point message, each control round: ``FaultGuard``) is one entry of a bounded ring:
-its sequence number on this communicator, op, the value's label, axis, bytes where known, start
-and end (``time.perf_counter_ns``) and state (started, completed, failed). Always on: an entry is a
-few stores into preallocated arrays and two clock reads (what that costs a small step:
-``benchmarks/observability.py``); ``CommOptions(flight_recorder=0)`` turns it off.
+its sequence number on this communicator, op, the value's label, axis, its start (and, for a
+failed call, its end: ``time.perf_counter_ns``) and state (started, completed, failed). Always
+on: an entry is a few stores into preallocated arrays and one clock read (what that costs a
+small step: ``benchmarks/observability.py``); ``CommOptions(flight_recorder=0)`` turns it off.
 
 When a call fails (a peer died, stalled past the timeout, or aborted), the guard asks the
 others where they are (``ControlChannel.positions``: each rank that fails posts its position in
