@@ -211,6 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     tm.add_argument("--predicted", metavar="TUNE.json",
                     help="a 'coconet tune --json' file: its winner's predicted time of each "
                     "collective beside the measured one")  # fmt: skip
+    tm.add_argument("--per-step", action="store_true",
+                    help="the overlap report per step too (each rank's outermost spans: "
+                    "compiled steps, optimizer steps, layer calls, pipeline actions)")
     tm.set_defaults(func=_trace_merge)
     tp = trs.add_parser("plot", help="draw a trace (merged or one rank's) as a PNG")
     tp.add_argument("trace", help="a trace file")
@@ -605,6 +608,9 @@ def _trace_merge(args) -> int:
           "(the rank computed meanwhile):")
     predicted = trace.predictions(args.predicted) if args.predicted else None
     print(trace.format_overlap(trace.overlap(merged), predicted))
+    if args.per_step:
+        print("\nper step (each rank's n-th outermost span):")
+        print(trace.format_overlap(trace.overlap(merged, per_step=True), predicted))
     print(f"\nmerged trace written to {out} (open it at https://ui.perfetto.dev)")
     if args.png:
         print(f"timeline drawn to {trace.plot(merged, args.png)}")

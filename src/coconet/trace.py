@@ -28,6 +28,7 @@ entry and exit when given ``comm``), else by their wall clocks.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -43,6 +44,7 @@ from coconet.errors import ConfigError
 __all__ = [
     "check",
     "format_overlap",
+    "late_ranks",
     "load",
     "merge",
     "overlap",
@@ -165,6 +167,7 @@ def merge(directory: str | os.PathLike, out: str | os.PathLike | None = None) ->
     for e in events:
         if "ts" in e:
             e["ts"] = round(e["ts"] - zero, 3)
+    _mark_late(events)
     merged = {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -213,10 +216,11 @@ def _shifts(infos: list[dict], ref: dict) -> tuple[dict[int, int], dict[int, str
 
 def summary(trace: dict[str, Any]) -> str:
     """Where each rank's time went: per rank and category, how many spans and their total
-    (inclusive: a collective inside a step counts in both), and the longest waits."""
+    (inclusive: a collective inside a step counts in both); the longest waits, with the rank
+    each waited on (a merged trace); and the ranks the others waited on most (``late_ranks``)."""
     check(trace)
     totals: dict[tuple[int, str], list[float]] = {}
-    waits: list[tuple[float, int, str]] = []
+    waits: list[tuple[float, int, str, tuple[int, float] | None]] = []
     for e in trace["traceEvents"]:
         if e.get("ph") != "X":
             continue
@@ -224,8 +228,10 @@ def summary(trace: dict[str, Any]) -> str:
         entry = totals.setdefault((e["pid"], cat), [0, 0.0])
         entry[0] += 1
         entry[1] += e["dur"] / 1e3
-        if cat == tracing.Category.WAIT.value:
-            waits.append((e["dur"] / 1e3, e["pid"], e["name"]))
+        a = e.get("args") or {}
+        on = (a["waited_on"], a["peer_late_ms"]) if "waited_on" in a else None
+        if cat == tracing.Category.WAIT.value or on is not None:
+            waits.append((e["dur"] / 1e3, e["pid"], e["name"], on))
     if not totals:
         return "no spans recorded"
     cats = [c.value for c in tracing.Category if any(k[1] == c.value for k in totals)]
@@ -239,50 +245,130 @@ def summary(trace: dict[str, Any]) -> str:
             cells.append(f"{n:>6} {ms:>9.2f} ms" if n else f"{'':>18}")
         lines.append(f"{r:>4}  " + "  ".join(cells))
     lines.append("(each cell: spans, total; nested spans count in each category they are in)")
-    for ms, r, name in sorted(waits, reverse=True)[:3]:
-        lines.append(f"longest wait: rank {r}, {name}: {ms:.3f} ms")
+    for ms, r, name, on in sorted(waits, key=lambda w: -w[0])[:3]:
+        lines.append(f"longest wait: rank {r}, {name}: {ms:.3f} ms" + (
+            f", {on[1]:.3f} ms of it on rank {on[0]}, which had not started the call"
+            if on else ""))
+    for row in late_ranks(trace)[:3]:
+        lines.append(f"waited on: rank {row['rank']}, {row['waits']} time(s), "
+                     f"{row['peers_waited_ms']:.3f} ms of its peers' time (it started those "
+                     f"collectives last)")
     return "\n".join(lines)
 
 
-def overlap(trace: dict[str, Any]) -> list[dict[str, Any]]:
+def overlap(trace: dict[str, Any], per_step: bool = False) -> list[dict[str, Any]]:
     """Each collective's time in flight, exposed and hidden, per rank and label, summed over the
-    trace: a collective is in flight from its start's beginning to its wait's end (or its
-    start's end, where it completed inside the start: shared memory's); it is **exposed** while
-    the rank is inside its start or its wait (nothing else of the rank's ran), **hidden** for
-    the rest of its flight (the rank computed meanwhile). One dict per (rank, collective):
-    ``rank``, ``collective``, ``calls``, ``in_flight_ms``, ``exposed_ms``, ``hidden_ms``."""
+    trace (``per_step``: per step too): a collective is in flight from its start's beginning to
+    its wait's end (or its start's end, where it completed inside the start: shared memory's);
+    it is **exposed** while the rank is inside its start or its wait (nothing else of the
+    rank's ran), **hidden** for the rest of its flight (the rank computed meanwhile). One dict
+    per (rank, collective): ``rank``, ``collective``, ``calls``, ``in_flight_ms``,
+    ``exposed_ms``, ``hidden_ms``; ``per_step`` adds ``step`` (the rank's n-th outermost span:
+    a compiled step's call, an optimizer step, a layer call, a pipeline action, numbered from
+    0, the same calls on every rank) and ``step_name``, and makes a row per step."""
     check(trace)
-    spans = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X"
+    events = trace["traceEvents"]
+    steps = _outermost(events) if per_step else {}
+    rows: dict[tuple, dict[str, Any]] = {}
+    for start, wait in _pairs(events):
+        pid = start["pid"]
+        key: tuple = (pid, start["name"])
+        extra: dict[str, Any] = {}
+        if per_step:
+            spans = steps.get(pid, [])
+            i = bisect.bisect_right([t0 for t0, _, _ in spans], start["ts"]) - 1
+            inside = i >= 0 and start["ts"] < spans[i][1]
+            extra = {"step": i if inside else None,
+                     "step_name": spans[i][2] if inside else "(outside any step)"}
+            key = (pid, -1 if extra["step"] is None else extra["step"], start["name"])
+        end = start["ts"] + start["dur"] if wait is None else wait["ts"] + wait["dur"]
+        flight = (end - start["ts"]) / 1e3
+        exposed = (start["dur"] + (0.0 if wait is None else wait["dur"])) / 1e3
+        row = rows.setdefault(key, {"rank": pid, **extra, "collective": start["name"],
+                                    "calls": 0, "in_flight_ms": 0.0, "exposed_ms": 0.0,
+                                    "hidden_ms": 0.0})  # fmt: skip
+        row["calls"] += 1
+        row["in_flight_ms"] += flight
+        row["exposed_ms"] += exposed
+        row["hidden_ms"] += max(flight - exposed, 0.0)
+    return [rows[k] for k in sorted(rows)]
+
+
+def _pairs(events: list[dict]) -> Iterator[tuple[dict, dict | None]]:
+    """Each collective's start with its wait (None: it completed inside its start), per rank in
+    time order: a rank waits for its started collectives of one label in the order it started
+    them (the generated code's start/wait pairs)."""
+    spans = sorted((e for e in events if e.get("ph") == "X"
                     and e.get("cat") in ("collective", "wait")),
                    key=lambda e: (e["pid"], e["ts"]))  # fmt: skip
-    rows: dict[tuple[int, str], dict[str, Any]] = {}
     open_: dict[tuple[int, str], dict] = {}  # started, not yet waited for
     for e in spans:
         if e["cat"] == "collective":
             key = (e["pid"], e["name"])
             if key in open_:  # started again without a wait: the last one completed at start
-                _settle(rows, key, open_.pop(key), None)
+                yield open_.pop(key), None
             open_[key] = e
         else:
-            key = (e["pid"], e["name"].removeprefix("wait "))
-            start = open_.pop(key, None)
+            start = open_.pop((e["pid"], e["name"].removeprefix("wait ")), None)
             if start is not None:
-                _settle(rows, key, start, e)
-    for key, start in open_.items():
-        _settle(rows, key, start, None)
-    return [rows[k] for k in sorted(rows)]
+                yield start, e
+    yield from ((start, None) for start in open_.values())
 
 
-def _settle(rows: dict, key: tuple[int, str], start: dict, wait: dict | None) -> None:
-    end = start["ts"] + start["dur"] if wait is None else wait["ts"] + wait["dur"]
-    flight = (end - start["ts"]) / 1e3
-    exposed = (start["dur"] + (0.0 if wait is None else wait["dur"])) / 1e3
-    row = rows.setdefault(key, {"rank": key[0], "collective": key[1], "calls": 0,
-                                "in_flight_ms": 0.0, "exposed_ms": 0.0, "hidden_ms": 0.0})
-    row["calls"] += 1
-    row["in_flight_ms"] += flight
-    row["exposed_ms"] += exposed
-    row["hidden_ms"] += max(flight - exposed, 0.0)
+def _outermost(events: list[dict]) -> dict[int, list[tuple[float, float, str]]]:
+    """Per rank, its outermost spans on its main thread (the steps): (start, end, name)."""
+    main = _main_threads(events)
+    out: dict[int, list[tuple[float, float, str]]] = {}
+    for e in sorted((e for e in events if e.get("ph") == "X"
+                     and e["tid"] == main.get(e["pid"], e["tid"])),
+                    key=lambda e: (e["pid"], e["ts"], -e["dur"])):  # fmt: skip
+        spans = out.setdefault(e["pid"], [])
+        if not spans or e["ts"] >= spans[-1][1]:
+            spans.append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    return out
+
+
+def _mark_late(events: list[dict]) -> None:
+    """On whom each wait waited (in place): the ranks of one collective call (the same
+    communicator, call number and group: ``FaultGuard.collective``'s span arguments) are lined
+    up, and each rank's span that blocked for the call (its wait, or its start where the call
+    completed inside it) inside which the last rank started it gets ``waited_on`` (that rank)
+    and ``peer_late_ms`` (how long of this span went by before it started). A span that
+    began after every rank had started waited for the transfer alone: it gets nothing."""
+    calls: dict[tuple, dict[int, tuple[dict, dict | None]]] = {}
+    for start, wait in _pairs(events):
+        a = start.get("args") or {}
+        if "call" in a:
+            key = (a.get("comm"), a["call"], tuple(a.get("group") or ()))
+            calls.setdefault(key, {})[start["pid"]] = (start, wait)
+    for by_rank in calls.values():
+        if len(by_rank) < 2 or len({s["name"] for s, _ in by_rank.values()}) > 1:
+            continue  # one rank's record, or ranks that made different calls: nothing to line up
+        last, (latest, _) = max(by_rank.items(), key=lambda kv: kv[1][0]["ts"])
+        for pid, (start, wait) in by_rank.items():
+            blocked = wait if wait is not None else start
+            late_us = latest["ts"] - blocked["ts"]
+            if pid == last or not 0 < late_us < blocked["dur"]:
+                continue  # (ended before the last rank started: the clocks' skew, no wait)
+            blocked["args"] = {**(blocked.get("args") or {}), "waited_on": last,
+                               "peer_late_ms": round(late_us / 1e3, 3)}  # fmt: skip
+
+
+def late_ranks(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Who the others waited on (a merged trace: ``merge`` marks it): per rank, how many times
+    a peer was blocked in a collective call this rank had not started yet (``waits``), and the
+    peers' time blocked so (``peers_waited_ms``), most first."""
+    check(trace)
+    out: dict[int, dict[str, Any]] = {}
+    for e in trace["traceEvents"]:
+        a = e.get("args") or {}
+        if e.get("ph") != "X" or "waited_on" not in a:
+            continue
+        row = out.setdefault(a["waited_on"], {"rank": a["waited_on"], "waits": 0,
+                                               "peers_waited_ms": 0.0})  # fmt: skip
+        row["waits"] += 1
+        row["peers_waited_ms"] += a["peer_late_ms"]
+    return sorted(out.values(), key=lambda r: -r["peers_waited_ms"])
 
 
 def predictions(tune_json: str | os.PathLike | dict[str, Any]) -> dict[str, float]:
@@ -322,14 +408,19 @@ def format_overlap(rows: list[dict[str, Any]], predicted: dict[str, float] | Non
         return "no collectives recorded"
     predicted = predicted or {}
     width = max(len(r["collective"]) for r in rows)
-    head = (f"{'rank':>4}  {'collective':<{width}}  {'calls':>5}  {'in flight':>10}  "
+    stepped = "step" in rows[0]
+    steps = [_step_cell(r) for r in rows] if stepped else []
+    swidth = max(map(len, steps), default=0)
+    head = (f"{'rank':>4}  " + (f"{'step':<{swidth}}  " if stepped else "")
+            + f"{'collective':<{width}}  {'calls':>5}  {'in flight':>10}  "
             f"{'exposed':>10}  {'hidden':>10}  hidden share")  # fmt: skip
     if predicted:
         head += "  in flight/call  predicted/call"
     lines = [head]
-    for r in rows:
+    for i, r in enumerate(rows):
         share = r["hidden_ms"] / r["in_flight_ms"] if r["in_flight_ms"] > 0 else 0.0
-        line = (f"{r['rank']:>4}  {r['collective']:<{width}}  {r['calls']:>5}  "
+        line = (f"{r['rank']:>4}  " + (f"{steps[i]:<{swidth}}  " if stepped else "")
+                + f"{r['collective']:<{width}}  {r['calls']:>5}  "
                 f"{r['in_flight_ms']:>7.2f} ms  {r['exposed_ms']:>7.2f} ms  "
                 f"{r['hidden_ms']:>7.2f} ms  {share:>11.0%}")  # fmt: skip
         if predicted:
@@ -340,6 +431,11 @@ def format_overlap(rows: list[dict[str, Any]], predicted: dict[str, float] | Non
                 f"{guess:>11.3f} ms" if guess is not None else f"{'-':>14}")
         lines.append(line)
     return "\n".join(lines)
+
+
+def _step_cell(row: dict[str, Any]) -> str:
+    return (row["step_name"] if row["step"] is None
+            else f"#{row['step']} {row['step_name']}"[:48])  # fmt: skip
 
 
 # one colour per category (coconet.tracing.Category), the plot's legend in this order
@@ -401,9 +497,7 @@ def plot(trace: dict[str, Any] | str | os.PathLike, out: str | os.PathLike,
 def _rows(events: list[dict]) -> dict[tuple[int, int], dict[str, list[tuple[float, float]]]]:
     """Complete events of the main threads by (rank, nesting depth), then by category, as
     (start ms, length ms) bars."""
-    main = {e["pid"]: e["tid"] for e in events
-            if e.get("ph") == "M" and e.get("name") == "thread_name"
-            and e.get("args", {}).get("name") == "main"}  # fmt: skip
+    main = _main_threads(events)
     spans = sorted(
         (e for e in events if e.get("ph") == "X" and e["tid"] == main.get(e["pid"], e["tid"])),
         key=lambda e: (e["pid"], e["ts"], -e["dur"]),
@@ -419,3 +513,10 @@ def _rows(events: list[dict]) -> dict[tuple[int, int], dict[str, list[tuple[floa
             (t0 / 1e3, max(e["dur"], 0.001) / 1e3))
         stack.append((pid, t1))
     return rows
+
+
+def _main_threads(events: list[dict]) -> dict[int, int]:
+    """Each rank's main thread (its tid), as its recorder named it."""
+    return {e["pid"]: e["tid"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"
+            and e.get("args", {}).get("name") == "main"}  # fmt: skip

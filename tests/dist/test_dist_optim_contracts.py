@@ -83,6 +83,8 @@ def test_a_rank_with_one_step_more_is_told_who_stopped_where(transport):
     assert "left the job" in text and "rank 1 left the job after 4 x coconet.optim.AdamW.step" \
         in text, text  # fmt: skip
     assert "this rank was making its coconet.optim.AdamW.step number 5" in text, text
+    # the flight recorder's verdict: where the peer that left was (its last call), not "no answer"
+    assert re.search(r"rank 1: at #\d+ .*\(completed\), then left the job", text), text
     assert "the same number of batches" in text, text
     assert longer["seconds"] < 10.0, longer  # told, not timed out (30 s)
 

@@ -1,11 +1,12 @@
 """coconet.trace on 2 ranks: a data-parallel optimizer step, a tensor-parallel layer and a pipeline
 step, each recorded on every rank into trace-event files that validate and hold the phases
 expected of that workload, merged onto one clock (the ranks share this machine's) with a track per
-rank, summarized and drawn."""
+rank, summarized (with the rank a late collective was waited on) and drawn."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def test_each_workload_is_traced_on_every_rank_and_merges_onto_one_timeline(tmp_
                 assert {"ColumnParallelLinear: forward", "RowParallelLinear: forward"} <= layers
                 assert {"ColumnParallelLinear: backward", "RowParallelLinear: backward"} <= layers
                 assert _names(spans, "collective"), sorted(e["name"] for e in spans)
-            else:
+            elif name == "pipeline":
                 pipeline = _names(spans, "pipeline")
                 assert any("forward" in n for n in pipeline), pipeline
                 assert any("backward" in n for n in pipeline), pipeline
@@ -66,6 +67,18 @@ def test_each_workload_is_traced_on_every_rank_and_merges_onto_one_timeline(tmp_
                 for c in (e for e in spans if e["cat"] == "collective"):
                     assert any(s["ts"] <= c["ts"] and c["ts"] + c["dur"] <= s["ts"] + s["dur"]
                                + 1e-3 for s in steps), c  # fmt: skip
+    # rank 1 joined the second all_reduce 80 ms late: rank 0's span that blocked for it says so
+    # (its wait, or its start where shared memory completes the call inside it); the others
+    # were joined within the ranks' own skew
+    late = trace.merge(folders["late"])
+    marked = {e["name"].removeprefix("wait "): e["args"] for e in _spans(late, 0)
+              if "waited_on" in e.get("args", {})}  # fmt: skip
+    assert marked["all_reduce: x1"]["waited_on"] == 1
+    assert 40 < marked["all_reduce: x1"]["peer_late_ms"] < 1000, marked
+    assert all(a["peer_late_ms"] < 20 for n, a in marked.items() if n != "all_reduce: x1")
+    assert all(e["args"]["peer_late_ms"] < 20 for e in _spans(late, 1)
+               if "waited_on" in e.get("args", {}))  # fmt: skip
+    assert trace.late_ranks(late)[0]["rank"] == 1
     # every collective's flight splits into exposed + hidden
     rows = trace.overlap(trace.load(Path(folders["dp"]) / "merged.json"))
     assert {r["rank"] for r in rows} == {0, 1}
@@ -84,3 +97,7 @@ def test_each_workload_is_traced_on_every_rank_and_merges_onto_one_timeline(tmp_
     gathers = [line for line in out.splitlines() if "all_gather: p_new" in line]
     assert len(gathers) == 2 and all(line.endswith("0.250 ms") for line in gathers), out
     assert (tmp_path / "dp.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["trace", "merge", folders["late"], "--per-step"]) == 0
+    out = capsys.readouterr().out
+    assert "waited on: rank 1, " in out and "per step" in out
+    assert re.search(r"#\d+ all_reduce: x1 +all_reduce: x1", out), out

@@ -1,10 +1,11 @@
 """Rank bodies for tests/dist/test_dist_trace.py: a data-parallel optimizer step, a
-tensor-parallel layer's forward and backward, and a pipeline step, each recorded with
-``coconet.trace.record`` into a folder of its own."""
+tensor-parallel layer's forward and backward, a pipeline step, and bare all_reduces that the
+last rank joins late, each recorded with ``coconet.trace.record`` into a folder of its own."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,8 @@ from coconet.ir.types import slice_bounds
 def workloads(comm, directory: str) -> dict[str, str]:
     """Record each workload on every rank; returns the folders by workload."""
     out = {}
-    for name, run in (("dp", _dp_steps), ("tp", _tp_layers), ("pipeline", _pipeline_step)):
+    for name, run in (("dp", _dp_steps), ("tp", _tp_layers), ("pipeline", _pipeline_step),
+                      ("late", _late_rank)):
         folder = os.path.join(directory, name)
         with trace.record(folder, comm=comm):
             run(comm)
@@ -61,3 +63,15 @@ def _pipeline_step(comm) -> None:
     gen = torch.Generator().manual_seed(1)
     x, t = torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)
     pipe.step(inputs=x if pipe.is_first else None, targets=t if pipe.is_last else None)
+
+
+def _late_rank(comm) -> None:
+    """Three all_reduces; before the second, the last rank sleeps 80 ms: the others wait on it."""
+    from coconet.ir.ops import ReduceOp
+
+    for k in range(3):
+        if k == 1 and comm.rank == comm.world - 1:
+            time.sleep(0.08)
+        work = comm.all_reduce_start(torch.ones(1024), ReduceOp.SUM, axis=None, donate=False,
+                                     label=f"x{k}")  # fmt: skip
+        comm.wait(work)

@@ -220,6 +220,71 @@ def test_the_overlap_report_splits_each_collectives_flight_into_exposed_and_hidd
     assert trace.format_overlap([]) == "no collectives recorded"
 
 
+def test_the_overlap_report_per_step_sums_to_the_whole():
+    """Per step: each collective in the outermost span (the step) holding its start; the rows
+    of every step add up to the summed report; a bare collective is a step of its own."""
+    def x(name, cat, ts, dur):
+        return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": 0, "tid": 1}
+
+    events = [x("step: adam", "step", 0.0, 100.0), x("step: adam", "step", 200.0, 100.0)]
+    for base in (0.0, 200.0):
+        events += [x("all_reduce: g", "collective", base + 10, 20.0),
+                   x("kernel: k", "kernel", base + 30, 30.0),
+                   x("wait all_reduce: g", "wait", base + 60, 10.0)]  # fmt: skip
+    events.append(x("all_reduce: loose", "collective", 400.0, 5.0))
+    doc = {"traceEvents": events}
+    per = trace.overlap(doc, per_step=True)
+    assert [(r["step"], r["step_name"], r["collective"]) for r in per] == [
+        (0, "step: adam", "all_reduce: g"), (1, "step: adam", "all_reduce: g"),
+        (2, "all_reduce: loose", "all_reduce: loose")]
+    whole = {r["collective"]: r for r in trace.overlap(doc)}
+    for key in ("in_flight_ms", "exposed_ms", "hidden_ms"):
+        assert sum(r[key] for r in per if r["collective"] == "all_reduce: g") == \
+            pytest.approx(whole["all_reduce: g"][key])
+    assert per[1]["hidden_ms"] == pytest.approx(0.03)
+    assert "#1 step: adam" in trace.format_overlap(per)
+
+
+def test_the_merge_names_the_rank_each_wait_waited_on(tmp_path):
+    """Three ranks make call #7: rank 2 starts it 3 ms after the others. Rank 0's wait (gloo:
+    a start, then a wait) and rank 1's start (shared memory: done inside it) began before rank
+    2 started: each waited on rank 2 for as long as it was blocked before rank 2 came. Call #8:
+    every rank had started before any waited: nobody waited on anyone."""
+    def x(pid, name, cat, ts, dur, **args):
+        return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": 1,
+                "args": args}  # fmt: skip
+
+    def call(n):
+        return {"comm": "c", "call": n, "group": [0, 1, 2]}
+
+    per_rank = {
+        0: [x(0, "all_reduce: g", "collective", 1_000, 100, **call(7)),
+            x(0, "wait all_reduce: g", "wait", 2_000, 2_500),
+            x(0, "all_reduce: h", "collective", 10_000, 100, **call(8)),
+            x(0, "wait all_reduce: h", "wait", 12_000, 500)],
+        1: [x(1, "all_reduce: g", "collective", 1_500, 3_000, **call(7)),
+            x(1, "all_reduce: h", "collective", 10_500, 300, **call(8))],
+        2: [x(2, "all_reduce: g", "collective", 4_000, 500, **call(7)),
+            x(2, "all_reduce: h", "collective", 11_000, 100, **call(8))],
+    }  # fmt: skip
+    for r, events in per_rank.items():
+        doc = {"traceEvents": events, "otherData": {"coconet": {
+            "rank": r, "world": 3, "host": "h", "clock": "A", "pid": 1, "perf0_ns": 0,
+            "wall0_ns": 0, "marks": [], "dropped": 0}}}  # fmt: skip
+        (tmp_path / f"rank{r}.trace.json").write_text(json.dumps(doc))
+    merged = trace.merge(tmp_path)
+    marked = {(e["pid"], e["name"]): e["args"] for e in merged["traceEvents"]
+              if "waited_on" in (e.get("args") or {})}  # fmt: skip
+    assert marked == {
+        (0, "wait all_reduce: g"): {"waited_on": 2, "peer_late_ms": 2.0},
+        (1, "all_reduce: g"): {"comm": "c", "call": 7, "group": [0, 1, 2], "waited_on": 2,
+                               "peer_late_ms": 2.5},
+    }
+    assert trace.late_ranks(merged) == [{"rank": 2, "waits": 2, "peers_waited_ms": 4.5}]
+    text = trace.summary(merged)
+    assert "2.500 ms of it on rank 2" in text and "waited on: rank 2, 2 time(s)" in text
+
+
 def test_the_cost_models_prediction_stands_beside_each_collective_it_names(tmp_path):
     tune = {"winner": "w", "candidates": [
         {"schedule": "other", "predicted_parts": [["g (all_reduce)", "communication", 9.0]]},

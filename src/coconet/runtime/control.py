@@ -487,6 +487,7 @@ class ControlChannel:
             group.handle.abort(DEPARTED)
         if self._shm_group is not None:
             self._shm_group.handle.abort(DEPARTED)
+        self._post_position(LEFT)  # (before the word: a peer that reads it finds where)
         if self._store is not None:
             try:
                 self._store.set(self._abort_key, f"{self._who} {LEFT} {note}")
@@ -586,11 +587,15 @@ class ControlChannel:
                 # reach a slower peer): this rank's part ends once those bytes arrive. Only a
                 # collective still unfinished after a grace is one the peer never joined.
                 grace = max(0.0, min(LEFT_GRACE_S, deadline - time.monotonic()))
+                began = time.monotonic()
                 try:
                     work.wait(datetime.timedelta(seconds=grace))
                     return
-                except RuntimeError:
-                    pass  # not joined (or the connection closed): the fault that says so
+                except RuntimeError as exc:
+                    if "timed out" not in str(exc).lower():
+                        raise  # the collective failed here: its own error, not a guess
+                reason += (f" (this rank's part of the collective had not ended "
+                           f"{time.monotonic() - began:.1f} s after it saw that)")  # fmt: skip
             self.check_peers(reason)
             wait_s = min(2 * wait_s, 0.2)
 

@@ -103,8 +103,14 @@ class FaultGuard:
         ``__call__`` (traced with its bytes and its transport's kind)."""
         if tracing.active():
             kind = getattr(getattr(transport, "kind", None), "value", None)
-            with tracing.span(op, tracing.Category.COLLECTIVE, label,
-                              {"axis": axis, "bytes": nbytes, "transport": kind}):  # fmt: skip
+            found = {"axis": axis, "bytes": nbytes, "transport": kind}
+            recorder = self.recorder
+            if recorder is not None:
+                # the call's number on this communicator and its ranks: the same call on every
+                # rank of the group, which ``coconet.trace.merge`` lines up (who started last)
+                found.update(comm=recorder.name, call=recorder.seq + 1,
+                             group=list(self._ranks_of(axis)))
+            with tracing.span(op, tracing.Category.COLLECTIVE, label, found):
                 return self._run(op, label, axis, fn, args, {})
         return self._run(op, label, axis, fn, args, {})
 
