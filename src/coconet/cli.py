@@ -70,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Print the per-rank Python module that coconet.compile generates for the "
         "program NAME (with --schedule, for that schedule of it) on --world ranks or a --mesh: "
         "one line and one comment per DSL op, the collectives' start/wait, the fused kernels' "
-        "members; then the collective algorithms measured on this machine. Nothing runs. "
+        "members; then the collective algorithms measured on this machine. Nothing runs, "
+        "unless --timeline: then the step runs on --world local ranks at --size, and its "
+        "timeline is drawn. "
         "Example: coconet show examples/adam.py:program --schedule fuse_RS_C_AG --world 2",
     )
     sh.add_argument("target", help=_TARGET_HELP)
@@ -96,6 +98,15 @@ def _parser() -> argparse.ArgumentParser:
         help="what runs the collectives: torch.distributed (the default; across hosts) or "
         "'shared memory' (what ranks on one host use: fused collectives as one pass)",
     )
+    sh.add_argument("--timeline", metavar="PNG",
+                    help="also run the step on --world local ranks (random inputs at --size; "
+                    "two steps to warm up, then --steps traced) and draw its per-rank "
+                    "timeline here, with where each rank's time went and each collective's "
+                    "exposed and hidden time (needs matplotlib)")  # fmt: skip
+    sh.add_argument("--size", action="append", default=[], metavar="DIM=N",
+                    help="with --timeline: the size of a Dim, e.g. N=1048576 (repeatable)")
+    sh.add_argument("--steps", type=int, default=3,
+                    help="with --timeline: the steps traced (default 3)")
     sh.set_defaults(func=_show)
 
     rn = sub.add_parser(
@@ -388,7 +399,58 @@ def _show(args) -> int:
     print()
     for line in table.format("gloo").splitlines():
         print(f"# {line}")
+    if args.timeline:
+        _timeline(args)
     return 0
+
+
+def _timeline(args) -> None:
+    """``coconet show --timeline``: the step run and traced on local ranks, merged and drawn."""
+    import tempfile
+
+    from coconet import trace
+    from coconet.options import CommOptions
+    from coconet.runtime.launch import spawn
+
+    sizes = _sizes(args.size)
+    if args.steps < 1:
+        raise SystemExit(f"coconet show: --steps must be at least 1, got {args.steps}")
+    world = _mesh(args)
+    with tempfile.TemporaryDirectory(prefix="coconet-timeline-") as folder:
+        with phase(f"coconet show: {args.world if args.mesh is None else args.mesh} ranks run "
+                   f"{args.target} for a timeline", why="compiling the step, 2 warm-up steps, "
+                   f"then {args.steps} traced", file=sys.stderr):  # fmt: skip
+            spawn(_timeline_worker, world, args.target, args.schedule, args.state, sizes,
+                  args.steps, folder, options=CommOptions(cache_dir=args.cache_dir,
+                                                          transport=args.transport),
+                  timeout=600)  # fmt: skip
+        merged = trace.merge(folder)
+    print()
+    print(trace.summary(merged))
+    print("\neach collective's time in flight, exposed (the rank waited in it) and hidden "
+          "(the rank computed meanwhile), per traced step:")
+    print(trace.format_overlap(trace.overlap(merged, per_step=True)))
+    title = f"{args.target}" + (f" ({args.schedule})" if args.schedule else "")
+    print(f"\ntimeline drawn to {trace.plot(merged, args.timeline, title=title)}")
+
+
+def _timeline_worker(comm, target: str, schedule: str | None, state: str | None,
+                     sizes: dict[str, int], steps: int, folder: str) -> None:  # fmt: skip
+    from coconet import trace
+    from coconet.compiler import resolve_target
+    from coconet.tune.measure import program_inputs
+
+    obj, namespace = _load(target)
+    if schedule:
+        obj = _schedule(getattr(obj, "original", None) or getattr(obj, "program", obj),
+                        schedule, namespace, state)  # fmt: skip
+    step = compile(obj, comm=comm)
+    inputs = program_inputs(resolve_target(obj)[0], sizes, comm, {}, seed=1234)
+    for _ in range(2):  # the first call compiles its kernels and rehearses; the second settles
+        step(**inputs)
+    with trace.record(folder, comm=comm):
+        for _ in range(steps):
+            step(**inputs)
 
 
 def _run(args) -> int:

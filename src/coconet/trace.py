@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -252,7 +254,7 @@ def summary(trace: dict[str, Any]) -> str:
     for row in late_ranks(trace)[:3]:
         lines.append(f"waited on: rank {row['rank']}, {row['waits']} time(s), "
                      f"{row['peers_waited_ms']:.3f} ms of its peers' time (it started those "
-                     f"collectives last)")
+                     f"calls last)")
     return "\n".join(lines)
 
 
@@ -316,27 +318,32 @@ def _pairs(events: list[dict]) -> Iterator[tuple[dict, dict | None]]:
 
 
 def _outermost(events: list[dict]) -> dict[int, list[tuple[float, float, str]]]:
-    """Per rank, its outermost spans on its main thread (the steps): (start, end, name)."""
+    """Per rank, its outermost spans on its main thread (the steps): (start, end, name). A
+    control round on its own (a barrier, ``record``'s clock marks) is not a step."""
     main = _main_threads(events)
     out: dict[int, list[tuple[float, float, str]]] = {}
+    end: dict[int, float] = {}
     for e in sorted((e for e in events if e.get("ph") == "X"
                      and e["tid"] == main.get(e["pid"], e["tid"])),
                     key=lambda e: (e["pid"], e["ts"], -e["dur"])):  # fmt: skip
-        spans = out.setdefault(e["pid"], [])
-        if not spans or e["ts"] >= spans[-1][1]:
-            spans.append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        pid = e["pid"]
+        if e["ts"] >= end.get(pid, -math.inf):
+            end[pid] = e["ts"] + e["dur"]
+            if e.get("cat") != "control":
+                out.setdefault(pid, []).append((e["ts"], end[pid], e["name"]))
     return out
 
 
 def _mark_late(events: list[dict]) -> None:
-    """On whom each wait waited (in place): the ranks of one collective call (the same
-    communicator, call number and group: ``FaultGuard.collective``'s span arguments) are lined
+    """On whom each wait waited (in place): the ranks of one collective call or control round
+    (the same communicator, call number and group: ``FaultGuard``'s span arguments) are lined
     up, and each rank's span that blocked for the call (its wait, or its start where the call
     completed inside it) inside which the last rank started it gets ``waited_on`` (that rank)
     and ``peer_late_ms`` (how long of this span went by before it started). A span that
     began after every rank had started waited for the transfer alone: it gets nothing."""
     calls: dict[tuple, dict[int, tuple[dict, dict | None]]] = {}
-    for start, wait in _pairs(events):
+    rounds = ((e, None) for e in events if e.get("ph") == "X" and e.get("cat") == "control")
+    for start, wait in itertools.chain(_pairs(events), rounds):
         a = start.get("args") or {}
         if "call" in a:
             key = (a.get("comm"), a["call"], tuple(a.get("group") or ()))

@@ -101,3 +101,32 @@ def test_each_workload_is_traced_on_every_rank_and_merges_onto_one_timeline(tmp_
     out = capsys.readouterr().out
     assert "waited on: rank 1, " in out and "per step" in out
     assert re.search(r"#\d+ all_reduce: x1 +all_reduce: x1", out), out
+
+
+_SUMS = '''
+import coconet as cc
+
+
+def program():
+    N = cc.Dim("N")
+    g = cc.Tensor("g", cc.float32, [N], cc.Local)
+    return cc.Program("sums", [g], {"s": cc.all_reduce(g, name="g_sum")})
+'''
+
+
+@pytest.mark.timeout(240)
+def test_coconet_show_draws_a_programs_timeline(tmp_path, capsys):
+    """``coconet show --timeline``: the step runs on 2 local ranks at the given size, and its
+    summary, per-step overlap report and PNG come out after the generated code."""
+    (tmp_path / "sums.py").write_text(_SUMS)
+    png = tmp_path / "sums.png"
+    assert main(["show", f"{tmp_path / 'sums.py'}:program", "--world", "2", "--size",
+                 "N=4096", "--steps", "2", "--timeline", str(png)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "def step(" in out or "all_reduce" in out
+    rows = re.findall(r"^ +([01]) +#(\d) sums +all_reduce: s +\d ", out, re.M)
+    assert sorted(rows) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="--steps"):
+        main(["show", f"{tmp_path / 'sums.py'}:program", "--size", "N=8", "--steps", "0",
+              "--timeline", str(png)])  # fmt: skip

@@ -93,7 +93,8 @@ class FaultGuard:
         """``fn(*args, **kwargs)``; a failure of the job is a ``RuntimeFault`` (see the module).
         Traced as a span of ``op``'s category (``coconet.runtime.tracing``)."""
         if tracing.active():
-            with tracing.span(op, tracing.category_of(op), label, _span_args(axis, args)):
+            with tracing.span(op, tracing.category_of(op), label,
+                              self._call_args(axis, _span_args(axis, args))):  # fmt: skip
                 return self._run(op, label, axis, fn, args, kwargs)
         return self._run(op, label, axis, fn, args, kwargs)
 
@@ -103,16 +104,20 @@ class FaultGuard:
         ``__call__`` (traced with its bytes and its transport's kind)."""
         if tracing.active():
             kind = getattr(getattr(transport, "kind", None), "value", None)
-            found = {"axis": axis, "bytes": nbytes, "transport": kind}
-            recorder = self.recorder
-            if recorder is not None:
-                # the call's number on this communicator and its ranks: the same call on every
-                # rank of the group, which ``coconet.trace.merge`` lines up (who started last)
-                found.update(comm=recorder.name, call=recorder.seq + 1,
-                             group=list(self._ranks_of(axis)))
+            found = self._call_args(axis, {"axis": axis, "bytes": nbytes, "transport": kind})
             with tracing.span(op, tracing.Category.COLLECTIVE, label, found):
                 return self._run(op, label, axis, fn, args, {})
         return self._run(op, label, axis, fn, args, {})
+
+    def _call_args(self, axis: str | None, found: dict[str, Any]) -> dict[str, Any]:
+        """``found`` (a traced call's span arguments) with the call's number on this
+        communicator and its group's ranks: the same call on every rank of the group, which
+        ``coconet.trace.merge`` lines up (who started it last). Traced calls only."""
+        recorder = self.recorder
+        if recorder is not None:
+            found.update(comm=recorder.name, call=recorder.seq + 1,
+                         group=list(self._ranks_of(axis)))  # fmt: skip
+        return found
 
     def wait(self, op: str, label: str, axis: str | None, fn: Callable, /, *args):
         """``fn(*args)``: the wait for a started collective ``op``, as ``__call__`` (traced as a

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from coconet.accounting import Counter
+from coconet.ir.program import Program
 from coconet.options import CommOptions, CompileOptions, TransportKind, TransportPolicy
 from coconet.runtime.allocator import trim_heap
 from coconet.runtime.comm import Communicator
@@ -137,10 +138,21 @@ def _inputs(
     scalars: Mapping[str, float],
     seed: int,
 ) -> dict[str, Any]:
-    """This rank's inputs of the candidate's program: random tensors (Replicated ones the same
-    on every rank), the given scalars (any finite value times alike: 0.5 for a float scalar
-    not given, 1 for an integer one)."""
-    program = candidate.scheduled
+    """This rank's inputs of the candidate's program (``program_inputs``)."""
+    return program_inputs(candidate.scheduled, sizes, comm, scalars, seed)
+
+
+def program_inputs(
+    program: Program,
+    sizes: Mapping[str, int],
+    comm: Communicator,
+    scalars: Mapping[str, float],
+    seed: int,
+) -> dict[str, Any]:
+    """This rank's inputs of ``program`` (scheduled: its inputs' layouts as the schedule left
+    them) at ``sizes``: random tensors (Replicated ones the same on every rank), the given
+    scalars (any finite value times alike: 0.5 for a float scalar not given, 1 for an integer
+    one)."""
     counter = Counter(comm.mesh, sizes)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {}
