@@ -3,6 +3,7 @@
 - ``coconet print FILE.py:NAME``: print a program;
 - ``coconet show FILE.py:NAME [--schedule S [--state m,v]] [--world N | --mesh pp=2,tp=2]``:
   print the code generated for it, and the collective algorithms measured on this machine;
+  with ``--timeline step.png --size N=1048576`` also run it on local ranks and draw its timeline;
 - ``coconet run --nproc N SCRIPT [args]``: run a script as N local ranks (gloo on CPU); with
   ``--nnodes`` it hands over to torchrun's rendezvous;
 - ``coconet calibrate --nproc N``: measure the collective algorithms once, for every size class;
@@ -10,8 +11,9 @@
   program's schedule and transport by prediction and measurement, and explain the choice;
 - ``coconet plan FILE.py:NAME --cluster dgx-a100-ib --world 64``: predicted step times at world
   sizes that cannot be run here, from a cluster description;
-- ``coconet trace merge DIR -o step.json [--png step.png]``, ``coconet trace plot``: the ranks'
-  traces (``COCONET_TRACE=DIR``) on one timeline; ``coconet trace why DIR``: who stopped where,
+- ``coconet trace merge DIR -o step.json [--png step.png] [--per-step]``, ``coconet trace
+  plot``: the ranks' traces (``COCONET_TRACE=DIR``) on one timeline, who waited on whom, each
+  collective's exposed and hidden time; ``coconet trace why DIR``: who stopped where,
   from the flight recorder's dumps.
 """
 
@@ -107,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --timeline: the size of a Dim, e.g. N=1048576 (repeatable)")
     sh.add_argument("--steps", type=int, default=3,
                     help="with --timeline: the steps traced (default 3)")
+    sh.add_argument("--predicted", metavar="TUNE.json",
+                    help="with --timeline: a 'coconet tune --json' file: its winner's predicted "
+                    "time of each collective beside the measured one")  # fmt: skip
     sh.set_defaults(func=_show)
 
     rn = sub.add_parser(
@@ -392,6 +397,9 @@ def _show(args) -> int:
         obj = _schedule(program, args.schedule, namespace, args.state)
     elif args.state:
         raise SystemExit("coconet: --state needs --schedule RS_C_AG or fuse_RS_C_AG")
+    if not args.timeline and (args.size or args.predicted):
+        raise SystemExit("coconet show: --size and --predicted go with --timeline PNG (without "
+                         "it nothing runs)")  # fmt: skip
     world = _mesh(args)
     step = compile(obj, world=world, cache_dir=args.cache_dir, transport=args.transport)
     print(step.source, end="")
@@ -413,6 +421,7 @@ def _timeline(args) -> None:
     from coconet.runtime.launch import spawn
 
     sizes = _sizes(args.size)
+    predicted = trace.predictions(args.predicted) if args.predicted else None  # read first
     if args.steps < 1:
         raise SystemExit(f"coconet show: --steps must be at least 1, got {args.steps}")
     world = _mesh(args)
@@ -429,7 +438,7 @@ def _timeline(args) -> None:
     print(trace.summary(merged))
     print("\neach collective's time in flight, exposed (the rank waited in it) and hidden "
           "(the rank computed meanwhile), per traced step:")
-    print(trace.format_overlap(trace.overlap(merged, per_step=True)))
+    print(trace.format_overlap(trace.overlap(merged, per_step=True), predicted))
     title = f"{args.target}" + (f" ({args.schedule})" if args.schedule else "")
     print(f"\ntimeline drawn to {trace.plot(merged, args.timeline, title=title)}")
 

@@ -127,6 +127,8 @@ def test_coconet_show_draws_a_programs_timeline(tmp_path, capsys):
     rows = re.findall(r"^ +([01]) +#(\d) sums +all_reduce: s +\d ", out, re.M)
     assert sorted(rows) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], out
     assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="go with --timeline"):
+        main(["show", f"{tmp_path / 'sums.py'}:program", "--size", "N=8"])
     with pytest.raises(SystemExit, match="--steps"):
         main(["show", f"{tmp_path / 'sums.py'}:program", "--size", "N=8", "--steps", "0",
               "--timeline", str(png)])  # fmt: skip
