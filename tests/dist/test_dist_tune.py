@@ -108,6 +108,9 @@ def test_a_second_tune_is_read_from_the_cache_unless_something_changed(options):
         assert not out[key]["cached"], key
     assert out["measure_calls"] == 4  # first, other size, other state, retune: each measured
     assert out["retune"]["rows"] != first["rows"]  # measured again (times are never equal)
+    # retune recalibrated: the calibration it replaced is kept, and the drift is said
+    assert "earlier calibration(s) kept: the winner's prediction spans" in \
+        out["retune"]["explain"], out["retune"]["explain"]  # fmt: skip
 
 
 @pytest.mark.timeout(60)

@@ -603,6 +603,44 @@ def test_to_json_has_the_documented_keys_and_reads_back():
     assert "(from the cache, read in " in back.explain()
 
 
+def test_explain_carries_the_calibrations_drift_as_an_uncertainty():
+    """With one calibration kept, the drift is unknown and explain says how to learn it; with
+    earlier ones, the winner's prediction under each (newest first) gives its span, and the
+    mean error over the measured under each earlier calibration stands beside this one's. The
+    earlier predictions go through the JSON and back."""
+    result = _result()
+    assert "calibration drift: unknown" in result.explain()
+    for r in result.rows:  # two earlier calibrations: 20% faster and 10% slower than this one
+        r.earlier_ms = [0.8 * r.predicted_ms, 1.1 * r.predicted_ms]
+    winner = result.winner_row
+    winner.earlier_ms[1] = None  # one that cannot predict the winner is left out of its span
+    text = result.explain()
+    lo, hi = 0.8 * winner.predicted_ms, winner.predicted_ms
+    assert f"2 earlier calibration(s) kept: the winner's prediction spans {lo:.2f}-{hi:.2f} ms" \
+        in text, text
+    assert f"+/-{(hi - lo) / (hi + lo):.0%}" in text
+    errs = [abs(0.8 * r.predicted_ms - r.measured_ms) / r.measured_ms
+            for r in result.measured if r.measured_ms is not None]  # fmt: skip
+    assert f"earlier calibration #1 (newest first): mean error {sum(errs) / len(errs):.0%}" \
+        f" over the {len(errs)} measured" in text
+    assert "earlier calibration #2 (newest first)" in text  # (the others could predict)
+    doc = json.loads(json.dumps(result.to_json()))
+    back = TuneResult.from_json(result.program, doc, result.enumeration)
+    assert [r.earlier_ms for r in back.rows] == [r.earlier_ms for r in result.rows]
+
+
+def test_a_machine_keeps_its_earlier_calibrations_newest_first():
+    """What a cached machine document keeps of its earlier calibrations: the valid entries,
+    newest first, at most EARLIER_KEPT; a document written before they were kept has none."""
+    from coconet.tune.tuner import EARLIER_KEPT, earlier_calibrations
+
+    model = machine()
+    docs = [dict(model.to_json(), conditions={"at": float(i)}) for i in range(EARLIER_KEPT + 2)]
+    assert earlier_calibrations(None) == earlier_calibrations(model.to_json()) == []
+    kept = earlier_calibrations({"earlier": [docs[0], {"description": "damaged"}, *docs[1:]]})
+    assert [d["conditions"]["at"] for d in kept] == [float(i) for i in range(EARLIER_KEPT)]
+
+
 def _rematched(first_ms: list[float], second_ms: list[float]) -> TuneResult:
     """``_result()`` whose two best (fuse_RS_C_AG 1.0 ms, AR_C 1.6 ms) met in a rematch."""
     from coconet.tune.measure import Rematch

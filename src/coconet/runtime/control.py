@@ -35,11 +35,10 @@ from coconet.runtime.transport import Group, WholeWait
 
 __all__ = ["ControlChannel"]
 
-# How long a collective may still take to end after a peer in it left the job (its last bytes
-# in flight to this rank, which the scheduler held back on an oversubscribed machine). 2 s was
-# not enough once: a 4-rank gloo all_gather on 2 cores, in CI's third pass at load, failed a
-# rank whose peers had completed it ("the ranks made different calls"; 3 of 3 reruns passed).
-# Only a rank that truly made a call more waits it out, before its error.
+# How long a collective may still take to end after a peer in it left the job, where that peer
+# did not say how far it got (no flight recorder: ``ControlChannel._left_after``). A 4-rank gloo
+# all_gather whose peers had completed it and left failed a rank with "the ranks made different
+# calls" after 2 s, and once after 5 s (CI, 2 cores): a peer's posted position now decides.
 LEFT_GRACE_S = 5.0
 _LEAST = -(1 << 63)  # the least int64: the padding of a control round (MAX leaves it alone)
 # the int type of each element size: how a scalar's bits ride in a control word
@@ -427,7 +426,9 @@ class ControlChannel:
         return {**found, **dict.fromkeys(missing)}
 
     def _post_position(self, note: str) -> None:
-        """Post this rank's position for peers that fail while it aborts (``positions``)."""
+        """Post this rank's position (its flight recorder's last call) for its peers: those
+        that fail while it aborts (``positions``), and those still waiting in a call when it
+        leaves (``_left_after``)."""
         recorder = self._guard.recorder
         if recorder is None or self._store is None:
             return
@@ -571,6 +572,7 @@ class ControlChannel:
             return
         deadline = time.monotonic() + self.timeout
         wait_s = 0.01
+        joined = False  # every peer that left had made this call (``_left_after``)
         while True:
             try:
                 work.wait(datetime.timedelta(seconds=wait_s))
@@ -578,26 +580,64 @@ class ControlChannel:
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower() or time.monotonic() > deadline:
                     raise
+            wait_s = min(2 * wait_s, 0.2)
             # (read once: a peer that leaves between two reads would be taken for one that
             # left before this collective ended)
             reason = self._peer_word()
-            if reason is not None and LEFT in reason:
-                # A peer leaves after its last call, so it left this collective complete on
-                # its side (gloo's ring hands a rank the whole result before the last bytes
-                # reach a slower peer): this rank's part ends once those bytes arrive. Only a
-                # collective still unfinished after a grace is one the peer never joined.
-                grace = max(0.0, min(LEFT_GRACE_S, deadline - time.monotonic()))
-                began = time.monotonic()
-                try:
-                    work.wait(datetime.timedelta(seconds=grace))
-                    return
-                except RuntimeError as exc:
-                    if "timed out" not in str(exc).lower():
-                        raise  # the collective failed here: its own error, not a guess
-                reason += (f" (this rank's part of the collective had not ended "
-                           f"{time.monotonic() - began:.1f} s after it saw that)")  # fmt: skip
+            if reason is None or (joined and LEFT in reason):
+                continue
+            if LEFT in reason:
+                # A peer leaves after its last call. Where it said how far it got (its flight
+                # recorder's position, posted before it left), that decides: a peer that made
+                # this call left it complete on its side (gloo's ring hands a rank the whole
+                # result before the last bytes reach a slower peer), so this rank's part ends
+                # once those bytes arrive, or fails at the timeout as any call; a peer that
+                # left before it never will join it: the fault at once.
+                joined = self._left_after()
+                if joined:
+                    continue
+                if joined is None:  # no position (no flight recorder): a grace, then the fault
+                    grace = max(0.0, min(LEFT_GRACE_S, deadline - time.monotonic()))
+                    began = time.monotonic()
+                    try:
+                        work.wait(datetime.timedelta(seconds=grace))
+                        return
+                    except RuntimeError as exc:
+                        if "timed out" not in str(exc).lower():
+                            raise  # the collective failed here: its own error, not a guess
+                    reason += (f" (this rank's part of the collective had not ended "
+                               f"{time.monotonic() - began:.1f} s after it saw that)")  # fmt: skip
             self.check_peers(reason)
-            wait_s = min(2 * wait_s, 0.2)
+
+    def _left_after(self) -> bool | None:
+        """Whether every peer that left the job (``depart``) had made this rank's current call
+        on this communicator: True; one that had not: False; None where no peer that left said
+        how far it got (it keeps no flight recorder), or the store cannot say."""
+        recorder = self._guard.recorder
+        if recorder is None or self._store is None:
+            return None
+        prefix = f"{self._abort_key}/position/"
+        found = None
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            try:
+                if not self._store.check([f"{prefix}{r}"]):
+                    continue
+                said = self._store.get(f"{prefix}{r}").decode()
+            except (RuntimeError, OSError):
+                return None
+            if not said.endswith(f"then {LEFT}"):
+                continue  # a peer that aborted: its word says so (check_peers)
+            if said.startswith("no call yet"):
+                return False
+            number = said[1:].split(" ", 1)[0]  # "#<call> <op>: <label> (<state>), then ..."
+            if not number.isdigit():
+                return None
+            if int(number) < recorder.seq:
+                return False
+            found = True
+        return found
 
 
 def _alive(pid: int) -> bool:

@@ -31,6 +31,9 @@ class Row:
     predicted_ms: float
     parts: list[Part]
     measured: Measurement | None = None
+    # as each earlier calibration of the machine predicts it, newest first (None: it cannot):
+    # the calibration's drift (``explain``)
+    earlier_ms: list[float | None] = field(default_factory=list)
 
     @property
     def measured_ms(self) -> float | None:
@@ -117,6 +120,7 @@ class TuneResult:
                     "candidate": r.candidate.to_dict(),
                     "steps_ms": r.measured.steps_ms if r.measured is not None else [],
                     "timed_out": r.measured.timed_out if r.measured is not None else False,
+                    "earlier_predicted_ms": r.earlier_ms,
                 }
                 for r in self.rows
             ],
@@ -152,7 +156,8 @@ class TuneResult:
                     c.get("error"),
                     bool(c.get("timed_out", False)),
                 )
-            rows.append(Row(cand, float(c["predicted_ms"]), parts, m))
+            earlier = [None if x is None else float(x) for x in c.get("earlier_predicted_ms", [])]
+            rows.append(Row(cand, float(c["predicted_ms"]), parts, m, earlier))
         rm = doc.get("rematch")
         again = None
         if rm is not None:
@@ -308,7 +313,32 @@ def explain(result: TuneResult) -> str:
             f"prediction: mean error {sum(errs) / len(errs):.0%} over the "
             f"{len(errs)} measured; {within} of {len(errs)} within 25%",
         ]
+        out += _drift(winner, measured)
     return "\n".join(out)
+
+
+def _drift(winner: Row, measured: list[Row]) -> list[str]:
+    """The calibration's drift, as an uncertainty: how the winner's prediction and the mean
+    error over the measured candidates move under the machine's earlier calibrations."""
+    n = len(winner.earlier_ms)
+    if not n:
+        return ["calibration drift: unknown: this machine has one calibration kept "
+                "(coconet tune --recalibrate keeps it and takes another; their predictions "
+                "side by side are the drift)"]  # fmt: skip
+    mine = [winner.predicted_ms, *(x for x in winner.earlier_ms if x is not None)]
+    lo, hi = min(mine), max(mine)
+    half = (hi - lo) / 2 / ((hi + lo) / 2) if hi + lo > 0 else 0.0
+    lines = [f"calibration drift: {n} earlier calibration(s) kept: the winner's prediction "
+             f"spans {lo:.2f}-{hi:.2f} ms across them and this one (+/-{half:.0%}: the "
+             "uncertainty of a prediction on this machine)"]  # fmt: skip
+    for i in range(n):
+        pairs = [(r.earlier_ms[i], r.measured_ms) for r in measured
+                 if len(r.earlier_ms) > i and r.earlier_ms[i] is not None]  # fmt: skip
+        if pairs:
+            err = sum(abs(p - m) / m for p, m in pairs) / len(pairs)
+            lines.append(f"  with the earlier calibration #{i + 1} (newest first): mean error "
+                         f"{err:.0%} over the {len(pairs)} measured")  # fmt: skip
+    return lines
 
 
 def _kinds(row: Row) -> dict[str, float]:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from coconet.errors import ConfigError
+from coconet.errors import CoconetError, ConfigError
 from coconet.ir.program import Program
 from coconet.options import Algorithm, CompileOptions, TransportKind
 from coconet.progress import phase
@@ -128,7 +128,7 @@ def tune(
             # what the user waited for now (the tuning it replays took doc["seconds"])
             return dataclasses.replace(cached, seconds=time.perf_counter() - began)
     # 2. the machine's model (calibrated once per machine), and every candidate predicted
-    model = _machine(
+    model, earlier = _machine(
         comms,
         chosen,
         retune if recalibrate is None else recalibrate,
@@ -136,12 +136,15 @@ def tune(
         _largest_tensor(program, comm.mesh, sizes),
     )
 
-    def predicted(c: Candidate):
+    def predicted(c: Candidate, by: MachineModel = model):
         kw = {"donate": options.donate, "commit": options.commit,
               "commit_vote": options.commit_vote, "replicas": tuple(replicas)}
-        return predict(c, sizes, model, comm.mesh, **kw)
+        return predict(c, sizes, by, comm.mesh, **kw)
 
     rows = candidate_rows(candidates, predicted, fix_algorithms)
+    # the drift: each row as the machine's earlier calibrations would have predicted it
+    for r in rows:
+        r.earlier_ms = [_or_none(predicted, r.candidate, m) for m in earlier]
     # 3. the ones to measure: the best predicted, and always the baseline
     picked = _pick(rows, top, measure_all, only, comm.transport_of(None))
     # 4. measured on the ranks (every rank gets the slowest rank's times)
@@ -380,19 +383,24 @@ def _machine(
     retune: bool,
     say,
     needed: int = 0,
-) -> MachineModel:
+) -> tuple[MachineModel, list[MachineModel]]:
     """The calibrated model of this machine: from the cache, else measured now; measured up to
-    ``needed`` bytes (the tune's largest tensor) if it was not yet. Collective."""
+    ``needed`` bytes (the tune's largest tensor) if it was not yet. Collective. With it, the
+    machine's earlier calibrations (``EARLIER_KEPT`` at most, newest first), whose predictions
+    of the same candidates are the calibration's drift (``explain``): a recalibration keeps
+    the one it replaces among them."""
     base = comms.base
     progress = lambda what: say(f"  calibrating {what}")  # noqa: E731
     model = None
     conditions = None
-    if not retune:
-        doc = store.load_machine(base, transports)
-        if doc is not None:
-            model = MachineModel.from_json(doc)
-            conditions = doc.get("conditions")
-            say(_cached_calibration(conditions))
+    doc = store.load_machine(base, transports)
+    kept = earlier_calibrations(doc)
+    if not retune and doc is not None:
+        model = MachineModel.from_json(doc)
+        conditions = doc.get("conditions")
+        say(_cached_calibration(conditions))
+    elif doc is not None:  # replaced: kept among the earlier ones
+        kept = [{k: v for k, v in doc.items() if k != "earlier"}, *kept][:EARLIER_KEPT]
     measured = model is None
     if model is None:
         conditions = _conditions()
@@ -408,8 +416,37 @@ def _machine(
         model = extend(model, by_transport, needed, progress)
         measured = True
     if measured:
-        store.save_machine(base, transports, dict(model.to_json(), conditions=conditions))
-    return model
+        store.save_machine(base, transports,
+                           dict(model.to_json(), conditions=conditions, earlier=kept))  # fmt: skip
+    return model, [MachineModel.from_json(d) for d in kept]
+
+
+def _or_none(predicted: Callable, candidate: Candidate, model: MachineModel) -> float | None:
+    """``candidate``'s predicted ms under an earlier calibration; None where that one cannot
+    predict it (an op or transport it did not measure)."""
+    try:
+        return predicted(candidate, model).ms
+    except CoconetError:
+        return None
+
+
+# The earlier calibrations a machine's cached model keeps (``_machine``): enough to see whether
+# predictions move between calibrations (the memory probe's 32 MiB point moved 1.2-2.9 ms
+# between calibrations of one VM), few enough that the cache stays small.
+EARLIER_KEPT = 3
+
+
+def earlier_calibrations(doc: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The earlier calibrations a cached machine document keeps, newest first (those a file
+    written before they were kept, or a damaged entry, leave out)."""
+    out = []
+    for d in (doc or {}).get("earlier") or []:
+        try:
+            MachineModel.from_json(d)
+        except (KeyError, TypeError, ValueError):
+            continue
+        out.append(d)
+    return out[:EARLIER_KEPT]
 
 
 def _conditions() -> dict:
