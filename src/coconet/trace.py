@@ -271,6 +271,7 @@ def overlap(trace: dict[str, Any], per_step: bool = False) -> list[dict[str, Any
     check(trace)
     events = trace["traceEvents"]
     steps = _outermost(events) if per_step else {}
+    begins = {pid: [t0 for t0, _, _ in spans] for pid, spans in steps.items()}
     rows: dict[tuple, dict[str, Any]] = {}
     for start, wait in _pairs(events):
         pid = start["pid"]
@@ -278,7 +279,7 @@ def overlap(trace: dict[str, Any], per_step: bool = False) -> list[dict[str, Any
         extra: dict[str, Any] = {}
         if per_step:
             spans = steps.get(pid, [])
-            i = bisect.bisect_right([t0 for t0, _, _ in spans], start["ts"]) - 1
+            i = bisect.bisect_right(begins.get(pid, []), start["ts"]) - 1
             inside = i >= 0 and start["ts"] < spans[i][1]
             extra = {"step": i if inside else None,
                      "step_name": spans[i][2] if inside else "(outside any step)"}
