@@ -309,9 +309,10 @@ def sequence_parallel_schedules_vs_torch(comm, tokens: int = 7) -> dict[str, flo
 
 
 def compiled_model_vs_torch(comm) -> dict[str, float]:
-    """torch.compile of a model holding coconet layers: each layer is a graph break (its own
-    compiled step), the LayerNorm and gelu around it are compiled; forward and x's gradient
-    equal the eager single-process model."""
+    """torch.compile of a model holding coconet layers, as one graph (``fullgraph=True``: each
+    layer call is a custom op, ``coconet.nn.traceable``): forward and x's gradient equal the
+    eager single-process model; with ``aot_eager`` (nothing around the layers rewritten) the
+    forward and every gradient are the eager coconet model's bits."""
     from coconet.cache import use_inductor_cache
 
     # The model's own torch.compile is the user's, not coconet's: Inductor's FX-graph cache is
@@ -332,14 +333,30 @@ def compiled_model_vs_torch(comm) -> dict[str, float]:
         def forward(self, x):
             return self.proj(F.gelu(self.fc(self.ln(x))), residual=x)
 
-    model = torch.compile(Block())
+    block = Block()
+    model = torch.compile(block, fullgraph=True)
     x = torch.randn(2, 3, 8)
     xa, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
     y = model(xa)
     ref = lin2(F.gelu(lin1(ln(ref_x)))) + ref_x
     y.sum().backward()
     ref.sum().backward()
-    return {"compiled y": _err(y, ref), "compiled dx": _err(xa.grad, ref_x.grad)}
+    out = {"compiled y": _err(y, ref), "compiled dx": _err(xa.grad, ref_x.grad)}
+    # the same graph without Inductor: every bit the eager coconet model's, on both ranks
+    plain = torch.compile(block, fullgraph=True, backend="aot_eager")
+    for length in (3, 6):
+        x = torch.randn(2, length, 8)
+        grads = []
+        for run in (block, plain):
+            block.zero_grad()
+            xi = x.clone().requires_grad_()
+            yi = run(xi)
+            yi.square().sum().backward()
+            grads.append([yi.detach(), xi.grad, block.fc.weight.grad.clone(),
+                          block.proj.weight.grad.clone(), block.proj.bias.grad.clone()])
+        out[f"aot_eager, length {length}: not the eager bits"] = float(
+            not all(torch.equal(a, b) for a, b in zip(*grads, strict=True)))
+    return out
 
 
 def killed_in_backward(comm, victim: int) -> dict:

@@ -46,6 +46,7 @@ from coconet.errors import ConfigError, RuntimeFault
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, DType, Layout, Replicated, Sliced, slice_bounds
+from coconet.nn import traceable
 from coconet.options import CompileOptions
 from coconet.runtime.comm import Communicator
 from coconet.runtime.shards import Placement, ShardedParameter
@@ -312,6 +313,7 @@ class _ParallelLinear(nn.Module):
         # the check of the model's replicated parameters that parallelize installs (or None)
         self._replicas: Any = None
         self.reset_parameters()
+        traceable.register(self)  # (what a torch.compile graph names the layer by)
 
     # -- copies, pickles and the group --------------------------------------------------------
 
@@ -329,8 +331,9 @@ class _ParallelLinear(nn.Module):
                 copied.__dict__[key] = value
             elif key == "_programs":
                 copied.__dict__[key] = dict(value)
-            else:
+            elif key != "_op_name":
                 copied.__dict__[key] = copy.deepcopy(value, memo)
+        traceable.register(copied)
         return copied
 
     def __getstate__(self) -> dict[str, Any]:
@@ -342,12 +345,14 @@ class _ParallelLinear(nn.Module):
         state["comm"] = None
         state["_programs"] = {}
         del state["schedule"]
+        state.pop("_op_name", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.schedule = _schedule_of(self._schedule_given, type(self).__name__,
                                      self.sequence_parallel)  # fmt: skip
+        traceable.register(self)
 
     def _group(self) -> Communicator:
         """The layer's communicator; a ConfigError for a layer unpickled and not attached."""
@@ -448,17 +453,34 @@ class _ParallelLinear(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------
 
-    # torch.compile of a model holding the layer: the layer's step is its own compiled code
-    # (generated module, torch.distributed or shared-memory collectives) that dynamo cannot
-    # trace; it runs as a graph break, the rest of the model is compiled around it
-    @torch.compiler.disable
     def _call(self, x: torch.Tensor, residual: torch.Tensor | None, scalars: dict[str, Any]):
+        # torch.compile of a model holding the layer: the layer's steps are their own compiled
+        # code (generated modules, collectives) that dynamo cannot trace; the call goes into
+        # the graph as one custom op (coconet.nn.traceable) where the layer can say its output's
+        # shape from this rank's input alone and no scalar changes from call to call, and runs
+        # as a graph break otherwise (a column-parallel sequence-parallel layer, whose output's
+        # length is the sum of every rank's; dropout in training, keyed by a call count)
+        if torch.compiler.is_compiling() and not scalars and self._traceable():
+            return traceable.call(self, x, residual)
+        return self._eager_call(x, residual, scalars)
+
+    @torch.compiler.disable
+    def _eager_call(self, x: torch.Tensor, residual: torch.Tensor | None,
+                    scalars: dict[str, Any]) -> torch.Tensor:  # fmt: skip
         with tracing.span(type(self).__name__, Category.LAYER, "forward"):
             return self._forward(x, residual, scalars)
 
     def _forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                  scalars: dict[str, Any]) -> torch.Tensor:  # fmt: skip
-        comm = self._group()
+        self._check_input(x)
+        tensors = self._tensors(x, self.weight, self.bias, residual)
+        needs = tuple(k for k, t in tensors.items() if t.requires_grad)
+        # nothing to differentiate (inference, no_grad, frozen weights): the forward step
+        # alone, without the autograd Function around it (~12 us a call at decode sizes; the
+        # step detaches its inputs)
+        return self._run(tensors, residual, scalars, needs, torch.is_grad_enabled() and needs)
+
+    def _check_input(self, x: Any) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self._x_features():
             raise ConfigError(
                 f"the input's last dim must be {self._x_features()}, got "
@@ -466,12 +488,22 @@ class _ParallelLinear(nn.Module):
                 op=type(self).__name__,
                 hint="this rank's part of the features when the input is parallel, else all",
             )
-        tensors = {"x": x.contiguous(), "w": self.weight}
-        if self.bias is not None:
-            tensors["b"] = self.bias
-        if residual is not None:
-            tensors["r"] = residual.contiguous()
-        needs = tuple(k for k, t in tensors.items() if t.requires_grad)
+
+    @staticmethod
+    def _tensors(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 r: torch.Tensor | None) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The step's tensor inputs by the program's names."""
+        tensors = {"x": x.contiguous(), "w": w}
+        if b is not None:
+            tensors["b"] = b
+        if r is not None:
+            tensors["r"] = r.contiguous()
+        return tensors
+
+    def _steps(self, x: torch.Tensor, residual: torch.Tensor | None, scalars: dict[str, Any],
+               needs: tuple[str, ...]) -> _Steps:  # fmt: skip
+        """The compiled steps of a call like this one (made at its first call)."""
+        comm = self._group()
         kind = self._residual_kind(x, residual)
         key = _Key(x.dim(), x.dtype, kind, bool(scalars), needs)
         steps = self._programs.get(key)
@@ -488,16 +520,19 @@ class _ParallelLinear(nn.Module):
             steps = self._programs[key] = _Steps(program, comm, self.fused_kernels,
                                                  self.schedule, sizes, dict(scalars))  # fmt: skip
             steps.layer = type(self).__name__  # (what its backward's trace span is named)
+        return steps
+
+    def _run(self, tensors: dict[str, torch.Tensor], residual: torch.Tensor | None,
+             scalars: dict[str, Any], needs: tuple[str, ...], differentiate: Any
+             ) -> torch.Tensor:  # fmt: skip
+        steps = self._steps(tensors["x"], residual, scalars, needs)
         # the model's replicated parameters, checked at its training forwards (nn.replicas)
         # (by a call that agrees at once: one that communicates, so that a difference is this
         # call's fault and not another's)
         agree = (self._replicas.take() if self._replicas is not None
                  and steps.forward.agrees_at_once else None)  # fmt: skip
         try:
-            if not (torch.is_grad_enabled() and needs):
-                # nothing to differentiate (inference, no_grad, frozen weights): the forward
-                # step alone, without the autograd Function around it (~12 us a call at
-                # decode sizes; the step detaches its inputs)
+            if not differentiate:
                 return steps.forward.run({**tensors, **scalars}, agree=agree)["y"]
             names = tuple(tensors)
             return _Apply.apply(steps, scalars, agree, names, *tensors.values())
@@ -507,6 +542,35 @@ class _ParallelLinear(nn.Module):
             if drift is None:
                 raise
             raise drift from None
+
+    # -- inside torch.compile: the custom ops' sides (coconet.nn.traceable) -------------------
+
+    def _traceable(self) -> bool:
+        """Whether this rank alone knows the output's shape (``traced_shape``)."""
+        return True
+
+    def traced_shape(self, x: torch.Tensor, residual: torch.Tensor | None) -> list[Any]:
+        """The output's shape for input ``x`` (the custom op's fake implementation)."""
+        self._check_input(x)
+        return self._output_shape(list(x.shape))
+
+    def traced_forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                       r: torch.Tensor | None, needs: tuple[str, ...]) -> torch.Tensor:  # fmt: skip
+        """The custom op's forward: the layer's forward step, as an eager call runs it."""
+        with tracing.span(type(self).__name__, Category.LAYER, "forward"):
+            self._check_input(x)
+            return self._run(self._tensors(x, w, b, r), r, {}, needs, False)
+
+    def traced_backward(self, d_y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                        b: torch.Tensor | None, r: torch.Tensor | None,
+                        needs: tuple[str, ...]) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The custom op's gradient: the layer's backward step for ``needs``."""
+        with tracing.span(type(self).__name__, Category.LAYER, "backward"):
+            step = self._steps(x, r, {}, needs).backward_step(needs)
+            return step(**self._tensors(x, w, b, r), d_y=d_y.contiguous())
+
+    def _output_shape(self, shape: list[Any]) -> list[Any]:
+        raise NotImplementedError  # pragma: no cover - each layer writes its own
 
     @property
     def tuning(self) -> list[Any]:
@@ -562,6 +626,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._call(x, None, {})
+
+    def _traceable(self) -> bool:
+        # sequence-parallel: the gathered length is the sum of every rank's, which one rank's
+        # input does not say (the parts may differ by one)
+        return not self.sequence_parallel
+
+    def _output_shape(self, shape: list[Any]) -> list[Any]:
+        lo, hi = self._bounds(self.out_features)
+        return [*shape[:-1], self.out_features if self.gather_output else hi - lo]
 
     def _program(self, rank: int, dtype: DType, residual: Residual) -> Program:
         dims = self._dims(rank)
@@ -625,6 +698,14 @@ class RowParallelLinear(_ParallelLinear):
             scalars = {"seed": self.seed, "step": self.calls}
             self.calls += 1
         return self._call(x, residual, scalars)
+
+    def _output_shape(self, shape: list[Any]) -> list[Any]:
+        out = [*shape[:-1], self.out_features]
+        if self.sequence_parallel:  # reduce_scattered over the sequence: this rank's part
+            dim = self._seq_layout(len(shape)).dim
+            lo, hi = slice_bounds(shape[dim], self.parts, self.index)
+            out[dim] = hi - lo
+        return out
 
     def _residual_kind(self, x: torch.Tensor, residual: torch.Tensor | None) -> Residual:
         if residual is None:
