@@ -285,6 +285,42 @@ def test_the_merge_names_the_rank_each_wait_waited_on(tmp_path):
     assert "2.500 ms of it on rank 2" in text and "waited on: rank 2, 2 time(s)" in text
 
 
+@settings(max_examples=60, deadline=None)
+@given(starts=st.lists(st.integers(0, 5_000), min_size=2, max_size=5),
+       lasting=st.lists(st.integers(1, 8_000), min_size=5, max_size=5),
+       gloo=st.booleans())  # fmt: skip
+def test_each_blocked_span_names_the_last_rank_to_start(starts, lasting, gloo):
+    """Ranks start one call at random instants and block for random lengths (in a wait after
+    the start, or inside the start): a rank whose blocking span holds the last rank's start is
+    marked with that rank and the time until it; no other span is marked; the merged trace's
+    own tallies (``late_ranks``) add the marks up."""
+    events = []
+    for r, t0 in enumerate(starts):
+        start = {"name": "all_reduce: g", "cat": "collective", "ph": "X", "ts": float(t0),
+                 "dur": 1.0 if gloo else float(lasting[r]), "pid": r, "tid": 1,
+                 "args": {"comm": "c", "call": 3, "group": list(range(len(starts)))}}
+        events.append(start)
+        if gloo:
+            events.append({"name": "wait all_reduce: g", "cat": "wait", "ph": "X",
+                           "ts": t0 + 1.0, "dur": float(lasting[r]), "pid": r, "tid": 1})
+    trace._mark_late(events)
+    last = max(range(len(starts)), key=lambda r: starts[r])
+    expected = {}
+    for r, t0 in enumerate(starts):
+        began = t0 + (1.0 if gloo else 0.0)
+        if r != last and 0 < starts[last] - began < lasting[r]:
+            expected[r] = round((starts[last] - began) / 1e3, 3)
+    marked = {e["pid"]: e["args"]["peer_late_ms"] for e in events
+              if "waited_on" in (e.get("args") or {})}  # fmt: skip
+    assert marked == expected
+    assert all(e["args"]["waited_on"] == last for e in events
+               if "waited_on" in (e.get("args") or {}))  # fmt: skip
+    rows = trace.late_ranks({"traceEvents": events})
+    assert rows == ([{"rank": last, "waits": len(expected),
+                      "peers_waited_ms": pytest.approx(sum(expected.values()))}]
+                    if expected else [])  # fmt: skip
+
+
 def test_the_cost_models_prediction_stands_beside_each_collective_it_names(tmp_path):
     tune = {"winner": "w", "candidates": [
         {"schedule": "other", "predicted_parts": [["g (all_reduce)", "communication", 9.0]]},
