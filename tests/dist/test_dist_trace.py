@@ -94,7 +94,8 @@ def test_each_workload_is_traced_on_every_rank_and_merges_onto_one_timeline(tmp_
                  str(tmp_path / "dp.png"), "--predicted", str(tmp_path / "tune.json")]) == 0
     out = capsys.readouterr().out
     assert "optimizer" in out and "ui.perfetto.dev" in out and "hidden share" in out
-    gathers = [line for line in out.splitlines() if "all_gather: p_new" in line]
+    gathers = [line for line in out.splitlines()
+               if re.match(r" +\d +all_gather: p_new ", line)]  # the table's rows
     assert len(gathers) == 2 and all(line.endswith("0.250 ms") for line in gathers), out
     assert (tmp_path / "dp.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["trace", "merge", folders["late"], "--per-step"]) == 0
