@@ -84,14 +84,14 @@ def test_each_rank_names_its_output_shape_alone(rank, length):
     comm = _two_rank_comm(rank)
     lo, hi = slice_bounds(10, 2, rank)
     col = ColumnParallelLinear(4, 10, comm=comm)
-    assert col.traced_shape(torch.empty(length, 2, 4), None) == [length, 2, hi - lo]
+    assert col.traced_shape(torch.empty(length, 2, 4)) == [length, 2, hi - lo]
     gathered = ColumnParallelLinear(4, 10, comm=comm, gather_output=True)
-    assert gathered.traced_shape(torch.empty(length, 4), None) == [length, 10]
+    assert gathered.traced_shape(torch.empty(length, 4)) == [length, 10]
     row = RowParallelLinear(10, 4, comm=comm)
-    assert row.traced_shape(torch.empty(length, hi - lo), None) == [length, 4]
+    assert row.traced_shape(torch.empty(length, hi - lo)) == [length, 4]
     sp = RowParallelLinear(10, 4, comm=comm, sequence_parallel=True)
     s_lo, s_hi = slice_bounds(length, 2, rank)  # the sequence's uneven parts
-    assert sp.traced_shape(torch.empty(length, 3, hi - lo), None) == [s_hi - s_lo, 3, 4]
+    assert sp.traced_shape(torch.empty(length, 3, hi - lo)) == [s_hi - s_lo, 3, 4]
     # a column layer's gathered sequence is every rank's parts: not one rank's to say
     assert not ColumnParallelLinear(4, 10, comm=comm, sequence_parallel=True)._traceable()
     assert col._traceable() and sp._traceable()

@@ -478,7 +478,7 @@ class _ParallelLinear(nn.Module):
         # nothing to differentiate (inference, no_grad, frozen weights): the forward step
         # alone, without the autograd Function around it (~12 us a call at decode sizes; the
         # step detaches its inputs)
-        return self._run(tensors, residual, scalars, needs, torch.is_grad_enabled() and needs)
+        return self._run(tensors, residual, scalars, needs, torch.is_grad_enabled() and bool(needs))
 
     def _check_input(self, x: Any) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self._x_features():
@@ -523,7 +523,7 @@ class _ParallelLinear(nn.Module):
         return steps
 
     def _run(self, tensors: dict[str, torch.Tensor], residual: torch.Tensor | None,
-             scalars: dict[str, Any], needs: tuple[str, ...], differentiate: Any
+             scalars: dict[str, Any], needs: tuple[str, ...], differentiate: bool
              ) -> torch.Tensor:  # fmt: skip
         steps = self._steps(tensors["x"], residual, scalars, needs)
         # the model's replicated parameters, checked at its training forwards (nn.replicas)
@@ -549,7 +549,7 @@ class _ParallelLinear(nn.Module):
         """Whether this rank alone knows the output's shape (``traced_shape``)."""
         return True
 
-    def traced_shape(self, x: torch.Tensor, residual: torch.Tensor | None) -> list[Any]:
+    def traced_shape(self, x: torch.Tensor) -> list[Any]:
         """The output's shape for input ``x`` (the custom op's fake implementation)."""
         self._check_input(x)
         return self._output_shape(list(x.shape))

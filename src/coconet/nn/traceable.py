@@ -71,7 +71,7 @@ def _forward(layer, x, w, b, r, needs):
 
 @_forward.register_fake
 def _forward_fake(layer, x, w, b, r, needs):
-    return x.new_empty(_layer(layer).traced_shape(x, r))
+    return x.new_empty(_layer(layer).traced_shape(x))
 
 
 @torch.library.custom_op(
