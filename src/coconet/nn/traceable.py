@@ -17,6 +17,7 @@ when it is made, copied or unpickled (``register``), so that a traced call only 
 """
 
 import itertools
+import sys
 import weakref
 from typing import Any
 
@@ -26,22 +27,32 @@ from coconet.errors import ConfigError
 
 __all__ = ["call", "register"]
 
-# the live layers by name (see the module docstring)
-_LAYERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-_NUMBERS = itertools.count()
+# The live layers by name (see the module docstring). One registry per process: a second
+# import of this module (a test that imports each module alone, importlib.reload) defines the
+# ops again, and the ops' functions then read the registry of the module that sys.modules holds
+# (``_registry``), the one every layer was registered in; a reload keeps the one it had.
+_LAYERS: "weakref.WeakValueDictionary[str, Any]" = (
+    globals().get("_LAYERS") or weakref.WeakValueDictionary())
+_NUMBERS = globals().get("_NUMBERS") or itertools.count()
+
+
+def _registry() -> "weakref.WeakValueDictionary[str, Any]":
+    module = sys.modules.get(__name__)
+    return getattr(module, "_LAYERS", _LAYERS)
 
 
 def register(layer: Any) -> str:
     """Give ``layer`` a name of its own in the registry (a copy or an unpickled layer gets a
     new one: the name it carries is its original's)."""
-    name = f"{type(layer).__name__}-{next(_NUMBERS)}"
-    _LAYERS[name] = layer
+    module = sys.modules.get(__name__)
+    name = f"{type(layer).__name__}-{next(getattr(module, '_NUMBERS', _NUMBERS))}"
+    _registry()[name] = layer
     layer.__dict__["_op_name"] = name
     return name
 
 
 def _layer(name: str) -> Any:
-    layer = _LAYERS.get(name)
+    layer = _registry().get(name)
     if layer is None:
         raise ConfigError(
             f"the compiled graph calls layer {name!r}, which no longer exists",
