@@ -699,12 +699,12 @@ def test_measurement_inputs_fit_integer_scalars():
     from types import SimpleNamespace
 
     from coconet.ir.mesh import Mesh
-    from coconet.tune.measure import _inputs
+    from coconet.tune.measure import program_inputs
 
     prog = load_example("tensor_parallel").program()
     cand = enumerate_candidates(prog, [TD])[0][0]
     comm = SimpleNamespace(mesh=Mesh.world(2), rank=0, device=torch.device("cpu"))
-    values = _inputs(cand, {"B": 4, "H": 8, "H2": 4}, comm, {}, seed=0)
+    values = program_inputs(cand.scheduled, {"B": 4, "H": 8, "H2": 4}, comm, {}, seed=0)
     assert values["x"].shape == (4, 4)
     for name in ("seed", "step"):
         assert float(values[name]).is_integer(), (name, values[name])

@@ -131,17 +131,6 @@ class Communicators:
         return {t: self.get(t) for t in self.transports()}
 
 
-def _inputs(
-    candidate: Candidate,
-    sizes: Mapping[str, int],
-    comm: Communicator,
-    scalars: Mapping[str, float],
-    seed: int,
-) -> dict[str, Any]:
-    """This rank's inputs of the candidate's program (``program_inputs``)."""
-    return program_inputs(candidate.scheduled, sizes, comm, scalars, seed)
-
-
 def program_inputs(
     program: Program,
     sizes: Mapping[str, int],
@@ -229,7 +218,7 @@ def _prepare(
     fn = inputs = None
     try:  # local work only: a rank that fails here must not leave the others in a collective
         fn = coconet_compile(candidate.target, comm=comm, options=options)
-        inputs = _inputs(candidate, sizes, comm, scalars, seed=1234)
+        inputs = program_inputs(candidate.scheduled, sizes, comm, scalars, seed=1234)
     except Exception as e:  # noqa: BLE001 - any failure scores the candidate, never the tuning
         error = f"{type(e).__name__}: {e}"
     error = _vote_failed(comms.base, error is not None, error)
