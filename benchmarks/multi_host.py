@@ -72,6 +72,11 @@ and the cores, and there is no added latency (``netem`` is not available here). 
     python benchmarks/multi_host.py --rates 1gbit --nproc 2+1    # hosts of 2 and 1: leaders
     python benchmarks/multi_host.py --rates 1gbit --nproc 2 --params 16M --steps 10 \
         --json out.json    # 2 x 2 with the bfloat16 rows and their targets
+    python benchmarks/multi_host.py --local-sgd 8 --json benchmarks/results/local_sgd.json
+
+``--local-sgd K`` runs ``benchmarks/local_sgd.py`` instead (2 x 2 ranks, the first of
+``--rates``): Overlap Local-SGD and Local SGD with period K against a local step, torch's
+post-local-SGD and the synchronous hierarchical step, with that issue's targets.
 """
 
 from __future__ import annotations
@@ -223,6 +228,41 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def measure_local_sgd(rate: str, cfg: dict) -> dict:
+    """``local_sgd.worker`` on 2 hosts x 2 ranks over a ``rate`` link."""
+    with Hosts(2, rate=rate) as hosts:
+        doc = hosts.run("local_sgd:worker", cfg, nproc=2, timeout=cfg["timeout"],
+                        env={"COCONET_HOSTS_TIMEOUT": "600"}, path=(str(HERE),))[0]
+    if isinstance(doc, BaseException):
+        raise SystemExit(f"multi_host --local-sgd: {rate}: {type(doc).__name__}: {doc}")
+    return {"rate": rate, "period": cfg["period"], **doc,
+            "link_ms": round(4 * cfg["params"] / rate_bytes_per_s(rate) * 1e3, 3)}
+
+
+def main_local_sgd(args) -> int:
+    import local_sgd
+
+    rate = args.rates.split(",")[0]
+    rate_bytes_per_s(rate)
+    cfg = {"params": parse_size(args.params), "period": args.local_sgd, "seed": 0,
+           "batch": args.batch,
+           "periods": args.steps, "warmup": max(args.warmup, 1), "timeout": 1800}
+    started = time.time()
+    print(f"local sgd: link {rate}, 2 hosts x 2 ranks ...", file=sys.stderr, flush=True)
+    run = measure_local_sgd(rate, cfg)
+    doc = {"benchmark": "multi_host --local-sgd", "config": cfg, "run": run,
+           "targets": local_sgd.targets(run),
+           "machine": {"cpu_model": cpu_model(), "cpus": len(os.sched_getaffinity(0)),
+                       "python": platform.python_version()},
+           "wall_s": round(time.time() - started, 1)}
+    print(local_sgd.table(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+        Path(args.json).with_suffix(".txt").write_text(local_sgd.table(doc) + "\n")
+        print(f"JSON written to {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", default="16M")
@@ -235,12 +275,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out the bfloat16 rows (ddp[bf16_compress_hook], coconet's "
                     "reduce_dtype=torch.bfloat16 and bfloat16 parameters), run by default at 2 "
                     "ranks per host")
+    ap.add_argument("--local-sgd", type=int, default=0, metavar="K",
+                    help="run benchmarks/local_sgd.py instead: Local SGD with period K on 2 x 2 "
+                    "ranks (--steps: timed periods of K steps)")
+    ap.add_argument("--batch", type=int, default=32,
+                    help="with --local-sgd: rows of each local step's forward and backward "
+                    "(0: the optimizer's update alone)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     why = Hosts.unavailable()
     if why:
         print(f"multi_host: {why}", file=sys.stderr)
         return 2
+    if args.local_sgd:
+        return main_local_sgd(args)
     cfg = {"optimizer": "adam", "params": parse_size(args.params), "steps": args.steps,
            "warmup": args.warmup, "seed": 0, "model": None, "clip": None, "timeout": 1800}
     started = time.time()

@@ -18,6 +18,7 @@ vocabulary), so nothing is downloaded and the data never changes under the resul
     python examples/train_gpt.py                 # 15-30 s on 2 cores (cold cache: ~1 minute)
     python examples/train_gpt.py --steps 60 --plot losses.png --json run.json
     python examples/train_gpt.py --dtype bfloat16  # the model in bfloat16, float32 masters
+    python examples/train_gpt.py --local-sgd 8 --overlap --steps 200 --plot local_sgd.png
 
 With ``--dtype bfloat16`` the model's parameters are bfloat16 (the forward and backward compute
 in bfloat16): coconet.optim.AdamW keeps a float32 master copy of each rank's slice; **ddp** is
@@ -28,6 +29,15 @@ reductions' orders differ: DDP's gloo averages in bfloat16) and their trajectori
 step by step (a few percent at single steps after ~50), so the check compares the mean loss
 of each window of 10 steps, to 1e-2 relative (one run of 100 steps: coconet within 0.4% of one
 process, DDP within 0.7%; ``benchmarks/results/train_gpt_bf16.txt``).
+
+With ``--local-sgd K`` a run of **Local SGD** joins them: each rank steps its own model on its
+half of the batch with ``torch.optim.AdamW(fused=True)`` and ``coconet.optim.LocalSGD`` averages
+the models after every K-th step; ``--overlap`` adds **Overlap Local-SGD**
+(``coconet.optim.OverlapLocalSGD``: each model pulled half way toward an anchor, the next average
+travelling while the next K steps run). These are other algorithms, not the same arithmetic:
+their losses (each rank's on its half with its own model, averaged over the ranks) are not held
+to the reference; the summary gives each one's final loss (the mean of the last 10 steps) over
+sync data parallel's (coconet.optim's).
 
 While it runs it says what it is doing (the first step compiles coconet's fused kernels: 10-35 s
 on a cold cache), then prints the table, the verdict against DDP ("1.37x faster than DDP") and
@@ -71,6 +81,15 @@ class Config:
     world: int = 2
     dtype: str = "float32"  # the parameters' (bfloat16: float32 masters in the optimizers)
     fully_shard: bool = False  # a third run: the model fully sharded (coconet.fsdp)
+    local_sgd: int = 0  # > 0: a run of Local SGD averaging after every local_sgd-th step
+    overlap: bool = False  # and one of Overlap Local-SGD with the same period
+
+
+def local_runs(cfg: Config) -> tuple[str, ...]:
+    """The Local-SGD runs ``cfg`` asks for (keys of the results: ``<run>_loss``, ``<run>_ms``)."""
+    if not cfg.local_sgd:
+        return ()
+    return ("local_sgd", "overlap_local_sgd") if cfg.overlap else ("local_sgd",)
 
 
 class Block(nn.Module):
@@ -190,8 +209,18 @@ def ranks(comm, cfg: Config) -> dict:
         fs_opt = coconet.optim.AdamW(
             sharded.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, comm=comm
         )
+    local = {}  # run: (model, optimizer), each rank's own model between averages
+    for run in local_runs(cfg):
+        net = model(cfg)
+        inner = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=True)  # fmt: skip
+        local[run] = (net, coconet.optim.OverlapLocalSGD(inner, period=cfg.local_sgd, comm=comm)
+                      if run == "overlap_local_sgd" else
+                      coconet.optim.LocalSGD(inner, period=cfg.local_sgd, comm=comm))  # fmt: skip
+    runs = (*runs, *local)
     out = {k: [] for k in ("coconet_loss", "ddp_loss", "coconet_ms", "ddp_ms", "compute_ms",
-                           "coconet_step_ms", "fsdp_loss", "fsdp_ms")}
+                           "coconet_step_ms", "fsdp_loss", "fsdp_ms",
+                           *(f"{run}_{what}" for run in local for what in ("loss", "ms")))}
     def one_step(k: int) -> None:
         x, y = batch(data, cfg, k)
         xs = torch.tensor_split(x, comm.world)[comm.rank]
@@ -199,7 +228,13 @@ def ranks(comm, cfg: Config) -> dict:
         for run in runs:
             dist.barrier()
             t0 = time.perf_counter()
-            if run == "fsdp":  # the update of each block runs in its backward
+            if run in local:
+                net, local_opt = local[run]
+                local_opt.zero_grad()
+                loss = loss_of(net, xs, ys)
+                loss.backward()
+                local_opt.step()  # a local step; after every K-th the models are averaged
+            elif run == "fsdp":  # the update of each block runs in its backward
                 fs_opt.zero_grad()
                 loss = loss_of(sharded, xs, ys)
                 loss.backward()
@@ -251,7 +286,8 @@ def ranks(comm, cfg: Config) -> dict:
         torch.save({"fsdp": whole, "coconet": mine, "ddp": theirs}, buf)
         out["params"] = buf.getvalue()
     for key in ("coconet_ms", "ddp_ms", "compute_ms", "coconet_step_ms",
-                *(("fsdp_ms",) if cfg.fully_shard else ())):  # fmt: skip
+                *(("fsdp_ms",) if cfg.fully_shard else ()),
+                *(f"{run}_ms" for run in local)):  # fmt: skip
         t = torch.tensor(out[key], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time, step by step
         out[key] = t.tolist()
@@ -302,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="a third run: the model fully sharded (coconet.fsdp.fully_shard), "
                     "each block's update in its backward; its parameters are checked against "
                     "DDP's after the last step")
+    ap.add_argument("--local-sgd", type=int, default=0, metavar="K",
+                    help="a run of Local SGD (coconet.optim.LocalSGD over torch AdamW) averaging "
+                    "the models after every K-th step")
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --local-sgd: a run of Overlap Local-SGD too "
+                    "(coconet.optim.OverlapLocalSGD, the same period)")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="relative, on the losses (default 1e-4; 1e-2 with --dtype bfloat16)")
     ap.add_argument("--json", metavar="PATH")
@@ -310,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(
         steps=args.steps, d_model=args.d_model, layers=args.layers, batch=args.batch,
         seq=args.seq, dtype=args.dtype, fully_shard=args.fully_shard,
+        local_sgd=args.local_sgd, overlap=args.overlap,
     )
+    if args.local_sgd < 0 or (args.overlap and not args.local_sgd):
+        ap.error("--local-sgd takes a period K >= 1; --overlap needs --local-sgd K")
+    if args.local_sgd and cfg.dtype != "float32":
+        ap.error("--local-sgd trains float32 models (leave --dtype out)")
     if args.tolerance is None:
         # bfloat16: each run rounds its gradients' sums in its own order (one bfloat16 ulp is
         # 2**-8 relative), and the losses drift apart by more than float32's
@@ -354,11 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     say("'1 process' is the reference: one process on the full batch with torch.optim.AdamW")
     fs_head = f" {'fsdp':>10}" if cfg.fully_shard else ""
     fs_ms = f" {'fsdp ms':>8}" if cfg.fully_shard else ""
+    names = {"local_sgd": "local sgd", "overlap_local_sgd": "overlap"}
+    fs_head += "".join(f" {names[run]:>10}" for run in local_runs(cfg))
     say(f"\n{'step':>4} {'1 process':>10} {'coconet':>10} {'ddp':>10}{fs_head}   "
         f"{'coconet ms':>10} {'ddp ms':>8}{fs_ms}")
     for k in range(cfg.steps):
         note = "   <- the first step compiles coconet's fused kernels (once)" if k == 0 else ""
         fs_loss = f" {res['fsdp_loss'][k]:>10.5f}" if cfg.fully_shard else ""
+        fs_loss += "".join(f" {res[f'{run}_loss'][k]:>10.5f}" for run in local_runs(cfg))
         fs_time = f" {res['fsdp_ms'][k]:>8.1f}" if cfg.fully_shard else ""
         say(f"{k + 1:>4} {ref[k]:>10.5f} {res['coconet_loss'][k]:>10.5f} "
             f"{res['ddp_loss'][k]:>10.5f}{fs_loss}   {res['coconet_ms'][k]:>10.1f} "
@@ -417,6 +467,19 @@ def main(argv: list[str] | None = None) -> int:
             f" (relative to the largest value of all: fsdp "
             f"{drift_p['fsdp_vs_single']['global']:.1e}, DDP "
             f"{drift_p['ddp_vs_single']['global']:.1e})")
+    if local_runs(cfg):
+        last = min(10, cfg.steps)
+        sync = statistics.mean(res["coconet_loss"][-last:])
+        summary["local_sgd"] = {"period": cfg.local_sgd, "final_loss_window": last}
+        for run in local_runs(cfg):
+            summary["losses"][run] = res[f"{run}_loss"]
+            final = statistics.mean(res[f"{run}_loss"][-last:])
+            ms = statistics.median(res[f"{run}_ms"][timed] or res[f"{run}_ms"])
+            summary["median_step_ms"][run] = ms
+            summary["local_sgd"][f"{run}_final_loss_over_sync_dp"] = final / sync
+            say(f"{run.replace('_', ' ')} (K={cfg.local_sgd}): final loss {final:.4f} (mean of "
+                f"the last {last} steps), {final / sync:.3f}x sync data parallel's {sync:.4f}; "
+                f"median step {ms:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
         say(f"JSON written to {args.json}")
@@ -451,15 +514,26 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    smooth = 10 if len(summary["losses"]["single"]) >= 50 else 1
     for name, style, label in (("single", "-", "one process"), ("coconet", "--", "coconet"),
-                               ("ddp", ":", "ddp")):  # fmt: skip
-        losses = summary["losses"][name]
+                               ("ddp", ":", "ddp"), ("local_sgd", "-.", "local sgd"),
+                               ("overlap_local_sgd", "-", "overlap local-sgd")):  # fmt: skip
+        losses = summary["losses"].get(name)
+        if losses is None:
+            continue
+        if smooth > 1:  # each batch's loss jumps: the mean of the last `smooth` steps
+            losses = [statistics.mean(losses[max(0, i - smooth + 1) : i + 1])
+                      for i in range(len(losses))]  # fmt: skip
         ax.plot(range(1, len(losses) + 1), losses, style, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (global batch)")
+    ax.set_ylabel("loss (global batch)" + (f", mean of {smooth} steps" if smooth > 1 else ""))
     ms = summary["median_step_ms"]
     dtype = summary["config"].get("dtype", "float32")
-    ax.set_title(f"{dtype}: coconet {ms['coconet']:.0f} ms/step vs DDP {ms['ddp']:.0f} ms/step")
+    title = f"{dtype}: coconet {ms['coconet']:.0f} ms/step vs DDP {ms['ddp']:.0f} ms/step"
+    if "local_sgd" in summary:
+        title = (f"{dtype}: sync data parallel (coconet, ddp) against local SGD, "
+                 f"K={summary['local_sgd']['period']}")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -16,10 +16,12 @@ from support.examples_loader import EXAMPLES
 @pytest.mark.timeout(240)
 def test_the_training_example_follows_one_process(tmp_path):
     """With ``--fully-shard``: a third run, the model fully sharded (coconet.fsdp), whose
-    parameters follow coconet.optim's over the same programs (one sliced, one gathered)."""
+    parameters follow coconet.optim's over the same programs (one sliced, one gathered); with
+    ``--local-sgd 2 --overlap``, runs of Local SGD and Overlap Local-SGD beside them, whose
+    first step is every run's (the same model and batch, no average yet)."""
     out = tmp_path / "run.json"
     argv = ["--steps", "4", "--d-model", "32", "--layers", "2", "--tolerance", "1e-5",
-            "--fully-shard"]  # fmt: skip
+            "--fully-shard", "--local-sgd", "2", "--overlap"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_gpt.py"), *argv, "--json", str(out)],
         capture_output=True,
@@ -33,6 +35,11 @@ def test_the_training_example_follows_one_process(tmp_path):
     assert summary["param_drift"]["fsdp_vs_coconet"]["max"] <= 1e-6
     assert len(summary["losses"]["coconet"]) == 4
     assert "communication + optimizer are" in proc.stdout
+    for run in ("local_sgd", "overlap_local_sgd"):
+        losses = summary["losses"][run]
+        assert len(losses) == 4 and abs(losses[0] - summary["losses"]["coconet"][0]) < 1e-6
+        assert summary["local_sgd"][f"{run}_final_loss_over_sync_dp"] > 0
+    assert "overlap local sgd (K=2): final loss" in proc.stdout
 
 
 @pytest.mark.timeout(240)

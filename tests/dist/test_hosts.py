@@ -200,3 +200,39 @@ def test_a_host_that_dies_mid_step_gives_the_other_host_a_fault(hosts, where):
         assert survivor["seconds"] < 30, survivor
         assert survivor["unchanged"], "a survivor committed part of a failed step"
     assert out[2:] == [None, None]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("algo", [
+    {"name": "overlap", "inner": "sgd", "period": 3, "pull": 0.5, "momentum": 0.5},
+    {"name": "local", "inner": "adamw", "period": 4, "host_period": 2},
+])  # fmt: skip
+def test_local_sgd_across_hosts_follows_plain_torch(hosts, algo):
+    """Overlap Local-SGD's average in two levels (shared memory inside a host, in flight over
+    torch.distributed across), and Local SGD with a host level every 2 steps, against
+    ``local_sgd_workers.reference`` (the hosts' sums are over each host's sum: to rounding);
+    each run checkpointed and resumed with the same bits."""
+    import torch
+    from support import local_sgd_workers
+
+    out = hosts.run("support.host_workers:local_sgd", algo, 8, nproc=2, timeout=180)
+    ref = local_sgd_workers.reference(4, algo, 8, hosts=2)
+    for rank, got in enumerate(out):
+        for mine, want in zip(got["params"], ref["params"][rank], strict=True):
+            for a, b in zip(mine, want, strict=True):
+                torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got["resumed"], got["params"][-1], strict=True):
+            assert (a == b).all(), rank
+    if algo["name"] == "overlap":
+        assert "two levels" in out[0]["explain"], out[0]["explain"]
+
+
+@pytest.mark.timeout(200)
+def test_a_host_dead_with_a_local_sgd_average_in_flight_fails_the_other(hosts):
+    out = hosts.run("support.host_workers:local_sgd_host_dies", 3, nproc=2, timeout=150,
+                    env={"COCONET_HOSTS_TIMEOUT": "40"}, dead={2, 3})  # fmt: skip
+    for survivor in out[:2]:
+        assert survivor["status"] == "fault", survivor
+        assert survivor["seconds"] < 40, survivor
+        assert survivor["intact"], survivor
+    assert out[2:] == [None, None]

@@ -212,3 +212,28 @@ def through_leaders(comm: Communicator, victim: int, where: str) -> dict:
         out["fault"] = _fault_in(lambda: comm.wait(comm.reduce_scatter_start(
             x, ReduceOp.SUM, dim=0, axis=None, donate=False, label="dies")))
     return out
+
+
+def local_sgd(comm: Communicator, algo: dict, steps: int) -> dict:
+    """``local_sgd_workers.train`` across the hosts (checkpointed after step 4 and resumed)."""
+    from support import local_sgd_workers
+
+    return local_sgd_workers.train(comm, algo, steps, 4)
+
+
+def local_sgd_host_dies(comm: Communicator, victim: int) -> dict:
+    """Rank ``victim`` kills its whole host while an Overlap Local-SGD average is in flight
+    (``local_sgd_workers.dies_in_flight``): the other host's ranks fail at their next sync,
+    within the timeout, with their local models as the local step left them."""
+    from support import local_sgd_workers
+
+    if comm.rank == victim:
+        real = os.kill
+
+        def kill(pid, sig):  # the victim's own SIGKILL becomes its host's
+            if pid == os.getpid() and sig == signal.SIGKILL:
+                _kill_my_host(real)
+            real(pid, sig)
+
+        os.kill = kill
+    return local_sgd_workers.dies_in_flight(comm, victim)

@@ -31,6 +31,7 @@ sliced state, all-or-nothing updates, checkpoints in torch's format) and
 
 from coconet.optim.base import DistributedOptimizer, LocalGradientEditWarning
 from coconet.optim.checkpoint import merge_shards
+from coconet.optim.local_sgd import LocalSGD, OverlapLocalSGD
 from coconet.optim.optimizers import LAMB, SGD, Adam, AdamW
 from coconet.optim.state import with_master_weights
 
@@ -41,6 +42,8 @@ __all__ = [
     "AdamW",
     "DistributedOptimizer",
     "LocalGradientEditWarning",
+    "LocalSGD",
+    "OverlapLocalSGD",
     "merge_shards",
     "with_master_weights",
 ]
