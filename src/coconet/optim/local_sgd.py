@@ -232,6 +232,15 @@ class LocalSGD(torch.optim.Optimizer):
         seen: set[int] = set()
         self._params = [p for g in optimizer.param_groups for p in g["params"]
                         if id(p) not in seen and not seen.add(id(p))]  # fmt: skip
+        devices = sorted({str(p.device) for p in self._params} - {str(self.comm.device)})
+        if devices:
+            raise ConfigError(
+                f"parameters on {devices}, but the communicator's collectives run on "
+                f"{self.comm.device}",
+                op=self._op,
+                hint="keep the model on the communicator's device (CPU over gloo and shared "
+                "memory; CUDA over NCCL)",
+            )
         self._averager = _Averager(self.comm, in_flight=self._in_flight,
                                    host_level=self.host_period is not None)  # fmt: skip
         # DDP's habit: every rank starts from rank 0's model
