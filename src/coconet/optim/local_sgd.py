@@ -57,7 +57,7 @@ from coconet.ir.mesh import Mesh
 from coconet.ir.ops import ReduceOp
 from coconet.ir.types import slice_bounds
 from coconet.optim.settings import default_comm
-from coconet.options import AlgorithmPolicy, TransportPolicy
+from coconet.options import AlgorithmPolicy, TransportKind, TransportPolicy
 from coconet.runtime.comm import Communicator, Work
 from coconet.runtime.symmem import host_identity
 
@@ -67,8 +67,8 @@ __all__ = ["LocalSGD", "OverlapLocalSGD", "Placement"]
 class Placement(enum.Enum):
     """Where a model average travels."""
 
-    # every rank on one host: shared memory (done when it starts)
-    ONE_HOST = "one host, shared memory"
+    # every rank on one host: the communicator's route (shared memory: done when it starts)
+    ONE_HOST = "one host, the communicator's route"
     # inside each host over shared memory, across hosts over torch.distributed (in flight)
     TWO_LEVEL = "two levels: shared memory inside a host, torch.distributed across hosts"
     # the whole world over torch.distributed (in flight)
@@ -450,9 +450,11 @@ class OverlapLocalSGD(LocalSGD):
 
     def explain(self) -> str:
         text = super().explain()
-        overlap = ("arrives while the next steps run"
-                   if self._averager.placement is not Placement.ONE_HOST
-                   else "completes when it starts (shared memory: no overlap to gain on a CPU)")
+        at_start = (self._averager.placement is Placement.ONE_HOST
+                    and self.comm.world > 1
+                    and self.comm.transport_of(None) is TransportKind.SHARED_MEMORY)
+        overlap = ("completes when it starts (shared memory: no overlap to gain on a CPU)"
+                   if at_start else "arrives while the next steps run")
         return (f"{text}\n  pull {self.pull}, anchor momentum {self.momentum}; each average "
                 f"{overlap}")
 
