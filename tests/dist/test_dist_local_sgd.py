@@ -70,7 +70,7 @@ def test_a_rank_dead_with_an_average_in_flight_fails_the_others(transport):
     assert survivor["status"] == "fault", survivor
     assert survivor["seconds"] < 20, survivor
     assert survivor["intact"], survivor  # the local step's model, untouched by the failed sync
-    assert survivor["steps"] == 4, survivor
+    assert survivor["steps"] in (4, 6), survivor  # a sync (dies_in_flight says which)
 
 
 @pytest.mark.timeout(120)

@@ -229,10 +229,15 @@ def test_local_sgd_across_hosts_follows_plain_torch(hosts, algo):
 
 @pytest.mark.timeout(200)
 def test_a_host_dead_with_a_local_sgd_average_in_flight_fails_the_other(hosts):
+    """Both ranks of the other host fail well within the timeout (60 s), their models as the
+    local step left them. One of them may see its leg across hosts complete (it finished
+    before the death) where its host peer's failed: that peer aborts the host's communicator,
+    so the first does not wait for it in the host's gather until the timeout."""
     out = hosts.run("support.host_workers:local_sgd_host_dies", 3, nproc=2, timeout=150,
-                    env={"COCONET_HOSTS_TIMEOUT": "40"}, dead={2, 3})  # fmt: skip
+                    env={"COCONET_HOSTS_TIMEOUT": "60"}, dead={2, 3})  # fmt: skip
     for survivor in out[:2]:
         assert survivor["status"] == "fault", survivor
-        assert survivor["seconds"] < 40, survivor
+        assert survivor["seconds"] < 30, survivor
         assert survivor["intact"], survivor
+        assert survivor["steps"] in (4, 6), survivor
     assert out[2:] == [None, None]

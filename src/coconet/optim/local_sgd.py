@@ -133,6 +133,29 @@ class _Averager:
         if self.placement is not Placement.TWO_LEVEL:
             return self.comm.all_reduce_start(flat, ReduceOp.SUM, axis=None, donate=True,
                                               label=label), None  # fmt: skip
+        return self._telling_the_host(self._start_two_level, flat, label)
+
+    def finish(self, handle: tuple[Work, list[int] | None], out: torch.Tensor) -> torch.Tensor:
+        """The average of what ``start`` was given (the sum divided by the world) in ``out``."""
+        work, parts = handle
+        if self.placement is not Placement.TWO_LEVEL:
+            return torch.div(self.comm.wait(work), self.world, out=out)
+        return self._telling_the_host(self._finish_two_level, work, parts, out)
+
+    def _telling_the_host(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; where it fails, the host's communicator is aborted first. Each rank
+        of a host takes the leg across hosts with its own counterparts: one may fail there
+        (its counterpart died) where its host peer's leg had completed, and that peer would
+        wait for it in the host's next collective until the timeout."""
+        try:
+            return fn(*args)
+        except BaseException as e:
+            if self.inside is not None and self.inside.broken is None:
+                self.inside.abort(f"its average across hosts failed: {type(e).__name__}")
+            raise
+
+    def _start_two_level(self, flat: torch.Tensor, label: str
+                         ) -> tuple[Work, list[int] | None]:  # fmt: skip
         parts = None
         mine = flat
         if self.inside is not None:
@@ -145,11 +168,8 @@ class _Averager:
         return self.across.all_reduce_start(mine.clone(), ReduceOp.SUM, axis=None,
                                             donate=True, label=label), parts  # fmt: skip
 
-    def finish(self, handle: tuple[Work, list[int] | None], out: torch.Tensor) -> torch.Tensor:
-        """The average of what ``start`` was given (the sum divided by the world) in ``out``."""
-        work, parts = handle
-        if self.placement is not Placement.TWO_LEVEL:
-            return torch.div(self.comm.wait(work), self.world, out=out)
+    def _finish_two_level(self, work: Work, parts: list[int] | None, out: torch.Tensor
+                          ) -> torch.Tensor:  # fmt: skip
         total = self.across.wait(work)
         if parts is not None:
             total = self.inside.wait(self.inside.all_gather_start(
