@@ -47,19 +47,25 @@ def _kill_my_host(kill) -> None:
     kill(me, signal.SIGKILL)
 
 
-def host_dies(comm: Communicator, victim: int, where: str) -> dict:
-    """Rank ``victim`` kills its whole host at ``where`` ("all_gather": mid-step; "commit":
-    before the commit vote), in the fused Adam step (``dist_workers.fault_peer_dies``): the
-    ranks of the other host must get a fault within the timeout, their tensors as they were."""
+def _victim_kills_its_host(comm: Communicator, victim: int) -> None:
+    """On rank ``victim``, its own SIGKILL (``os.kill(os.getpid(), SIGKILL)``) becomes its
+    whole host's."""
     if comm.rank == victim:
         real = os.kill
 
-        def kill(pid, sig):  # the victim's own SIGKILL becomes its host's
+        def kill(pid, sig):
             if pid == os.getpid() and sig == signal.SIGKILL:
                 _kill_my_host(real)
             real(pid, sig)
 
         os.kill = kill
+
+
+def host_dies(comm: Communicator, victim: int, where: str) -> dict:
+    """Rank ``victim`` kills its whole host at ``where`` ("all_gather": mid-step; "commit":
+    before the commit vote), in the fused Adam step (``dist_workers.fault_peer_dies``): the
+    ranks of the other host must get a fault within the timeout, their tensors as they were."""
+    _victim_kills_its_host(comm, victim)
     return dist_workers.fault_peer_dies(comm, victim, where)
 
 
@@ -227,13 +233,5 @@ def local_sgd_host_dies(comm: Communicator, victim: int) -> dict:
     within the timeout, with their local models as the local step left them."""
     from support import local_sgd_workers
 
-    if comm.rank == victim:
-        real = os.kill
-
-        def kill(pid, sig):  # the victim's own SIGKILL becomes its host's
-            if pid == os.getpid() and sig == signal.SIGKILL:
-                _kill_my_host(real)
-            real(pid, sig)
-
-        os.kill = kill
+    _victim_kills_its_host(comm, victim)
     return local_sgd_workers.dies_in_flight(comm, victim)
