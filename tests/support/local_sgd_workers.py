@@ -114,10 +114,10 @@ def _average(all_flats: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [functools.reduce(operator.add, parts) / world for parts in zip(*all_flats, strict=True)]
 
 
-def reference(world: int, algo: dict, steps: int, hosts: int = 1) -> dict:
+def reference(world: int, algo: dict, steps: int, hosts: int = 1, make=model) -> dict:
     """The parameters of every rank after each step, and the losses (``hosts``: the ranks in
-    that many equal blocks, for ``host_period``)."""
-    nets = [model(0) for _ in range(world)]  # every rank starts from rank 0's
+    that many equal blocks, for ``host_period``; ``make(rank)``: the model)."""
+    nets = [make(0) for _ in range(world)]  # every rank starts from rank 0's
     opts = [inner(n, algo["inner"]) for n in nets]
     period, per_host = algo["period"], world // hosts
     anchor = _flat(nets[0])

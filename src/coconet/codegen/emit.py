@@ -92,6 +92,7 @@ class _Emitter:
         starts += [
             s for loop in plan.loops for st in loop.stages for s in st if isinstance(s, Start)
         ]
+        starts += [Start(d.collective, donate=True) for d in plan.deferred]
         self.work = {s.node.name: namer.claim(f"{self.var[s.node.name]}_work") for s in starts}
         # per kernel: (node, geometry field, parameter name) for the sizes a kernel is passed
         self._geo_cache: dict[str, list[tuple[Node, str, str]]] = {}
@@ -161,6 +162,8 @@ class _Emitter:
         entries = ", ".join(f'"{name}": _kernel_{fn}' for name, fn in names)
         out += ["", "", f"KERNELS = {{{entries}}}", "", ""]
         out += self.step_def()
+        if self.plan.deferred:
+            out += ["", "", *self.deferred_defs()]
         return "\n".join(out) + "\n"
 
     def agreement_rides(self) -> Start | None:
@@ -220,12 +223,66 @@ class _Emitter:
                 body += self.fused_collective_lines(s)
             else:
                 body += self.step_lines(s, _env_geo)
-        outs = ", ".join(f"{n.name!r}: {self.var[n.name]}" for n in self.program.outputs)
+        outs = [f"{n.name!r}: {self.var[n.name]}" for n in self.program.outputs]
+        for d in self.plan.deferred:  # handed to start_deferred once the step has committed
+            x = self.var[d.operand.name]
+            outs.append(f"{d.collective.name!r}: {x}.clone()" if d.snapshot else
+                        f"{d.collective.name!r}: {x}")
+        landed = {u.name for d in self.plan.deferred for u in d.updates}
         ups = ", ".join(
-            f"{u.inputs[0].name!r}: {self.var[u.inputs[1].name]}" for u in self.program.updates
+            f"{u.inputs[0].name!r}: {self.var[u.inputs[1].name]}"
+            for u in self.program.updates
+            if u.name not in landed
         )
-        body.append(f"return {{{outs}}}, {{{ups}}}")
+        body.append(f"return {{{', '.join(outs)}}}, {{{ups}}}")
         return lines + [_INDENT + b for b in body]
+
+    def deferred_defs(self) -> list[str]:
+        """``DEFERRED`` (each deferred collective -> the inputs it lands in), ``start_deferred``
+        (run once the step has committed on every rank) and ``land`` (run at the next call's
+        start, before anything else): the two halves of ``coconet.schedule.defer``."""
+        lands = ", ".join(f"{d.collective.name!r}: {d.lands_in!r}" for d in self.plan.deferred)
+        start = [
+            "def start_deferred(comm, env, kernels, operands):",
+            f'{_INDENT}"""The deferred collectives, started from their snapshots (schedule: '
+            'defer)."""',
+        ]
+        for d in self.plan.deferred:
+            s = Start(d.collective, donate=True)  # the snapshot is the collective's alone
+            start += [_INDENT + f"{self.var[d.operand.name]} = operands[{d.collective.name!r}]"]
+            start += [_INDENT + b for b in self.start_lines(s, _env_geo)]
+        works = ", ".join(f"{d.collective.name!r}: {self.work[d.collective.name]}"
+                          for d in self.plan.deferred)
+        start.append(f"{_INDENT}return {{{works}}}")
+        land = [
+            "def land(comm, env, kernels, works):",
+            f'{_INDENT}"""The previous call\'s deferred collectives waited for, and their values '
+            'up to the inputs they update."""',
+        ]
+        body: list[str] = []
+        for d in self.plan.deferred:
+            c = d.collective.name
+            body.append(f"{self.var[c]} = comm.wait(works[{c!r}])")
+            reads = {i.name for n in (*d.prelude, *d.chain) for i in n.inputs}
+            for n in self.program.nodes:
+                if n.name in reads and spec(n.op).lowering is Lowering.SIZE:
+                    value = f"env.values[{n.name!r}], dtype={_dtype(n.type.dtype)}"
+                    body += [self.comment(n), f"{self.var[n.name]} = torch.tensor({value})"]
+            for n in (*d.prelude, *d.chain):
+                body += self.node_lines(n, _env_geo)
+        ups = ", ".join(f"{u.inputs[0].name!r}: {self.var[u.inputs[1].name]}"
+                        for d in self.plan.deferred for u in d.updates)
+        body.append(f"return {{{ups}}}")
+        return [
+            f"# each deferred collective -> the inputs its landing updates\nDEFERRED = {{{lands}}}",
+            "",
+            "",
+            *start,
+            "",
+            "",
+            *land,
+            *(_INDENT + b for b in body),
+        ]
 
     def step_lines(self, s: Compute | Kernel | Start | Wait, geo: GeoRef) -> list[str]:
         if isinstance(s, Compute):

@@ -131,10 +131,35 @@ Step = Compute | Start | Wait | Kernel | ChunkLoop | FusedCollective
 
 
 @dataclass(frozen=True)
+class Deferral:
+    """A collective of a ``defer`` group: started once the step has committed, from a snapshot
+    of its operand that only it holds, and landed at the next call's start: its wait, then the
+    computations up to its updates (``coconet.schedule.defer``).
+
+    ``prelude``: the values the landing reads that are made of constants and sizes only,
+    computed again there (the step's own copies are gone by then)."""
+
+    collective: Node
+    snapshot: bool  # the operand outlives the step (an input, an output, an update): copy it
+    prelude: tuple[Node, ...]
+    chain: tuple[Node, ...]
+    updates: tuple[Node, ...]
+
+    @property
+    def operand(self) -> Node:
+        return self.collective.inputs[0]
+
+    @property
+    def lands_in(self) -> tuple[str, ...]:
+        return tuple(u.inputs[0].name for u in self.updates)
+
+
+@dataclass(frozen=True)
 class Plan:
     program: Program
     body: tuple[Step, ...]  # what the emitter writes: fused collectives as units
     constants: tuple[Node, ...]
+    deferred: tuple[Deferral, ...] = ()  # started after the commit, landed at the next call
 
     @property
     def steps(self) -> tuple[Step, ...]:
@@ -169,13 +194,40 @@ def lower(program: Program, donate: frozenset[str] = frozenset()) -> Plan:
     in place).
     """
     _check_groups(program)
-    units = _units(program)
+    deferred = _deferrals(program)
+    later = {n.name for d in deferred for n in (d.collective, *d.chain, *d.updates)}
+    units = _units(program, exclude=later)
     order = _topo(units)
-    steps = _with_waits(program, order, donate=donate)
+    kept = frozenset(d.operand.name for d in deferred)
+    steps = _with_waits(program, order, donate=donate, kept=kept)
     consts = tuple(n for n in program.nodes if n.op is Op.CONST)
-    plan = Plan(program, tuple(_fused_collectives(program, steps)), consts)
+    plan = Plan(program, tuple(_fused_collectives(program, steps)), consts, deferred)
     _check_order(plan)
     return plan
+
+
+def _deferrals(program: Program) -> tuple[Deferral, ...]:
+    """Each ``defer`` group as the collective, its snapshot, and its landing."""
+    out = []
+    returned = {n.name for n in program.outputs} | {u.inputs[1].name for u in program.updates}
+    for g in program.groups:
+        if g.kind is not GroupKind.DEFER:
+            continue
+        collective, *chain = (program.node(m) for m in g.members)
+        members = set(g.members)
+        updates = tuple(u for u in program.updates if u.inputs[1].name in members)
+        prelude: set[str] = set()
+        stack = [i for n in chain for i in n.inputs if i.name not in members]
+        while stack:
+            n = stack.pop()
+            if n.op not in LEAVES and n.name not in prelude:
+                prelude.add(n.name)
+                stack.extend(n.inputs)
+        x = collective.inputs[0]
+        snapshot = x.op not in _FRESH or x.name in returned
+        before = tuple(n for n in program.nodes if n.name in prelude)
+        out.append(Deferral(collective, snapshot, before, tuple(chain), updates))
+    return tuple(out)
 
 
 def _check_order(plan: Plan) -> None:
@@ -184,6 +236,15 @@ def _check_order(plan: Plan) -> None:
     NameError on the ranks."""
     known = {n.name for n in plan.program.nodes if n.op in LEAVES}
     started: set[str] = set()
+    for d in plan.deferred:  # the landing reads its wait, leaves and what it computes again
+        inside = known | {n.name for n in (d.collective, *d.prelude, *d.chain)}
+        outside = {i.name for n in (*d.prelude, *d.chain) for i in n.inputs} - inside
+        if outside:
+            raise CodegenError(
+                f"internal: the landing of {d.collective.name} reads {sorted(outside)}",
+                op="defer",
+                hint="a coconet bug: please report the program and schedule (print(schedule))",
+            )
     for s in plan.steps:
         missing = sorted(_reads(s) - known)
         if isinstance(s, Wait) and s.node.name not in started:
@@ -228,7 +289,9 @@ class _Unit:
     first: int  # program position of the first node (the scheduling priority)
 
 
-def _units(program: Program, only: set[str] | None = None) -> list[_Unit]:
+def _units(
+    program: Program, only: set[str] | None = None, exclude: set[str] = frozenset()
+) -> list[_Unit]:
     """Single nodes, and kernels: the computations of one fuse group between two of its
     collectives.
 
@@ -240,7 +303,8 @@ def _units(program: Program, only: set[str] | None = None) -> list[_Unit]:
     and read some other unit); then it starts a new kernel.
 
     An overlap group is one unit (its members are lowered on their own by ``_loop``); with
-    ``only``, just those nodes are made into units (the members of one overlap group).
+    ``only``, just those nodes are made into units (the members of one overlap group). Nodes in
+    ``exclude`` (deferred collectives and their landings) are not the step's.
     """
     index = {n.name: i for i, n in enumerate(program.nodes)}
     run_of = _runs(program)
@@ -268,7 +332,7 @@ def _units(program: Program, only: set[str] | None = None) -> list[_Unit]:
         return False
 
     for n in program.nodes:
-        if n.op in LEAVES or (only is not None and n.name not in only):
+        if n.op in LEAVES or (only is not None and n.name not in only) or n.name in exclude:
             continue
         producers = {unit_of[i.name] for i in n.inputs if i.name in unit_of}
         group = overlap_of.get(n.name)
@@ -421,10 +485,13 @@ def _topo(units: list[_Unit]) -> list[_Unit]:
 
 
 def _with_waits(
-    program: Program, order: list[_Unit], prefix: str = "", donate: frozenset[str] = frozenset()
+    program: Program, order: list[_Unit], prefix: str = "", donate: frozenset[str] = frozenset(),
+    kept: frozenset[str] = frozenset(),
 ) -> list[Step]:
+    """``kept``: values the step hands on (a deferred collective's operand), as if returned."""
     users = program.users()
     returned = {n.name for n in program.outputs} | {u.inputs[1].name for u in program.updates}
+    returned |= kept
     pending: dict[str, Node] = {}  # started collectives not yet waited for
     steps: list[Step] = []
     kernel_count = 0

@@ -134,6 +134,10 @@ class CompiledStep:
         self._local = not program.updates and not any(
             spec(n.op).has(Prop.COMMUNICATES) for n in program.nodes
         )
+        # Deferred collectives (coconet.schedule.defer): each -> the inputs it lands in; and the
+        # last call's, in flight: (their works, the caller's tensors they land in).
+        self._deferred: dict[str, tuple[str, ...]] = getattr(module, "DEFERRED", {})
+        self._in_flight: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
 
     # -- what it is -----------------------------------------------------------------------------
 
@@ -295,11 +299,64 @@ class CompiledStep:
         ranks, and each of its ranks votes at the same point (its own such step).
 
         Traced (``coconet.runtime.tracing``) as a span named after the program, holding the
-        agreement, the rehearsal (first call), the body, the vote and the commit."""
+        agreement, the rehearsal (first call), the body, the vote and the commit.
+
+        A step with deferred collectives (``coconet.schedule.defer``) first lands the previous
+        call's (``wait_deferred``), and starts its own once it has committed."""
+        if self._deferred:
+            self.wait_deferred()
+            lands = [name for names in self._deferred.values() for name in names]
+            targets = {name: inputs[name] for name in lands if name in inputs}
         if tracing.active():
             with tracing.span(self.program.name, Category.STEP):
-                return self._run(inputs, agree, commit_if, vote_with, True)
-        return self._run(inputs, agree, commit_if, vote_with, False)
+                outputs = self._run(inputs, agree, commit_if, vote_with, True)
+        else:
+            outputs = self._run(inputs, agree, commit_if, vote_with, False)
+        if self._deferred:
+            self._start_deferred(outputs, targets)
+        return outputs
+
+    @property
+    def deferred_in_flight(self) -> bool:
+        """Whether the last call's deferred collectives are still to land."""
+        return self._in_flight is not None
+
+    def wait_deferred(self) -> None:
+        """Land the collectives the last call deferred (``coconet.schedule.defer``) now: wait
+        for them and write their values into the inputs they update, as the program says.
+
+        The next call does this first by itself; call it to read those inputs between calls
+        (to save them, or at the end of training). Nothing in flight: nothing to do. A wait that
+        fails raises (the peers are told, as for a failed step) and writes nothing: the
+        collective is dropped, never waited for twice."""
+        if self._in_flight is None:
+            return
+        works, targets = self._in_flight
+        self._in_flight = None
+        comm = self._communicator()
+        try:
+            landed = self.module.land(comm, self._geometry, self.kernels, works)
+        except BaseException as exc:
+            self._failed(comm, exc)
+            raise
+        with torch.no_grad():
+            for name, value in landed.items():
+                self._write(targets[name], value, swap=False)
+
+    def _start_deferred(self, outputs: dict[str, Any], targets: dict[str, torch.Tensor]) -> None:
+        """Start this call's deferred collectives from their snapshots (the step's outputs under
+        the collectives' names, taken out of ``outputs`` here), once it committed on every rank.
+        A declined step starts none: its update of the landing inputs is declined too."""
+        operands = {name: outputs.pop(name) for name in self._deferred}
+        if self.last_declined:
+            return
+        comm = self._communicator()
+        try:
+            works = self.module.start_deferred(comm, self._geometry, self.kernels, operands)
+        except BaseException as exc:
+            self._failed(comm, exc)
+            raise
+        self._in_flight = (works, targets)
 
     def _run(self, inputs: dict[str, Any], agree: dict[str, str] | None,
              commit_if: Callable[[dict[str, torch.Tensor]], bool] | None,

@@ -1,6 +1,7 @@
 """Schedules: semantics-preserving rewrites of a program, recorded and replayable."""
 
 from coconet.schedule.as_slice import apply_as_slice, check_as_slice
+from coconet.schedule.defer import apply_defer, check_defer
 from coconet.schedule.fuse import apply_fuse, check_fuse
 from coconet.schedule.overlap import apply_overlap, check_overlap
 from coconet.schedule.paper import (
@@ -31,11 +32,13 @@ __all__ = [
     "Schedule",
     "Step",
     "apply_as_slice",
+    "apply_defer",
     "apply_fuse",
     "apply_overlap",
     "apply_reorder",
     "apply_split",
     "check_as_slice",
+    "check_defer",
     "check_fuse",
     "check_overlap",
     "check_reorder",

@@ -28,6 +28,7 @@ from coconet.ir.group import Group, GroupKind
 from coconet.ir.node import Node
 from coconet.ir.ops import COMMUNICATION, COMPUTATION, Op
 from coconet.ir.program import Program
+from coconet.schedule.defer import refuse_deferred
 from coconet.schedule.graph import group_members, rewrite
 
 __all__ = ["apply_fuse", "check_fuse", "check_nesting", "check_no_cycle"]
@@ -80,6 +81,7 @@ def check_no_cycle(program: Program, members: list[Node], primitive: str) -> Non
 
 def check_fuse(program: Program, nodes: Iterable[Any]) -> list[Node]:
     members = group_members(program, nodes, "fuse")
+    refuse_deferred(program, members, "fuse")
     for n in members:
         if n.op not in COMPUTATION and n.op not in COMMUNICATION and n.op is not Op.SCATTER:
             raise ScheduleError(

@@ -32,6 +32,7 @@ from coconet.ir.node import Node
 from coconet.ir.ops import COMMUNICATION, REDUCTIONS, Op
 from coconet.ir.opspec import Prop, ops_with
 from coconet.ir.program import Program
+from coconet.schedule.defer import refuse_deferred
 from coconet.schedule.fuse import check_nesting, check_no_cycle
 from coconet.schedule.graph import group_members, rewrite
 
@@ -60,6 +61,7 @@ def check_overlap(program: Program, nodes: Iterable[Any], chunks: int) -> list[N
             hint="a few chunks (2-16) are enough to overlap communication with computation",
         )
     members = group_members(program, nodes, "overlap")
+    refuse_deferred(program, members, "overlap")
     if len(members) < 2:
         raise ScheduleError(
             "overlap needs a chain of at least two nodes (a producer and a consumer), got "

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from coconet.errors import ScheduleError
 from coconet.ir.group import Group, GroupKind
 from coconet.ir.program import Program
+from coconet.schedule.defer import check_defer
 from coconet.schedule.fuse import check_fuse
 from coconet.schedule.overlap import check_overlap
 
@@ -32,6 +33,13 @@ def recheck_groups(primitive: str, program: Program, was: Mapping[Group, Group])
         try:
             if g.kind is GroupKind.FUSE:
                 check_fuse(bare, g.members)
+            elif g.kind is GroupKind.DEFER:
+                _, chain = check_defer(bare, g.members[0])
+                if {n.name for n in chain} != set(g.members[1:]):
+                    raise ScheduleError(
+                        f"its landing would become {[n.name for n in chain]}",
+                        op=primitive,
+                    )
             else:
                 check_overlap(bare, g.members, g.chunks)
         except ScheduleError as e:

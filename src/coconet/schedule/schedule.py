@@ -29,6 +29,7 @@ from coconet.errors import ScheduleError, UnknownNameError
 from coconet.ir.ops import Op
 from coconet.ir.program import Program
 from coconet.schedule.as_slice import apply_as_slice
+from coconet.schedule.defer import apply_defer
 from coconet.schedule.fuse import apply_fuse
 from coconet.schedule.graph import downstream, resolve, value_list
 from coconet.schedule.overlap import apply_overlap
@@ -46,6 +47,7 @@ class Primitive(enum.Enum):
     AS_SLICE = "as_slice"
     FUSE = "fuse"
     OVERLAP = "overlap"
+    DEFER = "defer"
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class Step:
             return f"reorder([{nodes}], {self.target})"
         if self.primitive is Primitive.OVERLAP:
             return f"overlap([{nodes}], chunks={self.chunks})"
+        if self.primitive is Primitive.DEFER:
+            return f"defer({nodes})"
         return f"{self.primitive.value}([{nodes}])"
 
     def __str__(self) -> str:
@@ -105,9 +109,10 @@ class Step:
             raise ScheduleError(
                 f"schedule step {d!r}: nodes must be a list of value names", hint=fix
             )
-        if primitive is Primitive.SPLIT and len(nodes) != 1:
+        one = {Primitive.SPLIT: "all_reduce", Primitive.DEFER: "collective"}.get(primitive)
+        if one is not None and len(nodes) != 1:
             raise ScheduleError(
-                f"schedule step {d!r}: split takes exactly one all_reduce", hint=fix
+                f"schedule step {d!r}: {primitive.value} takes exactly one {one}", hint=fix
             )
         for key, kind in (("target", str), ("chunks", int), ("dim", int)):
             v = d.get(key)
@@ -148,6 +153,8 @@ def _apply(program: Program, step: Step) -> tuple[Program, list[str]]:
         return apply_as_slice(program, step.nodes), []
     if step.primitive is Primitive.FUSE:
         return apply_fuse(program, step.nodes), []
+    if step.primitive is Primitive.DEFER:
+        return apply_defer(program, step.nodes[0]), []
     return apply_overlap(program, step.nodes, step.chunks), []
 
 
@@ -228,6 +235,11 @@ class Schedule:
     def overlap(self, nodes: Iterable[Any], chunks: int = 4) -> None:
         """Run this producer-consumer chain chunk by chunk."""
         self._do(Step(Primitive.OVERLAP, self._resolve_all(nodes, "overlap"), chunks=chunks))
+
+    def defer(self, collective: Any) -> None:
+        """Start ``collective`` at the end of the step and wait for it at the next call's start
+        (``coconet.schedule.defer``): its value may only land in inputs."""
+        self._do(Step(Primitive.DEFER, (self._resolve(collective, "defer"),)))
 
     # -- helpers for writing schedules ----------------------------------------------------------
 
