@@ -54,7 +54,9 @@ class OneRank:
 
 
 def run_generated(compiled, inputs: dict) -> tuple[dict, dict]:
-    """The compiled module's step() on a world of one, eager kernels: what real ranks run."""
+    """The compiled module's step() on a world of one, eager kernels: what real ranks run.
+    A deferred collective (``coconet.schedule.defer``) is started from the operand the step
+    hands on and landed at once, as the next call would: its updates join the step's."""
     program = compiled.program
     args = []
     for node in program.inputs:
@@ -70,4 +72,13 @@ def run_generated(compiled, inputs: dict) -> tuple[dict, dict]:
     kernels = KernelSet(compiled.module.KERNELS, fused=False)
     outputs, updates = compiled.module.step(comm, env, kernels, *args)
     assert not comm.pending, "collectives started and never waited for"
+    deferred = getattr(compiled.module, "DEFERRED", {})
+    if deferred:
+        operands = {name: outputs.pop(name) for name in deferred}
+        works = compiled.module.start_deferred(comm, env, kernels, operands)
+        landed = compiled.module.land(comm, env, kernels, works)
+        assert not comm.pending, "deferred collectives started and never waited for"
+        assert set(landed) == {i for names in deferred.values() for i in names}
+        assert not set(landed) & set(updates), "an input updated by the step and a landing"
+        updates = {**updates, **landed}
     return outputs, updates

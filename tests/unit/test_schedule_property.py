@@ -16,7 +16,7 @@ Random schedules: usually ``split(g_sum)`` (and ``split(h_sum)``) and one or mor
 of random subsets of ``s.computations(all_gather)`` (sometimes of anything downstream of the
 all_gather, which ``check_reorder`` must refuse in the user's terms when it cannot move) first,
 then a random sequence of ``as_slice`` / ``fuse`` / ``overlap`` (chunks 2..4) / more ``split`` /
-``reorder`` attempts, in any order. A primitive whose
+``reorder`` / ``defer`` attempts, in any order. A primitive whose
 check refuses (``ScheduleError``) is skipped, and must leave the schedule unchanged; a refusal
 must never be the rewrite's own re-typing failing (the check should have caught it).
 
@@ -412,6 +412,15 @@ def step_overlap(d, out: Applied) -> None:
         out.reassociates = True
 
 
+def step_defer(d, out: Applied) -> None:
+    """Defer a random collective: accepted only where its value lands in inputs through
+    constants and sizes alone (``update(s, g_sum / N)``); everything else is refused."""
+    s = out.schedule
+    comms = [n.name for n in s.program.nodes if n.op in COMMUNICATION]
+    if comms:
+        _try(out, "defer", lambda: s.defer(d.pick(comms)))
+
+
 def random_schedule(d, built: Built) -> Applied:
     out = Applied(Schedule(built.program))
     if d.chance(0.85):
@@ -424,7 +433,7 @@ def random_schedule(d, built: Built) -> Applied:
             step_as_slice(d, out, built.states)
     for _ in range(d.int(1, 5)):
         kind = d.pick(["as_slice", "as_slice", "fuse", "fuse", "overlap", "overlap", "split",
-                       "reorder"])  # fmt: skip
+                       "reorder", "defer"])  # fmt: skip
         if kind == "as_slice":
             step_as_slice(d, out, built.states)
         elif kind == "fuse":
@@ -433,6 +442,8 @@ def random_schedule(d, built: Built) -> Applied:
             step_overlap(d, out)
         elif kind == "split":
             step_split(d, out)
+        elif kind == "defer":
+            step_defer(d, out)
         else:
             step_reorder(d, out)
     return out
@@ -483,7 +494,7 @@ def check_one(d, log=note, tally=event) -> Applied:
     s = out.schedule
     log(str(s))
     log(str(s.program))
-    for kind in ("split", "reorder", "as_slice", "fuse", "overlap"):
+    for kind in ("split", "reorder", "as_slice", "fuse", "overlap", "defer"):
         tally(f"applied {kind}: {out.applied[kind] > 0}")
     # Exact when the generator knows nothing was re-associated, or when coconet's own rules
     # (coconet.sim.exactness) say so: either claim is then checked bit for bit.
@@ -565,5 +576,6 @@ def test_the_generator_applies_primitives():
     share = {kind: count / runs for kind, count in applied.items()}
     assert share["split+reorder"] >= 0.6, share
     assert share["fuse"] >= 0.3 and share["overlap"] >= 0.2 and share["as_slice"] >= 0.15, share
+    assert applied["defer"] >= 1, share  # rarely legal in these programs, but reached
     assert share.get("nothing", 0) <= 0.15, share
     assert 0.2 <= exact / runs <= 0.95, exact
