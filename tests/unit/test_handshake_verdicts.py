@@ -9,7 +9,7 @@ decide (``verdict``), as on the real transports."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,6 +35,7 @@ def program() -> cc.Program:
 class FakeComm:
     rank: int
     world: int = WORLD
+    alike_verdicts: dict = field(default_factory=dict)
 
 
 def _report(rank: int, shapes: dict, verdict: int) -> handshake.RankReport:

@@ -200,6 +200,9 @@ class Communicator:
         # last agreement round (``handshake``: both are settled by the next round)
         self._deferred: Deferred | None = None
         self.local_steps = LocalSteps()
+        # the verdicts of input shapes every rank has, by program (``handshake.Verdicts``):
+        # shared by the compiled steps of one program, the same layer in every block
+        self.alike_verdicts: dict[tuple, tuple | None] = {}
         self._groups = (
             groups if groups is not None else mesh_groups(mesh, rank, self.world, self.torch)
         )

@@ -319,11 +319,30 @@ class Verdicts:
             return kept
         # (a kept verdict of ranks with other shapes than this one's, while the ranks run with
         # the same shapes: the one worked out is the likelier to be every rank's)
-        sizes, problems = bind_sizes(program, mesh, [shapes] * comm.world)
-        if problems:
-            return None
-        every = (mine,) * comm.world
-        return self.hash_of(every), every, geometry(program, mesh, comm.rank, sizes)
+        return _alike_verdict(program, mesh, comm, mine, shapes)
+
+
+def _alike_verdict(program: Program, mesh: Mesh, comm, mine: tuple,
+                   shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, tuple, Geometry] | None:
+    """The verdict every rank reaches if every rank has ``shapes`` (None: they do not fit),
+    kept by the communicator (``comm.alike_verdicts``) for every compiled step of ``program``.
+
+    Every block of a model runs the same programs (each block's c_fc is one program), so a
+    context that grows by a token is worked out once per program and length, not once per
+    layer: binding the sizes is most of what a new length costs a layer's call. A geometry is
+    never written to after it is made, so the steps of one program share it."""
+    known = comm.alike_verdicts
+    k = (program.structural_key(), mesh, comm.rank, comm.world, mine)
+    if k in known:
+        return known[k]
+    sizes, problems = bind_sizes(program, mesh, [shapes] * comm.world)
+    every = (mine,) * comm.world
+    v = None if problems else (Verdicts.hash_of(every), every,
+                               geometry(program, mesh, comm.rank, sizes))
+    if len(known) >= 1024:  # a model that never repeats its shapes: start over
+        known.clear()
+    known[k] = v
+    return v
 
 
 def _with_local(report: RankReport, calls: tuple) -> RankReport:
