@@ -82,6 +82,33 @@ def test_a_state_dict_that_does_not_fit_is_refused(comm):
         opt.load_state_dict(small.state_dict())
 
 
+def test_a_state_dict_that_fails_to_load_changes_nothing(comm):
+    """Its own part checked whole, and the wrapped optimizer's load, before anything moves."""
+    net = w.model()
+    opt = coconet.optim.OverlapLocalSGD(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                                        period=2, momentum=0.5, comm=comm)  # fmt: skip
+    for step in range(3):
+        opt.zero_grad()
+        w.loss_of(net, step, 0).backward()
+        opt.step()
+    before = opt.state_dict()
+    saved = opt.state_dict()
+    saved["local_sgd"] = {**saved["local_sgd"], "steps": 99,
+                          "arrived": {k: torch.zeros(1) for k in saved["local_sgd"]["anchor"]}}
+    with pytest.raises(ConfigError, match="arrived does not fit this model"):
+        opt.load_state_dict(saved)  # the anchor and the step count before it fit
+    wrong_inner = opt.state_dict()
+    wrong_inner["local_sgd"] = {**wrong_inner["local_sgd"], "steps": 99}
+    wrong_inner["param_groups"] = wrong_inner["param_groups"] * 2
+    with pytest.raises(ValueError):  # torch's own refusal of the wrapped optimizer's part
+        opt.load_state_dict(wrong_inner)
+    after = opt.state_dict()
+    assert after["local_sgd"]["steps"] == before["local_sgd"]["steps"] == 3
+    for part in ("anchor", "velocity"):
+        for k, v in before["local_sgd"][part].items():
+            assert torch.equal(after["local_sgd"][part][k], v)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"period": 0}, "period=0"), ({"period": 2.5}, "period=2.5"), ({"period": True}, "True"),
     ({"period": 2, "warmup_steps": -1}, "warmup_steps=-1"),

@@ -47,6 +47,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -391,11 +392,20 @@ class LocalSGD(torch.optim.Optimizer):
                 hint="load it into the kind of optimizer that saved it, or load "
                 "the wrapped optimizer's part alone (without 'local_sgd')",
             )
-        self._load_extra(extra or {"steps": 0})
+        # every check first, the wrapped optimizer's own (torch refuses a misfit before it
+        # changes anything) included: a state dict that does not fit changes nothing
+        apply = self._load_extra(extra or {"steps": 0})
         self.optimizer.load_state_dict(state_dict)
+        apply()
 
-    def _load_extra(self, extra: dict[str, Any]) -> None:
-        self.steps = int(extra["steps"])
+    def _load_extra(self, extra: dict[str, Any]) -> Callable[[], None]:
+        """``extra`` checked: what loading it does, to run once everything else is loaded."""
+        steps = int(extra["steps"])
+
+        def apply() -> None:
+            self.steps = steps
+
+        return apply
 
 
 class OverlapLocalSGD(LocalSGD):
@@ -500,7 +510,10 @@ class OverlapLocalSGD(LocalSGD):
                         dict(zip(names, [a.clone() for a in self._arrived], strict=True))),
         }
 
-    def _load_extra(self, extra: dict[str, Any]) -> None:
+    def _load_extra(self, extra: dict[str, Any]) -> Callable[[], None]:
+        # an average in flight is waited for first (collective, as ``state_dict()``'s): never
+        # dropped while it may still read the buffer the next sync sends from
+        self.wait_average()
         names = [str(d) for d in self._dtypes()]
         mine = self._flats()
 
@@ -521,12 +534,18 @@ class OverlapLocalSGD(LocalSGD):
             return [got[n].to(m.dtype).reshape(-1).clone()
                     for n, m in zip(names, mine, strict=True)]  # fmt: skip
 
+        steps = int(extra["steps"])
         anchor = flats("anchor")
         velocity = flats("velocity")
+        arrived = flats("arrived")
         if self.momentum and velocity is None and anchor is not None:
             velocity = [torch.zeros_like(a) for a in anchor]
-        self.steps = int(extra["steps"])
-        self.anchor = anchor if anchor is not None else mine
-        self.velocity = velocity if self.momentum else None
-        self._arrived = flats("arrived")
-        self._handles = None
+
+        def apply() -> None:
+            self.steps = steps
+            self.anchor = anchor if anchor is not None else mine
+            self.velocity = velocity if self.momentum else None
+            self._arrived = arrived
+            self._handles = None
+
+        return apply
