@@ -215,13 +215,17 @@ class _Reverse:
                     _Part(c, self.is_partial(n, operand, c))
                 )
         outputs: dict[str, Node] = {}
+        returned: set[int] = set()
         for w in self.wrt:
             g = exact.get(id(w))
             b = Builder(w.loc)
             if g is None:  # no output depends on it: its gradient is zero
                 g = b.expand_as(b.num(0.0, w), w)
-            elif g.op is Op.INPUT:  # a cotangent passed straight through: return a copy
+            elif g.op is Op.INPUT or id(g) in returned:
+                # a cotangent passed straight through, or the very gradient of another input
+                # (x0 and x1 of x0 + x1): a copy, so that each output is a value of its own
                 g = b.expand_as(g, g)
+            returned.add(id(g))
             outputs[keys[id(w)]] = g
         return self.assemble(name, cotangents, outputs)
 

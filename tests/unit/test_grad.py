@@ -388,6 +388,18 @@ def test_random_programs(program, world, rows, cols, seed):
     cc.compile(backward, world=world, fused_kernels=False)
 
 
+def test_two_inputs_with_the_very_same_gradient_each_get_it():
+    """x0 + x1: both gradients are one value; each is returned under its own name (a draw of
+    test_random_programs found the first one missing)."""
+    r, c = cc.Dim("R"), cc.Dim("C")
+    x0, x1 = (cc.Tensor(n, cc.float32, [r, c], cc.Replicated) for n in ("x0", "x1"))
+    w = cc.Tensor("w", cc.float32, [c, c], cc.Replicated)
+    program = cc.Program("rand", [x0, x1, w], {"y0": (w + w).named("y0"),
+                                               "y1": cc.matmul(x0 + x1, w).named("y1")})
+    backward = check_grad(program, ["x0", "x1", "w"], {"R": 2, "C": 3}, 2, rtol=1e-5)
+    assert [n.name for n in backward.outputs] == ["d_x0", "d_x1", "d_w"]
+
+
 # -- what grad refuses, and the completeness of the rules -----------------------------------------
 
 

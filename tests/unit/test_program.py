@@ -19,6 +19,16 @@ def test_an_input_returned_under_another_name_is_refused_not_renamed():
     assert torch.equal(result.updated("w"), torch.ones(3))
 
 
+def test_one_value_under_two_output_names_is_refused_not_dropped():
+    """One value has one name: the first key used to vanish from the outputs, silently."""
+    n = cc.Dim("N")
+    x = cc.Tensor("x", cc.float32, [n], cc.Replicated)
+    y = x * 2.0
+    with pytest.raises(cc.DSLError, match="outputs 'a' and 'b' are the same value") as info:
+        cc.Program("p", [x], {"a": y, "b": y})
+    assert "a computed copy under 'b'" in info.value.hint
+
+
 def test_an_input_listed_twice_says_so():
     n = cc.Dim("N")
     p = cc.Tensor("p", cc.float32, [n], cc.Replicated)

@@ -97,7 +97,16 @@ class Program:
                         hint="key the outputs by name: {'loss': loss}",
                     )
             outs = [_node_of(v) for v in outputs.values()]
+            keyed: dict[int, str] = {}
             for key, n in zip(outputs, outs, strict=True):
+                if n.op is not Op.UPDATE and keyed.setdefault(id(n), key) != key:
+                    # one value has one name: the first key would vanish from the outputs
+                    raise DSLError(
+                        f"program {name}: outputs {keyed[id(n)]!r} and {key!r} are the same "
+                        f"value ({n.describe()})",
+                        loc=n.loc,
+                        hint=f"return it once, or a computed copy under {key!r}",
+                    )
                 if n.op is Op.INPUT and key != n.name:
                     raise DSLError(
                         f"program {name}: output {key!r} is the input {n.name!r}; an input is "
