@@ -126,6 +126,13 @@ class CompiledStep:
         # same few tensors every step) skips checks that would give the same answer.
         self._checked: set[tuple] = set()
         self._unaliased: set[tuple] = set()
+        # The last call whose inputs passed every local check (``_rebind``): a call with the
+        # same tensors and numbers binds to the same shapes and agreed values with no check
+        # worked out again (a layer's step, called once per token with its own weights).
+        # Inputs whose agreed text is read from the tensor's value are never replayed.
+        self._bound: step_inputs.Bound | None = None
+        self._valued = frozenset(name for name, node, compared in self._slots if compared and (
+            node.type.rank == 0 or options.check_replicated))
         # How this step's agreement can cost less than a round of its own (handshake): the
         # all_reduce it may ride with (the step's first communication, named by the generated
         # module), or whether the step communicates nothing and updates nothing at all (its calls
@@ -564,8 +571,15 @@ class CompiledStep:
             # shapes this rank had, or every rank with these: no exchange (handshake.Verdicts)
             proposed = self._verdicts.propose(shapes, dtypes, self.program, self.mesh, comm)
         exchange = changed and proposed is None
-        seen = _steps_seen(comm)
-        ordinal = seen.get(h, 0) if self._ordinal is None else self._ordinal
+        ordinal = _steps_seen(comm).get(h, 0) if self._ordinal is None else self._ordinal
+        if (self._local and not changed and error is None and self.calls
+                and comm.world > 1):  # fmt: skip
+            # A step that moves no data, past its first call (coconet.runtime.handshake): its
+            # calls are agreed at the communicator's next round (no report of its own); while
+            # its shapes stay it takes no round (a rank whose shapes changed has one, proposed
+            # or not, which pairs with its peers').
+            comm.local_steps.add(self.program.name, h, ordinal, self.calls + 1, replicated)
+            return args, shapes, None, ordinal, h, proposed
         report = handshake.RankReport(
             comm.rank,
             identity,
@@ -581,24 +595,17 @@ class CompiledStep:
             # nobody to agree with, or the first call: its geometry comes from the exchange
             reports = handshake.settle(comm, report, exchange, h)
             return args, shapes, reports, ordinal, h, proposed
-        if self._local:
-            # A step that moves no data, past its first call (coconet.runtime.handshake): its
-            # calls are agreed at the communicator's next round, and its bad inputs fail this
-            # rank alone, at once (the peers, which ran the call, learn at that round).
-            if error is not None:
-                raise handshake.CallRefused(RuntimeFault(
-                    "bad inputs (checked on this rank; the step communicates nothing, so the "
-                    "peers are not stopped: they learn at their next agreement)",
-                    op=f"{self.program.name} step",
-                    details=[f"rank {comm.rank}: {error}"],
-                    hint="fix the inputs named above; nothing was computed or updated",
-                ))
-            if not changed:
-                # (its calls take no round while its shapes stay: a rank whose shapes changed
-                # has a round, proposed or not, which pairs with its peers')
-                comm.local_steps.add(self.program.name, h, ordinal, report.call, replicated)
-                return args, shapes, None, ordinal, h, proposed
-        elif self._rides is not None and error is None and not exchange:
+        if self._local and error is not None:
+            # its bad inputs fail this rank alone, at once (the peers, which ran the call, learn
+            # at the next round)
+            raise handshake.CallRefused(RuntimeFault(
+                "bad inputs (checked on this rank; the step communicates nothing, so the "
+                "peers are not stopped: they learn at their next agreement)",
+                op=f"{self.program.name} step",
+                details=[f"rank {comm.rank}: {error}"],
+                hint="fix the inputs named above; nothing was computed or updated",
+            ))
+        if not self._local and self._rides is not None and error is None and not exchange:
             # A call like the last one agreed on rides with the step's first all_reduce (or is
             # settled before any other communication of the step): one round instead of two.
             comm.defer_agreement(handshake.Deferred(report, h, self._rides))
@@ -682,6 +689,9 @@ class CompiledStep:
         """Positional args for the generated step, local shapes and dtypes, the digests of the
         Replicated inputs compared across ranks, and the first problems found with this rank's
         inputs (None when they look right locally)."""
+        bound = self._rebind(given)
+        if bound is not None:
+            return bound
         problems = []
         if not self._input_names.issuperset(given):
             names = [n.name for n in self.program.inputs]
@@ -691,6 +701,7 @@ class CompiledStep:
             )
         args, shapes, dtypes, replicated = [], {}, {}, {}
         signatures: list[tuple] = []
+        key: list[tuple] = []  # (``_rebind``'s)
         compare = comm.world > 1  # a world of one has no peer to compare Replicated inputs with
         for name, node, compared in self._slots:
             raw = given.get(name, _MISSING)
@@ -698,9 +709,12 @@ class CompiledStep:
                 problems.append(f"input {name!r} ({node.type}) is missing")
                 args.append(None)
                 continue
+            if not isinstance(raw, torch.Tensor):
+                key.append(step_inputs.number_key(raw))
             cached = self._numbers.get(name)
+            # the same number as last time (NaN never is; -0.0 is not 0.0)
             if (cached is not None and type(raw) is cached[0] and raw == cached[1]
-                    and raw == raw):  # the same number as last time (NaN never is)
+                    and raw == raw and (raw or str(raw) == str(cached[1]))):
                 value = cached[2]
                 args.append(value)
                 shapes[name] = ()
@@ -708,7 +722,8 @@ class CompiledStep:
                 if compare and compared:
                     replicated[name] = cached[3]
                 continue
-            fast = step_inputs.float_scalar(node, raw, comm.device)
+            fast = (step_inputs.float_scalar(node, raw, comm.device)
+                    if type(raw) in (float, int) else None)  # fmt: skip
             if fast is not None:
                 # a new finite float (a step-dependent scalar): made and named at once
                 value, text = fast if compare else (fast[0], "")
@@ -730,6 +745,7 @@ class CompiledStep:
                     self._checked.add(sig)
             if sig is not None:
                 signatures.append(sig)
+                key.append(sig)
             if problem:
                 problems.append(problem)
             args.append(value)
@@ -749,39 +765,44 @@ class CompiledStep:
         if not problems:
             together = tuple(signatures)
             if together not in self._unaliased:
-                problems.extend(self._aliasing(given))
+                problems.extend(step_inputs.aliasing(
+                    self.program.inputs, given, self._updated, set(self.options.donate)))
                 if not problems:
                     if len(self._unaliased) > 16:
                         self._unaliased.clear()
                     self._unaliased.add(together)
-        return args, shapes, dtypes, replicated, ("; ".join(problems) or None)
+        if problems:
+            return args, shapes, dtypes, replicated, "; ".join(problems)
+        numbers = {i: args[i] for i, (name, _, _) in enumerate(self._slots)
+                   if not isinstance(given[name], torch.Tensor)}  # fmt: skip
+        if len(given) == len(self._slots) and not self._valued.intersection(
+                name for name, _, _ in self._slots if isinstance(given[name], torch.Tensor)):
+            key.append(("inference_mode", torch.is_inference_mode_enabled()))
+            self._bound = step_inputs.Bound(tuple(key), numbers, shapes, dtypes, dict(replicated))
+        return args, shapes, dtypes, replicated, None
 
-    def _aliasing(self, given: dict[str, Any]) -> list[str]:
-        """Inputs whose memory makes the step lose an update or read what it wrote: two updated
-        inputs that share elements (one write would be lost), or a donated input (overwritten
-        mid-step) that shares elements with any other input. An updated input may share memory
-        with inputs that are only read: every read happens before the commit writes."""
-        donated = set(self.options.donate)
-        if not self._updated and not donated:
-            return []  # nothing is written: any sharing is harmless
-        tensors = [(n.name, given[n.name]) for n in self.program.inputs]
-        tensors = [(k, v) for k, v in tensors if isinstance(v, torch.Tensor) and v.numel()]
-        problems = []
-        for i, (a, ta) in enumerate(tensors):
-            for b, tb in tensors[i + 1 :]:
-                both_updated = a in self._updated and b in self._updated
-                if not (both_updated or {a, b} & donated) or not step_inputs.overlap(ta, tb):
-                    continue
-                if both_updated:
-                    why = "both are updated: one update would be lost"
-                else:
-                    d = a if a in donated else b
-                    why = f"{d!r} is donated (overwritten mid-step): the other would read it"
-                problems.append(
-                    f"inputs {a!r} and {b!r} share memory and {why} (pass separate tensors, "
-                    "e.g. .clone())"
-                )
-        return problems
+    def _rebind(self, given: dict[str, Any]) -> tuple[list, dict, dict, dict, None] | None:
+        """``_bind`` of a call with the inputs of the last call that passed every check, by
+        everything those checks read (each tensor's ``step_inputs.signature``, each number's
+        type and value, inference mode), or None for any other call: the same args but for the
+        tensors (this call's own), and the same shapes, dtypes and agreed values."""
+        bound = self._bound
+        if bound is None or len(given) != len(self._slots):
+            return None
+        args, key = [], bound.key
+        for i, (name, _, _) in enumerate(self._slots):  # (a miss costs one input, not all)
+            raw = given.get(name, _MISSING)
+            if isinstance(raw, torch.Tensor):
+                if step_inputs.signature(name, raw) != key[i]:
+                    return None
+                args.append(raw.detach() if raw.requires_grad else raw)
+            elif step_inputs.number_key(raw) != key[i]:
+                return None
+            else:
+                args.append(bound.numbers[i])
+        if key[-1] != ("inference_mode", torch.is_inference_mode_enabled()):
+            return None
+        return args, bound.shapes, bound.dtypes, dict(bound.replicated), None
 
     def _tensor(self, node: Node, value: Any, comm) -> tuple[torch.Tensor | None, str | None]:
         ty = node.type

@@ -1,7 +1,7 @@
 """What a compiled step checks and computes about its inputs, value by value (``CompiledStep``'s
 ``_bind``, ``_tensor`` and ``_commit`` call these): Python numbers as the program's scalars, the
 text and checksum of a Replicated value that the ranks compare, whether a tensor can be written in
-place, and whether two tensors share memory.
+place, whether two tensors share memory, and what a call like the last good one binds to.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -17,8 +18,8 @@ from coconet.ir.node import Node
 from coconet.ir.types import format_shape
 
 __all__ = [
-    "checksum", "float_scalar", "overlap", "scalar", "scalar_text", "signature", "swappable",
-    "unwritable",
+    "Bound", "aliasing", "checksum", "float_scalar", "number_key", "overlap", "scalar",
+    "scalar_text", "signature", "swappable", "unwritable",
 ]
 
 
@@ -192,3 +193,49 @@ def swappable(target: torch.Tensor, value: torch.Tensor) -> bool:
         and target.untyped_storage().nbytes() == target.numel() * target.element_size()
     )
 
+
+class Bound(NamedTuple):
+    """A call's inputs that passed every local check (``CompiledStep._rebind``)."""
+
+    key: tuple  # each input's signature or number key, in the program's order; inference mode
+    numbers: dict[int, torch.Tensor]  # the tensors made of the numbers, by position
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    replicated: dict[str, str]
+
+
+def number_key(raw: Any) -> tuple:
+    """What tells a number input from another: its type and value, and a zero's sign (-0.0
+    equals 0.0, and the tensor made of it differs). A NaN matches only the very same float
+    object (tuple equality tests identity first), whose bits are the same."""
+    if isinstance(raw, float) and raw == 0:
+        return (float, raw, math.copysign(1.0, raw))
+    return (type(raw), raw)
+
+
+def aliasing(inputs: Sequence[Node], given: dict[str, Any], updated: set[str],
+             donated: set[str]) -> list[str]:
+    """Inputs whose memory makes the step lose an update or read what it wrote: two updated
+    inputs that share elements (one write would be lost), or a donated input (overwritten
+    mid-step) that shares elements with any other input. An updated input may share memory
+    with inputs that are only read: every read happens before the commit writes."""
+    if not updated and not donated:
+        return []  # nothing is written: any sharing is harmless
+    tensors = [(n.name, given[n.name]) for n in inputs]
+    tensors = [(k, v) for k, v in tensors if isinstance(v, torch.Tensor) and v.numel()]
+    problems = []
+    for i, (a, ta) in enumerate(tensors):
+        for b, tb in tensors[i + 1 :]:
+            both_updated = a in updated and b in updated
+            if not (both_updated or {a, b} & donated) or not overlap(ta, tb):
+                continue
+            if both_updated:
+                why = "both are updated: one update would be lost"
+            else:
+                d = a if a in donated else b
+                why = f"{d!r} is donated (overwritten mid-step): the other would read it"
+            problems.append(
+                f"inputs {a!r} and {b!r} share memory and {why} (pass separate tensors, "
+                "e.g. .clone())"
+            )
+    return problems
