@@ -19,12 +19,16 @@ from coconet.options import CommOptions
 N = cc.Dim("N")
 
 
-def _program() -> cc.Program:
+def _program(updates: bool = True) -> cc.Program:
+    """``y = x * s``, and with ``updates`` ``p -= x`` (a step that writes an input: the checks
+    read the tensors' addresses; without, a new tensor of the same shape is the same call)."""
     x = cc.Tensor("x", cc.float32, [N], cc.Replicated)
     p = cc.Tensor("p", cc.float32, [N], cc.Replicated)
     s = cc.Scalar("s", cc.float32)
-    return cc.Program("rebind", [x, p, s], [(x * s).named("y"),
-                                            cc.update(p, (p - x).named("p_new"))])  # fmt: skip
+    y = (x * s).named("y")
+    if not updates:
+        return cc.Program("rebind_read", [x, p, s], [y, (p + x).named("z")])
+    return cc.Program("rebind", [x, p, s], [y, cc.update(p, (p - x).named("p_new"))])
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +66,11 @@ def _call(step, inputs):
 
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(calls=st.lists(st.tuples(_X, _S, st.booleans()), min_size=2, max_size=12))
-def test_a_call_like_the_last_good_one_matches_a_step_that_always_checks(comm, calls):
-    fast = cc.compile(_program(), comm=comm)
-    slow = cc.compile(_program(), comm=comm)
+@given(calls=st.lists(st.tuples(_X, _S, st.booleans()), min_size=2, max_size=12),
+       updates=st.booleans())
+def test_a_call_like_the_last_good_one_matches_a_step_that_always_checks(comm, calls, updates):
+    fast = cc.compile(_program(updates), comm=comm)
+    slow = cc.compile(_program(updates), comm=comm)
     slow._rebind = lambda given: None  # the full checks at every call
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, generator=gen)
@@ -114,3 +119,15 @@ def test_a_repeated_call_is_replayed_and_a_changed_number_is_not(comm):
     zero = step(x=x, p=p, s=0.0)["y"]
     negative = step(x=x, p=p, s=-0.0)["y"]
     assert str(zero[0].item()) == "0.0" and str(negative[0].item()) == "-0.0"
+
+
+def test_a_step_that_writes_nothing_replays_a_new_tensor_of_the_same_shape(comm):
+    step = cc.compile(_program(updates=False), comm=comm)
+    x, p = torch.ones(3), torch.zeros(3)
+    step(x=x, p=p, s=2.0)
+    assert step._rebind({"x": torch.full((3,), 5.0), "p": p, "s": 2.0}) is not None
+    assert step._rebind({"x": torch.ones(4), "p": p, "s": 2.0}) is None  # another shape
+    assert step._rebind({"x": x.double(), "p": p, "s": 2.0}) is None
+    assert step._rebind({"x": x.requires_grad_(), "p": p, "s": 2.0}) is None
+    out = step(x=torch.full((3,), 5.0), p=p, s=2.0)
+    assert torch.equal(out["y"], torch.full((3,), 10.0)) and torch.equal(out["z"], out["y"] / 2)

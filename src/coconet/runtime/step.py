@@ -126,6 +126,10 @@ class CompiledStep:
         # same few tensors every step) skips checks that would give the same answer.
         self._checked: set[tuple] = set()
         self._unaliased: set[tuple] = set()
+        # A step that writes no input (no update, nothing donated) reads no address: a new
+        # activation of the same shape each call (a layer's) passes the same checks.
+        self._signature = (step_inputs.signature if self._updated or options.donate
+                           else step_inputs.read_signature)  # fmt: skip
         # The last call whose inputs passed every local check (``_rebind``): a call with the
         # same tensors and numbers binds to the same shapes and agreed values with no check
         # worked out again (a layer's step, called once per token with its own weights).
@@ -734,7 +738,7 @@ class CompiledStep:
                     replicated[name] = text
                 self._numbers[name] = (type(raw), raw, value, text)
                 continue
-            sig = step_inputs.signature(name, raw) if isinstance(raw, torch.Tensor) else None
+            sig = self._signature(name, raw) if isinstance(raw, torch.Tensor) else None
             if sig is not None and sig in self._checked:
                 value, problem = (raw.detach() if raw.requires_grad else raw), None
             else:
@@ -783,7 +787,7 @@ class CompiledStep:
 
     def _rebind(self, given: dict[str, Any]) -> tuple[list, dict, dict, dict, None] | None:
         """``_bind`` of a call with the inputs of the last call that passed every check, by
-        everything those checks read (each tensor's ``step_inputs.signature``, each number's
+        everything those checks read (each tensor's ``_signature``, each number's
         type and value, inference mode), or None for any other call: the same args but for the
         tensors (this call's own), and the same shapes, dtypes and agreed values."""
         bound = self._bound
@@ -793,7 +797,7 @@ class CompiledStep:
         for i, (name, _, _) in enumerate(self._slots):  # (a miss costs one input, not all)
             raw = given.get(name, _MISSING)
             if isinstance(raw, torch.Tensor):
-                if step_inputs.signature(name, raw) != key[i]:
+                if self._signature(name, raw) != key[i]:
                     return None
                 args.append(raw.detach() if raw.requires_grad else raw)
             elif step_inputs.number_key(raw) != key[i]:

@@ -18,8 +18,8 @@ from coconet.ir.node import Node
 from coconet.ir.types import format_shape
 
 __all__ = [
-    "Bound", "aliasing", "checksum", "float_scalar", "number_key", "overlap", "scalar",
-    "scalar_text", "signature", "swappable", "unwritable",
+    "Bound", "aliasing", "checksum", "float_scalar", "number_key", "overlap", "read_signature",
+    "scalar", "scalar_text", "signature", "swappable", "unwritable",
 ]
 
 
@@ -96,6 +96,13 @@ def signature(name: str, t: torch.Tensor) -> tuple:
     and dtype): equal signatures get equal verdicts."""
     return (name, t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device,
             t.requires_grad, t.is_inference())
+
+
+def read_signature(name: str, t: torch.Tensor) -> tuple:
+    """``signature`` for a step that writes none of its inputs: everything its local checks read
+    from ``t`` (``_tensor``: dtype, device, rank; whether to detach it) and its shape, without the
+    addresses (no aliasing can lose a write that never happens)."""
+    return (name, t.shape, t.dtype, t.device, t.requires_grad)
 
 
 def checksum(t: torch.Tensor) -> str:
