@@ -135,6 +135,7 @@ class CompiledStep:
         # worked out again (a layer's step, called once per token with its own weights).
         # Inputs whose agreed text is read from the tensor's value are never replayed.
         self._bound: step_inputs.Bound | None = None
+        self._differs: int | None = None  # the input where the last call differed from it
         self._valued = frozenset(name for name, node, compared in self._slots if compared and (
             node.type.rank == 0 or options.check_replicated))
         # How this step's agreement can cost less than a round of its own (handshake): the
@@ -717,8 +718,8 @@ class CompiledStep:
                 key.append(step_inputs.number_key(raw))
             cached = self._numbers.get(name)
             # the same number as last time (NaN never is; -0.0 is not 0.0)
-            if (cached is not None and type(raw) is cached[0] and raw == cached[1]
-                    and raw == raw and (raw or str(raw) == str(cached[1]))):
+            if (cached is not None and type(raw) is cached[0] and raw == raw
+                    and step_inputs.number_key(raw) == step_inputs.number_key(cached[1])):
                 value = cached[2]
                 args.append(value)
                 shapes[name] = ()
@@ -793,20 +794,32 @@ class CompiledStep:
         bound = self._bound
         if bound is None or len(given) != len(self._slots):
             return None
-        args, key = [], bound.key
-        for i, (name, _, _) in enumerate(self._slots):  # (a miss costs one input, not all)
-            raw = given.get(name, _MISSING)
-            if isinstance(raw, torch.Tensor):
-                if self._signature(name, raw) != key[i]:
-                    return None
-                args.append(raw.detach() if raw.requires_grad else raw)
-            elif step_inputs.number_key(raw) != key[i]:
-                return None
-            else:
-                args.append(bound.numbers[i])
+        key = bound.key
+        # the input that differed last time first: where calls differ, they mostly differ there
+        # again (an optimizer's step count, its state swapped in at the commit), and a miss then
+        # costs one comparison
+        first = self._differs
+        if first is not None and self._input_key(first, given, bound) != key[first]:
+            return None
         if key[-1] != ("inference_mode", torch.is_inference_mode_enabled()):
             return None
+        args = []
+        for i, (name, _, _) in enumerate(self._slots):
+            if self._input_key(i, given, bound) != key[i]:
+                self._differs = i
+                return None
+            raw = given[name]
+            args.append(bound.numbers[i] if i in bound.numbers
+                        else raw.detach() if raw.requires_grad else raw)  # fmt: skip
         return args, bound.shapes, bound.dtypes, dict(bound.replicated), None
+
+    def _input_key(self, i: int, given: dict[str, Any], bound: step_inputs.Bound) -> tuple | None:
+        """Input ``i`` of ``given`` as ``bound.key`` names it (None: not the kind it was)."""
+        name = self._slots[i][0]
+        raw = given.get(name, _MISSING)
+        if i in bound.numbers:
+            return step_inputs.number_key(raw)
+        return self._signature(name, raw) if isinstance(raw, torch.Tensor) else None
 
     def _tensor(self, node: Node, value: Any, comm) -> tuple[torch.Tensor | None, str | None]:
         ty = node.type
