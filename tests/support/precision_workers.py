@@ -217,12 +217,17 @@ def exactness(comm, fused: bool) -> dict[str, bool]:
     simulator's (``rtol=0``): 16-bit reductions accumulate in float32 in rank order and round
     once, on every transport and inside the fused kernels (Inductor keeps the rounding:
     ``emulate_precision_casts``). LAMB's norms over slices are partial sums (re-associated:
-    ``schedule_rtol``, float32 as its master). 37 elements: uneven slices."""
+    ``schedule_rtol``, float32 as its master). 37 elements: uneven slices.
+
+    Fused kernels are bitwise only where this CPU's eager ``sqrt`` (the simulator's) is
+    correctly rounded, as Inductor's is (``eager_sqrt_is_correctly_rounded``); elsewhere they
+    are held to ``FUSED_RTOL``, the tolerance of every other fused-kernel comparison, and the
+    eager schedules (``fused=False``) keep proving the rounding bit for bit."""
     from coconet import schedule as schedules
     from coconet.ir.types import DType
     from coconet.optim import programs
     from coconet.testing import check_schedules
-    from support.tolerances import schedule_rtol
+    from support.tolerances import FUSED_RTOL, eager_sqrt_is_correctly_rounded, schedule_rtol
 
     n = 37
     out = {}
@@ -254,6 +259,8 @@ def exactness(comm, fused: bool) -> dict[str, bool]:
             "RS_C_AG": lambda p, st=state: schedules.RS_C_AG(p, state=st),
         }
         rtol = max(schedule_rtol(program, make(program).program) for make in made.values())
+        if fused and not eager_sqrt_is_correctly_rounded():
+            rtol = max(rtol, FUSED_RTOL)
         out[program.name] = check_schedules(program, made, inputs, comm=comm, rtol=rtol,
                                             fused_kernels=fused)  # fmt: skip
     return out
