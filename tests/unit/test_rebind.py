@@ -1,9 +1,9 @@
 """A compiled step called like its last good call skips its local checks (``CompiledStep._rebind``:
 the same tensors by everything the checks read, the same numbers): proven against a twin step that
 always checks, over random call sequences on a world of one. Each call's outputs, error and update
-must be the same; the calls mix the same tensor, a new one at another address, another shape,
-dtype or stride, a tensor that needs grad, a number that changes (0.0 and -0.0, NaN, an int for a
-float), a bad input, and inference mode."""
+must be the same; the calls mix the same tensor, a new one at another address, another shape, a
+length that does not fit the other input's, dtype or stride, a tensor that needs grad, a number
+that changes (0.0 and -0.0, NaN, an int for a float), a bad input, and inference mode."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def comm():
     runtime.shutdown(c)
 
 
-_X = st.sampled_from(["same", "new", "longer", "float64", "strided", "grad", "missing"])
+_X = st.sampled_from(["same", "new", "longer", "float64", "strided", "grad", "missing",
+                      "mismatched"])
 _S = st.sampled_from([0.5, 0.5, 2.0, 0.0, -0.0, float("nan"), 3, "bad"])
 
 
@@ -47,7 +48,7 @@ def _x(kind: str, last: torch.Tensor, gen: torch.Generator):
         return last
     if kind == "missing":
         return None
-    n = 6 if kind == "longer" else 4
+    n = 6 if kind == "longer" else 5 if kind == "mismatched" else 4
     t = torch.randn(2 * n if kind == "strided" else n, generator=gen)
     if kind == "strided":
         return t[::2]
@@ -78,8 +79,8 @@ def test_a_call_like_the_last_good_one_matches_a_step_that_always_checks(comm, c
     replayed = 0
     for kind, s, inference in calls:
         x_now = _x(kind, x, gen)
-        if x_now is not None and kind != "float64":
-            x = x_now
+        if x_now is not None and kind not in ("float64", "mismatched"):
+            x = x_now  # (a mismatched x: another length than p's, refused)
         if ps["fast"].shape != x.shape and x_now is not None:
             ps = {k: torch.zeros(x.shape) for k in ps}  # (a longer x: a p of its length)
         seen = {}
@@ -121,13 +122,19 @@ def test_a_repeated_call_is_replayed_and_a_changed_number_is_not(comm):
     assert str(zero[0].item()) == "0.0" and str(negative[0].item()) == "-0.0"
 
 
-def test_a_step_that_writes_nothing_replays_a_new_tensor_of_the_same_shape(comm):
+def test_a_step_that_writes_nothing_replays_a_new_tensor_of_any_length(comm):
+    """Locally, a read-only step at a new length is the same call (its own shapes reported);
+    whether the lengths fit the program is the agreement's to say, and it says so."""
     step = cc.compile(_program(updates=False), comm=comm)
     x, p = torch.ones(3), torch.zeros(3)
     step(x=x, p=p, s=2.0)
     assert step._rebind({"x": torch.full((3,), 5.0), "p": p, "s": 2.0}) is not None
-    assert step._rebind({"x": torch.ones(4), "p": p, "s": 2.0}) is None  # another shape
+    longer = step._rebind({"x": torch.ones(4), "p": p, "s": 2.0})
+    assert longer is not None and longer[1] == {"x": (4,), "p": (3,), "s": ()}
+    assert step._rebind({"x": torch.ones(2, 2), "p": p, "s": 2.0}) is None  # another rank
     assert step._rebind({"x": x.double(), "p": p, "s": 2.0}) is None
     assert step._rebind({"x": x.requires_grad_(), "p": p, "s": 2.0}) is None
-    out = step(x=torch.full((3,), 5.0), p=p, s=2.0)
-    assert torch.equal(out["y"], torch.full((3,), 10.0)) and torch.equal(out["z"], out["y"] / 2)
+    with pytest.raises(cc.CoconetError, match="size N is"):
+        step(x=torch.ones(4), p=p, s=2.0)  # replayed locally, refused by the sizes' check
+    out = step(x=torch.full((4,), 5.0), p=torch.zeros(4), s=2.0)
+    assert torch.equal(out["y"], torch.full((4,), 10.0)) and torch.equal(out["z"], out["y"] / 2)

@@ -790,7 +790,7 @@ class CompiledStep:
         """``_bind`` of a call with the inputs of the last call that passed every check, by
         everything those checks read (each tensor's ``_signature``, each number's
         type and value, inference mode), or None for any other call: the same args but for the
-        tensors (this call's own), and the same shapes, dtypes and agreed values."""
+        tensors (this call's own, with their shapes), and the same dtypes and agreed values."""
         bound = self._bound
         if bound is None or len(given) != len(self._slots):
             return None
@@ -803,15 +803,18 @@ class CompiledStep:
             return None
         if key[-1] != ("inference_mode", torch.is_inference_mode_enabled()):
             return None
-        args = []
+        args, shapes = [], dict(bound.shapes)  # (a read-only step's key holds no sizes)
         for i, (name, _, _) in enumerate(self._slots):
             if self._input_key(i, given, bound) != key[i]:
                 self._differs = i
                 return None
             raw = given[name]
-            args.append(bound.numbers[i] if i in bound.numbers
-                        else raw.detach() if raw.requires_grad else raw)  # fmt: skip
-        return args, bound.shapes, bound.dtypes, dict(bound.replicated), None
+            if i in bound.numbers:
+                args.append(bound.numbers[i])
+            else:
+                args.append(raw.detach() if raw.requires_grad else raw)
+                shapes[name] = tuple(raw.shape)
+        return args, shapes, bound.dtypes, dict(bound.replicated), None
 
     def _input_key(self, i: int, given: dict[str, Any], bound: step_inputs.Bound) -> tuple | None:
         """Input ``i`` of ``given`` as ``bound.key`` names it (None: not the kind it was)."""

@@ -100,9 +100,11 @@ def signature(name: str, t: torch.Tensor) -> tuple:
 
 def read_signature(name: str, t: torch.Tensor) -> tuple:
     """``signature`` for a step that writes none of its inputs: everything its local checks read
-    from ``t`` (``_tensor``: dtype, device, rank; whether to detach it) and its shape, without the
-    addresses (no aliasing can lose a write that never happens)."""
-    return (name, t.shape, t.dtype, t.device, t.requires_grad)
+    from ``t`` (``_tensor``: dtype, device, rank; whether to detach it), without the addresses (no
+    aliasing can lose a write that never happens) or the sizes: whether the sizes fit the program
+    is the agreement's to say (``bind_sizes``, from every rank's shapes), so a layer called at a
+    new length is, locally, the same call."""
+    return (name, t.dim(), t.dtype, t.device, t.requires_grad)
 
 
 def checksum(t: torch.Tensor) -> str:
