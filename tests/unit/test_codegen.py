@@ -9,6 +9,8 @@ import ast
 
 import pytest
 import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from support import dist_programs
 from support.examples_loader import load_example
 
@@ -181,6 +183,47 @@ def test_bind_sizes_and_geometry():
     shapes[2]["m"] = (3,)
     _, problems = bind_sizes(prog, mesh, shapes)
     assert any("rank 2: input 'm'" in p for p in problems)
+
+
+def _alike_program() -> Program:
+    """Inputs of every layout along a mesh axis and the world, with a static dim: what a layer's
+    program declares (activations replicated, weights sliced along tp, a fixed width)."""
+    b, t, k, n, s = cc.Dim("B"), cc.Dim("T"), cc.Dim("K"), cc.Dim("N"), cc.Dim("S")
+    x = cc.Tensor("x", cc.float32, [b, t, k], cc.Replicated)
+    w = cc.Tensor("w", cc.float32, [n, k], cc.Sliced(0, axis="tp"))
+    h = cc.Tensor("h", cc.float32, [b, t, n], cc.Sliced(2, axis="tp"))
+    c = cc.Tensor("c", cc.float32, [s, 4], cc.Sliced(0))
+    return cc.Program("alike", [x, w, h, c], {"x": x, "w": w, "h": h, "c": c})
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.tuples(*[st.integers(1, 5)] * 5), tweak=st.integers(0, 12),
+       mesh=st.sampled_from([(1, 1), (1, 2), (2, 2), (3, 1)]))
+def test_bind_alike_is_bind_sizes_on_ranks_with_the_same_shapes(sizes, tweak, mesh):
+    """Where every rank has the same shapes, ``bind_alike`` (one pass) binds what ``bind_sizes``
+    (every rank's) does, and refuses exactly what it finds a problem in."""
+    from coconet.codegen.geometry import bind_alike
+
+    b, t, k, n, static = sizes
+    dp, tp = mesh
+    m = cc.Mesh(dp=dp, tp=tp)
+    shapes = {"x": [b, t, k], "w": [n, k], "h": [b, t, n], "c": [t, 4]}
+    if tweak < 10:  # one length off (or not: the tweak may land on a length that still fits)
+        name = sorted(shapes)[tweak % 4]
+        dim = tweak % len(shapes[name])
+        shapes[name][dim] = static if tweak >= 5 else shapes[name][dim] + 1
+    elif tweak == 10:
+        shapes["x"] = [b, t]  # another rank
+    elif tweak == 11:
+        del shapes["h"]  # missing: its sizes come from the others
+    shapes = {k_: tuple(v) for k_, v in shapes.items()}
+    prog = _alike_program()
+    want, problems = bind_sizes(prog, m, [shapes] * m.size)
+    got = bind_alike(prog, m, shapes)
+    assert (got is None) == bool(problems), (got, problems)
+    if got is not None:
+        assert got == want
+    event("fits" if got is not None else "refused")
 
 
 def test_generated_step_runs_in_process_with_a_fake_world_of_one():

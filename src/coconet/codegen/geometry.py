@@ -26,7 +26,7 @@ from coconet.ir.opspec import Arg, Lowering, spec
 from coconet.ir.program import Program
 from coconet.ir.types import Dim, Shape, format_shape, slice_bounds
 
-__all__ = ["Geometry", "bind_sizes", "geometry", "resolve_shape"]
+__all__ = ["Geometry", "bind_alike", "bind_sizes", "geometry", "resolve_shape"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +136,36 @@ def bind_sizes(
         if lay.is_sliced:
             _bind_sliced(node, mesh, shapes, bind, problems)
     return sizes, problems
+
+
+def bind_alike(
+    program: Program, mesh: Mesh, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, int] | None:
+    """``bind_sizes`` where every rank has ``shapes`` (a tensor-parallel layer's activations):
+    the global Dim sizes, or None where they do not fit the program (``bind_sizes`` says why).
+
+    One pass over the inputs, not one per rank: alike slices of a sliced dim are ``tensor_split``'s
+    parts of their sum (its parts of ``k * n`` are ``k`` each), so the whole is the slice's
+    length times the group's size, and every other dim binds to its own length. A decoder binds
+    new sizes at every token, each layer's program once per length (``Verdicts.propose``)."""
+    sizes: dict[str, int] = {}
+    for node in program.inputs:
+        local = shapes.get(node.name)
+        if local is None:
+            continue
+        declared = node.type.shape
+        if len(local) != len(declared):
+            return None
+        lay = node.type.layout
+        for d, (dim, size) in enumerate(zip(declared, local, strict=True)):
+            if lay.is_sliced and d == lay.dim:
+                size *= mesh.axis_size(lay.axis)
+            if isinstance(dim, int):
+                if dim != size:
+                    return None
+            elif sizes.setdefault(dim.name, size) != size:
+                return None
+    return sizes
 
 
 def _bind_sliced(node: Node, mesh: Mesh, shapes, bind, problems: list[str]) -> None:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from coconet.codegen.geometry import Geometry, bind_sizes, geometry
+from coconet.codegen.geometry import Geometry, bind_alike, bind_sizes, geometry
 from coconet.errors import RuntimeFault
 from coconet.ir.mesh import Mesh
 from coconet.ir.ops import ReduceOp
@@ -335,10 +335,10 @@ def _alike_verdict(program: Program, mesh: Mesh, comm, mine: tuple,
     k = (program.structural_key(), mesh, comm.rank, comm.world, mine)
     if k in known:
         return known[k]
-    sizes, problems = bind_sizes(program, mesh, [shapes] * comm.world)
+    sizes = bind_alike(program, mesh, shapes)
     every = (mine,) * comm.world
-    v = None if problems else (Verdicts.hash_of(every), every,
-                               geometry(program, mesh, comm.rank, sizes))
+    v = None if sizes is None else (Verdicts.hash_of(every), every,
+                                    geometry(program, mesh, comm.rank, sizes))
     if len(known) >= 1024:  # a model that never repeats its shapes: start over
         known.clear()
     known[k] = v
