@@ -74,7 +74,14 @@ def test_shapes_seen_before_or_alike_on_every_rank_need_no_exchange(checked):
 def test_steps_that_communicate_nothing_are_agreed_at_the_next_round(checked):
     _, results = checked
     for rank, out in enumerate(results):
-        assert out["local calls"] == {"equal": True, "rounds": 0}, f"rank {rank}"
+        # calls 3 and 4 like the call before: replayed (CompiledStep._replay_local)
+        assert out["local calls"] == {"equal": True, "rounds": 0, "replayed": 2}, f"rank {rank}"
+        replays = out["local replays"]
+        assert replays["equal"] and replays["rounds"] == ["no error"], f"rank {rank}: {replays}"
+        # replayed: the same tensor again (calls 3, 10), a new one of its shape (4), the same
+        # length again (8); not: one that needs grad (5), a new number (6), a new length (7, 9)
+        assert replays["replayed"] == [True, True, False, False, False, True, False, True], \
+            f"rank {rank}: {replays}"
         assert out["after local calls"] == "no error", f"rank {rank}"
     _same_fault(results, "local extra call", "ranks ran different steps that communicate nothing",
                 "rank 0 ran 2 such calls, rank 1 ran 1")  # fmt: skip

@@ -56,6 +56,42 @@ def _want(world: int, seed: int, n: int = N) -> torch.Tensor:
     return sim.output("y")
 
 
+def _count_replays(step) -> list[bool]:
+    """Whether each call of ``step`` past its second was replayed (``_replay_local``)."""
+    seen: list[bool] = []
+    replay = step._replay_local
+
+    def counted(inputs):
+        outputs = replay(inputs)
+        seen.append(outputs is not None)
+        return outputs
+
+    step._replay_local = counted
+    return seen
+
+
+def _replays_match_full_calls(comm, x: torch.Tensor) -> dict:
+    """A local step that replays calls like its last one against a twin that never does, over
+    the same calls on every rank (the same tensor, a new one, one that needs grad, another
+    number, another length, the same again), with the reduced step's round after each pair (it
+    compares both steps' calls): the same outputs, and no round refused."""
+    fast = cc.compile(local("replayed"), comm=comm, fused_kernels=False)
+    slow = cc.compile(local("full"), comm=comm, fused_kernels=False)
+    slow._replay_local = lambda inputs: None
+    replayed = _count_replays(fast)
+    step = cc.compile(reduced(), comm=comm, fused_kernels=False)
+    gen = torch.Generator().manual_seed(6)
+    calls = [(x, 2.0), (x, 2.0), (x, 2.0), (torch.randn(N, generator=gen), 2.0),
+             (x.clone().requires_grad_(), 2.0), (x, 0.5), (x[:N - 3], 0.5), (x[:N - 3], 0.5),
+             (x, 0.5), (x, 0.5)]  # fmt: skip
+    equal, rounds = [], []
+    for i, (xi, c) in enumerate(calls):
+        got = [s(x=xi, c=c)["y"] for s in (fast, slow)]
+        equal.append(torch.equal(got[0], got[1]) and torch.equal(got[0], xi.detach() * c + 1.0))
+        rounds.append(_call(step, reduced_inputs(comm.rank, 30 + i))["status"])
+    return {"equal": all(equal), "rounds": sorted(set(rounds)), "replayed": replayed}
+
+
 def _call(step, mine: dict) -> dict:
     """``_attempt`` with the output kept (the caller compares it)."""
     t0 = time.perf_counter()
@@ -116,9 +152,12 @@ def checks(comm: Communicator) -> dict:
 
     x = torch.randn(N, generator=torch.Generator().manual_seed(5))
     lstep = fresh("local")
+    replayed = _count_replays(lstep)
     rounds0 = control.rounds
     fine = all(torch.equal(lstep(x=x, c=2.0)["y"], x * 2.0 + 1.0) for _ in range(3))
-    out["local calls"] = {"equal": fine, "rounds": control.rounds - rounds0}
+    out["local calls"] = {"equal": fine, "rounds": control.rounds - rounds0,
+                          "replayed": sum(replayed)}  # fmt: skip
+    out["local replays"] = _replays_match_full_calls(comm, x)
     out["after local calls"] = _call(step, reduced_inputs(rank, 10))["status"]
     # one rank runs a local step once more than the other
     lstep = fresh("extra")
