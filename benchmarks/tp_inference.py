@@ -24,8 +24,8 @@ before each call, the slowest rank's time:
 
 Then Hugging Face decoding (``--parts decode``): a ``transformers`` Llama (``LLAMA``: d_model
 1024, 16 heads, 8 key/value heads, 4 layers; random weights, nothing downloaded) and its own
-``generate()`` (greedy, its KV cache) of 64 tokens after a 32-token prompt, batch 4, three times
-per contender in alternation after a warm-up: one process; coconet
+``generate()`` (greedy, its KV cache) of 64 tokens after a 32-token prompt, batch 4, in
+alternation: one process; coconet
 (``parallelize(model, comm)``: the model's own tp_plan); DeepSpeed's AutoTP
 (``deepspeed.init_inference(model, tensor_parallel={"tp_size": 2})`` over its shared-memory
 all_reduce; left out, with the reason, where DeepSpeed or its op is missing); the same
@@ -33,8 +33,8 @@ layers written by hand (``hand_written_bare``: this rank's part of each weight, 
 then coconet's bare shared-memory all_reduce or all_gather, no compiled step: what coconet's
 layer machinery costs over the transport); and the TP=2 bound (``tp2_bound``: each rank's parts
 of the same linears and no communication at all, the model's own Python around them: not a
-correct model, its tokens not compared). Tokens/s (the slowest rank's time), and every
-generated token compared with one process's.
+correct model, its tokens not compared). Five runs per contender after a warm-up; tokens/s
+(the slowest rank's time), and every generated token compared with one process's.
 
 Targets (``--json``'s ``targets``; issue 46's names where they apply, from this run):
 ``growing context: forward at a new length over a repeated length`` <= 1.2 (and the same at a
@@ -81,8 +81,7 @@ TARGET = 1.2
 LLAMA = {"vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816,
          "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
          "max_position_embeddings": 256}  # fmt: skip
-DECODE = {"batch": 4, "prompt": 32, "new": 64, "runs": 3}
-DECODERS = ("one_process", "coconet", "deepspeed_autotp")
+DECODE = {"batch": 4, "prompt": 32, "new": 64, "runs": 5}
 BOUND = "tp2_bound"  # each rank's parts of the parallel layers, no communication (tp2_local)
 BARE = "hand_written_bare"  # F.linear + coconet's bare shared-memory collective (tp2_local)
 
