@@ -585,10 +585,23 @@ CALLS = 20  # layer calls per timed step of the per-call probes
 def call_probes(block: CoconetBlock, comm, b: int, d: int, world: int) -> dict:
     """What one coconet.nn layer call costs at decode size: ``CALLS`` calls of the block's
     attention output projection (a RowParallelLinear, [b, 1, d/2] -> [b, 1, d], no grad) against
-    the same matmul + coconet's bare shared-memory all_reduce + bias (megatron_shm's way)."""
-    row = block.attn.proj
+    the same matmul + coconet's bare shared-memory all_reduce + bias (megatron_shm's way), and
+    of its MLP's first linear (a ColumnParallelLinear, [b, 1, d] -> [b, 1, 2d], no grad: a step
+    that communicates nothing) against ``F.linear`` with its part of the weight and bias."""
+    row, col = block.attn.proj, block.mlp.fc
     xin = torch.randn(b, 1, d // world)
+    xcol = torch.randn(b, 1, d)
     reduce_ = shm_reduce(comm)
+
+    def coconet_column_calls():
+        with torch.no_grad():
+            for _ in range(CALLS):
+                col(xcol)
+
+    def linear_calls():
+        with torch.no_grad():
+            for _ in range(CALLS):
+                F.linear(xcol, col.weight, col.bias)
 
     def coconet_calls():
         with torch.no_grad():
@@ -601,7 +614,9 @@ def call_probes(block: CoconetBlock, comm, b: int, d: int, world: int) -> dict:
                 reduce_(F.linear(xin, row.weight)).add_(row.bias)
 
     return {"probe:call[coconet.nn RowParallelLinear]": (coconet_calls, True),
-            "probe:call[F.linear + shm all_reduce + bias]": (bare_calls, True)}  # fmt: skip
+            "probe:call[F.linear + shm all_reduce + bias]": (bare_calls, True),
+            "probe:call[coconet.nn ColumnParallelLinear]": (coconet_column_calls, True),
+            "probe:call[F.linear, its part]": (linear_calls, True)}  # fmt: skip
 
 
 def overlap_probes(ref: Block, gloo, x: torch.Tensor, world: int) -> dict:
@@ -883,6 +898,14 @@ def table(doc: dict) -> str:
                          f"RowParallelLinear {a_us:.1f} us, the same matmul + bare shm all_reduce "
                          f"+ bias {b_us:.1f} us: {a_us - b_us:.1f} us more per coconet.nn call "
                          "(a forward makes 4 layer calls, a backward 4 more)")  # fmt: skip
+        cc_col = c["rows"].get("probe:call[coconet.nn ColumnParallelLinear]")
+        plain = c["rows"].get("probe:call[F.linear, its part]")
+        if cc_col and plain:
+            a_us, b_us = (1e3 * r["median_ms"] / CALLS for r in (cc_col, plain))
+            lines.append(f"per column-parallel call: coconet.nn ColumnParallelLinear {a_us:.1f} "
+                         f"us, F.linear with its part of the weight {b_us:.1f} us: "
+                         f"{a_us - b_us:.1f} us more per call (a step that communicates "
+                         "nothing, replayed past its second call)")  # fmt: skip
         lines += [
             f"lower bound TP=2 {lb['tp_ms']:.3f} ms = compute {lb['tp_compute_ms']:.3f} ms "
             f"({lb['matmul_flops_total'] / 2e9:.3f} GFLOP per rank at the matmul probe's "
