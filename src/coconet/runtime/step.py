@@ -718,7 +718,7 @@ class CompiledStep(InputBinding):
             )
         return comm
 
-    # -- inputs ---------------------------------------------------------------------------------
+    # -- inputs: coconet.runtime.binding (InputBinding._bind, _rebind) ------------------------
 
     # -- commit ---------------------------------------------------------------------------------
 
