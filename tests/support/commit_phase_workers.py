@@ -25,6 +25,7 @@ import torch.distributed as dist
 import coconet as cc
 from coconet.errors import RuntimeFault
 from coconet.runtime import Communicator
+from coconet.runtime import binding as binding_module
 from coconet.runtime import comm as comm_module
 from coconet.runtime import control as control_module
 from coconet.runtime import step as step_module
@@ -106,7 +107,7 @@ class _Trap:
 
 def _install(trap: _Trap, step_fn) -> None:
     if trap.where == "bind":
-        trap.wrap(step_module.CompiledStep, "_bind")
+        trap.wrap(binding_module.InputBinding, "_bind")  # (CompiledStep's base)
     elif trap.where == "agreement":
         trap.wrap(control_module.ControlChannel, "agreement")
     elif trap.where == "vote":
